@@ -1,0 +1,44 @@
+"""`lazytrain` command line: one subcommand per job, each defined beside the code it drives.
+
+Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Bad input raises
+`LazyTrainError`, printed here as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+from lazytrain.errors import LazyTrainError
+
+SUBCOMMANDS = {
+    "plan": ("lazytrain.plan.command", "solve the boundary placement for a model, hardware and workload"),
+    "train": ("lazytrain.train", "train a model with a plan (default: a small model on an embedded corpus)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lazytrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    modules = {}
+    argv = sys.argv[1:] if argv is None else argv
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        # Import only the chosen subcommand's module: `lazytrain plan` never pays for importing torch.
+        if argv[:1] == [name] or any(a in ("-h", "--help") for a in argv[:1]):
+            modules[name] = import_module(module)
+            modules[name].add_arguments(p)
+    args = parser.parse_args(argv)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except LazyTrainError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

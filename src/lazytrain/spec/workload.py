@@ -1,0 +1,37 @@
+"""Workload: what one optimizer step processes — batch, sequence length, compute precision."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lazytrain.errors import LazyTrainError
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step: `batch_size` sequences of `seq_len` tokens, activations in `dtype`."""
+
+    batch_size: int
+    seq_len: int
+    dtype: str = "bf16"  # compute / activation precision: fp32, bf16 or fp16
+
+    def __post_init__(self) -> None:
+        for knob in ("batch_size", "seq_len"):
+            value = getattr(self, knob)
+            if not isinstance(value, int) or value <= 0:
+                raise LazyTrainError(f"{knob} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise LazyTrainError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
