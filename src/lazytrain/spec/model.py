@@ -4,6 +4,16 @@ Shapes only — no weights, no torch. Everything the planner needs about the mod
 counts per layer, bytes of a boundary activation per token) is derived here, so the cost model and
 the executor agree on one source. `fingerprint()` identifies the shapes; plan files carry it so a
 plan made for another model is refused.
+
+Layer families (counts equal those of the `transformers` model built from the same config):
+- dense (llama, mistral, qwen2, qwen3): attention + gated MLP + 2 RMSNorms;
+- hybrid (qwen3_5, qwen3_5_moe, qwen3_next): `layer_types` mixes `full_attention` layers (gated
+  attention: q_proj is twice as wide, q/k RMSNorm) with `linear_attention` (Gated DeltaNet) layers;
+- MoE (gpt_oss, qwen3_5_moe, qwen3_next): every expert is stored (`layer_params`, what streams over
+  the link and what the optimizer updates), only `num_experts_per_tok` experts are computed per token
+  (`layer_active_params`, what the FLOPs count).
+Multimodal wrappers (qwen3_5 with `text_config`) are planned as their language model; the vision
+tower is not counted.
 """
 
 from __future__ import annotations
@@ -20,6 +30,24 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 # model_type values whose decoder layer is the dense Llama shape (attention + gated MLP + 2 norms).
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# Hybrid linear/full attention (Qwen3.5 / Qwen3.6, Qwen3-Next) and MoE (GPT-OSS) families.
+HYBRID_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+MOE_TYPES = {"gpt_oss", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+SUPPORTED_TYPES = DENSE_TYPES | HYBRID_TYPES | MOE_TYPES
+# `transformers` config defaults for keys a config.json of these families may leave out.
+_QWEN_HYBRID_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_5": _QWEN_HYBRID_DEFAULTS,
+    "qwen3_5_text": _QWEN_HYBRID_DEFAULTS,
+    "qwen3_5_moe": {**_QWEN_HYBRID_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+    "qwen3_next": {**_QWEN_HYBRID_DEFAULTS, "num_experts": 512, "num_experts_per_tok": 10,
+                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+    "gpt_oss": {"head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "attention_bias": True,
+                "sliding_window": 128},
+}
+_FAMILY_DEFAULTS["qwen3_5_moe_text"] = _FAMILY_DEFAULTS["qwen3_5_moe"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +72,12 @@ class ModelSpec:
     layer_params: tuple[int, ...] = field(default=())
     # Parameters a token actually multiplies per layer (differs from layer_params for MoE).
     layer_active_params: tuple[int, ...] = field(default=())
+    # Per layer: "full_attention", "linear_attention" (Gated DeltaNet, no seq^2 term) or
+    # "sliding_attention" (attends to at most `sliding_window` tokens). Dense models: all full.
+    layer_types: tuple[str, ...] = field(default=())
+    sliding_window: int | None = None
+    num_experts: int = 0  # MoE: experts stored per layer (0 = dense MLP)
+    num_experts_per_tok: int = 0  # MoE: experts computed per token
 
     def __post_init__(self) -> None:
         for knob in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -55,8 +89,17 @@ class ModelSpec:
             object.__setattr__(self, "layer_params", (self._dense_layer_params(),) * self.num_layers)
         if not self.layer_active_params:
             object.__setattr__(self, "layer_active_params", self.layer_params)
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        object.__setattr__(self, "layer_params", tuple(self.layer_params))
+        object.__setattr__(self, "layer_active_params", tuple(self.layer_active_params))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_params) != self.num_layers or len(self.layer_active_params) != self.num_layers:
             raise LazyTrainError(f"model {self.name!r}: per-layer parameter counts do not match num_layers")
+        if len(self.layer_types) != self.num_layers:
+            raise LazyTrainError(
+                f"model {self.name!r}: {len(self.layer_types)} layer_types for {self.num_layers} layers"
+            )
 
     # ---- parameter counts -------------------------------------------------------------------
     def _dense_layer_params(self) -> int:
@@ -83,7 +126,17 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
+        """All stored parameters (every expert of an MoE), as `transformers` counts them."""
         return self.embedding_params + sum(self.layer_params) + self.head_params
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token multiplies (top-k experts of an MoE); equals num_params when dense."""
+        return self.embedding_params + sum(self.layer_active_params) + self.head_params
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     # ---- identity ---------------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -100,29 +153,36 @@ class ModelSpec:
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
         model_type = cfg.get("model_type")
         name = name or cfg.get("_name_or_path") or model_type or "model"
-        if model_type not in DENSE_TYPES:
+        cfg = {**_FAMILY_DEFAULTS.get(str(model_type), {}), **{k: v for k, v in cfg.items() if v is not None}}
+        if model_type not in SUPPORTED_TYPES:
             raise LazyTrainError(
                 f"model {name!r}: model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(sorted(DENSE_TYPES))}"
+                f"supported: {', '.join(sorted(SUPPORTED_TYPES))}"
             )
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            num_layers = int(cfg["num_hidden_layers"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            extra: dict[str, Any] = {}
+            if model_type not in DENSE_TYPES:
+                extra = _hybrid_moe_layers(cfg, model_type, num_layers, hidden, heads, head_dim)
             spec = cls(
                 name=str(name),
                 model_type=model_type,
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 hidden_size=hidden,
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate_size=int(cfg["intermediate_size"]),
+                head_dim=head_dim,
+                intermediate_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
                 vocab_size=int(cfg["vocab_size"]),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                attention_out_bias=model_type == "llama" and bool(cfg.get("attention_bias", False)),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
+                attention_out_bias=model_type in ("llama", "gpt_oss") and bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in DENSE_TYPES,
+                qk_norm=model_type == "qwen3" or model_type in HYBRID_TYPES,
+                **extra,
             )
         except KeyError as missing:
             raise LazyTrainError(f"model {name!r}: config.json lacks {missing}; is it a decoder LLM config?") from None
@@ -152,6 +212,81 @@ class ModelSpec:
         if not isinstance(config, dict):
             raise LazyTrainError(f"model config {path}: expected a JSON object, got {type(config).__name__}")
         return cls.from_config(config, name=name)
+
+
+def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hidden: int, heads: int,
+                       head_dim: int) -> dict[str, Any]:
+    """Per-layer stored/active parameter counts and layer types of the hybrid and MoE families.
+
+    Mirrors the module shapes of `transformers` (modeling_qwen3_5, modeling_qwen3_next,
+    modeling_gpt_oss); tests compare against the real modules built on the meta device.
+    """
+    h, kv_heads = hidden, int(cfg.get("num_key_value_heads") or heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bias = bool(cfg.get("attention_bias", False))
+    hybrid = model_type in HYBRID_TYPES
+    if hybrid:
+        interval = int(cfg.get("full_attention_interval", 4))
+        default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    else:  # gpt_oss alternates sliding and full attention
+        default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    layer_types = list(cfg.get("layer_types") or default_types)
+
+    # Full attention. Qwen3.5/Next: gated attention (q_proj emits query and gate: 2x wide), q/k RMSNorm.
+    # GPT-OSS: biases on q/k/v/o (attention_bias) and one learned attention sink per head.
+    q_out = 2 * q if hybrid else q
+    full_attn = h * q_out + 2 * h * kv + q * h
+    if bias:
+        full_attn += q_out + 2 * kv + h
+    full_attn += 2 * head_dim if hybrid else heads  # q/k norm, or the sinks
+
+    # Linear attention (Gated DeltaNet): q/k/v (+z gate, + b/a) input projections, a depthwise causal conv over
+    # q/k/v, dt_bias and A_log per value head, a gated RMSNorm over the value head dim, the output projection.
+    key_dim = int(cfg.get("linear_num_key_heads", 16)) * int(cfg.get("linear_key_head_dim", 128))
+    v_heads = int(cfg.get("linear_num_value_heads", 32))
+    v_head_dim = int(cfg.get("linear_value_head_dim", 128))
+    value_dim = v_heads * v_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    linear_attn = (h * (conv_dim + value_dim + 2 * v_heads)  # in_proj_qkv(z) + in_proj_b/a (or _ba)
+                   + conv_dim * int(cfg.get("linear_conv_kernel_dim", 4))  # conv1d, no bias
+                   + 2 * v_heads + v_head_dim  # dt_bias, A_log, norm
+                   + value_dim * h)  # out_proj
+
+    # MLP: dense gated MLP, or a router plus experts (+ a shared expert for Qwen).
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if model_type in MOE_TYPES else 0
+    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0) if experts else 0
+    dense_mlp = 3 * h * int(cfg.get("intermediate_size") or 0)
+    if model_type == "gpt_oss":
+        inter = int(cfg["intermediate_size"])
+        expert = 3 * h * inter + 2 * inter + h  # gate_up (+bias 2I) and down (+bias h)
+        router, shared = experts * h + experts, 0
+    elif experts:
+        inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        expert = 3 * h * inter
+        router = experts * h
+        shared_inter = int(cfg.get("shared_expert_intermediate_size") or 0)
+        shared = 3 * h * shared_inter + h if shared_inter else 0  # shared expert + its sigmoid gate
+    sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+
+    stored, active = [], []
+    for i, kind in enumerate(layer_types):
+        attn = linear_attn if kind == "linear_attention" else full_attn
+        if experts and i not in mlp_only and (i + 1) % sparse_step == 0:
+            mlp_stored = router + experts * expert + shared
+            mlp_active = router + top_k * expert + shared
+        else:
+            mlp_stored = mlp_active = dense_mlp
+        stored.append(attn + mlp_stored + 2 * h)  # + input and post-attention RMSNorm
+        active.append(attn + mlp_active + 2 * h)
+    return {
+        "layer_params": tuple(stored),
+        "layer_active_params": tuple(active),
+        "layer_types": tuple(layer_types),
+        "sliding_window": int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+    }
 
 
 def preset_names() -> list[str]:

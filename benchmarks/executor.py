@@ -1,0 +1,186 @@
+"""Executor benchmarks on the emulated device (run by hand; prints medians and ratios measured side by side).
+
+(a) links throttled so transfers matter: measured step time vs the simulator's prediction, per plan type;
+(b) under one device-memory cap: the MILP plan vs the MegaTrain rule, measured in the same run;
+(c) no cap, no throttling: executor step / plain `transformers` forward+backward on the CPU.
+
+    python benchmarks/executor.py            # all three, ~3 minutes on 2 cores
+    python benchmarks/executor.py --only c
+
+The simulator gets a CostModel (lazytrain.spec.cost) whose per-layer compute seconds are measured by the
+executor itself (StepStats.forward_s / backward_s / head_s), because on a shared 2-core CPU compute
+time drifts with load: all plans run round-robin so they see the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
+from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.sim import simulate
+
+
+def build_model(layers: int, hidden: int, vocab: int, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
+                         max_position_embeddings=4096, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def batch_of(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, ids.clone()
+
+
+def megatrain(num_layers: int, interval: int) -> list[str]:
+    return ["gpu" if i % interval == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
+
+
+def calibrated(cost: CostModel, stats: list) -> CostModel:
+    """`cost` with the per-layer compute seconds medians of these executor steps (StepStats)."""
+    med = lambda rows: [statistics.median(col) for col in zip(*rows, strict=True)]  # noqa: E731
+    return cost.with_times(forward_s=med([s.forward_s for s in stats]), backward_s=med([s.backward_s for s in stats]),
+                           head_s=statistics.median(s.head_s for s in stats))
+
+
+def rounds(model, entries: dict, ids, labels, repeats: int, cost: CostModel | None = None) -> dict:
+    """Run every (plan, device kwargs) entry once per round, round-robin, so all see the same machine load.
+
+    Returns name -> list of StepStats (the warm-up round dropped).
+    """
+    executors = {name: Executor(model, plan, EmulatedDevice(**kw), cost=cost) for name, (plan, kw) in entries.items()}
+    out: dict = {name: [] for name in entries}
+    for r in range(repeats + 1):
+        for name, ex in executors.items():
+            model.zero_grad(set_to_none=True)
+            ex.forward_backward(ids, labels)
+            if r:
+                out[name].append(ex.last_step)
+    return out
+
+
+def part_a_b(args) -> None:
+    model = build_model(args.layers, args.hidden, args.vocab)
+    ids, labels = batch_of(args.vocab, args.batch, args.seq)
+    L = args.layers
+    workload = Workload(args.batch, args.seq, "fp32")
+    spec = ModelSpec.from_config(model.config)
+    rates = dict(h2d_gbps=args.gbps, d2h_gbps=args.gbps, nvme_read_gbps=args.nvme_gbps, nvme_write_gbps=args.nvme_gbps)
+    hw = HardwareSpec.profile(**rates)
+    base = CostModel(spec, hw, workload)
+    keep = Plan.from_tiers(model, ["gpu"] * (L + 1))
+    # first calibration (for the MILP's inputs): the executor's own compute seconds, unthrottled, keep-all
+    cost0 = calibrated(base, rounds(model, {"calib": (keep, {})}, ids, labels, 2)["calib"])
+    print(f"model: Llama {L} layers, hidden {args.hidden}, vocab {args.vocab}, {spec.num_params / 1e6:.1f} M params; "
+          f"batch {args.batch} x seq {args.seq}, fp32; links h2d/d2h {args.gbps} GB/s, nvme {args.nvme_gbps} GB/s")
+    print(f"layer forward {cost0.forward_s[0] * 1e3:.1f} ms, backward {cost0.backward_s[0] * 1e3:.1f} ms, head "
+          f"{cost0.head_s * 1e3:.1f} ms; weights {base.param_bytes[0] / 1e6:.2f} MB = "
+          f"{base.param_bytes[0] / (args.gbps * 1e9) * 1e3:.1f} ms on h2d; "
+          f"boundary {base.boundary_bytes[0] / 1e6:.2f} MB = {base.boundary_bytes[0] / (args.gbps * 1e9) * 1e3:.1f} ms")
+
+    plans = {
+        "keep-all": ["gpu"] * (L + 1),
+        "recompute-all": ["gpu"] + ["recompute"] * (L - 1) + ["gpu"],
+        "megatrain-4": megatrain(L, 4),
+        "offload-all (cpu)": ["gpu"] + ["cpu"] * (L - 1) + ["gpu"],
+        "mix with nvme": ["gpu"] + ["cpu", "nvme", "recompute"] * ((L - 1) // 3) + ["cpu"] * ((L - 1) % 3) + ["gpu"],
+    }
+    cap = None
+    mega_name = ""
+    try:
+        from lazytrain.plan.milp import solve_milp
+
+        # a cap between MegaTrain-4's and keep-all's predicted peaks: keep-all does not fit
+        peak = {n: simulate(Plan.from_tiers(model, t), cost0).peak_bytes["gpu"] for n, t in plans.items()}
+        cap = (peak["megatrain-4"] + peak["keep-all"]) // 2
+        # the MegaTrain rule at its best interval under the cap (fastest simulated step that fits)
+        sims = {k: simulate(Plan.from_tiers(model, megatrain(L, k)), cost0) for k in range(2, L + 1)}
+        best_k = min((r.forward_backward_s, k) for k, r in sims.items() if r.peak_bytes["gpu"] <= cap)[1]
+        mega_name = f"megatrain-{best_k} (best K, cap)"
+        plans[mega_name] = megatrain(L, best_k)
+        milp = solve_milp(cost0, Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=None, nvme_act_bytes=0),
+                          time_limit_s=30)
+        plans["milp (same cap)"] = list(milp.tiers)
+    except ImportError:
+        print("lazytrain.plan.milp.solve_milp not available: no MILP plan")
+
+    entries = {name: (Plan.from_tiers(model, t), rates) for name, t in plans.items()}
+    entries["calib"] = (keep, {})
+    stats = rounds(model, entries, ids, labels, args.repeats, cost=base)
+    cost = calibrated(base, stats.pop("calib"))
+    print(f"\n(a) measured forward_backward vs simulator (no optimizer), median of {args.repeats}, plans round-robin")
+    print("    sim(cal): per-layer compute seconds from unthrottled keep-all steps in the same rounds")
+    print("    sim(run): the same run's own measured compute seconds (isolates the transfer/overlap model)")
+    print(f"{'plan':28s} {'map':>13s} {'measured':>8s} {'sim(cal)':>8s} {'err':>6s} {'sim(run)':>8s} {'err':>6s} "
+          f"{'peak MB':>7s} {'sim MB':>7s} {'stall h2d':>9s} {'d2h':>6s}")
+    measured = {}
+    for name, runs in stats.items():
+        plan = entries[name][0]
+        wall = statistics.median(s.wall_s for s in runs)
+        measured[name] = wall
+        sim_cal = simulate(plan, cost, optimizer_mode="serial")
+        sim_run = simulate(plan, calibrated(base, runs), optimizer_mode="serial").forward_backward_s
+        last = runs[-1]
+        print(f"{name:28s} {plan.placement_map():>13s} {wall:8.3f} {sim_cal.forward_backward_s:8.3f} "
+              f"{wall / sim_cal.forward_backward_s - 1:+6.1%} {sim_run:8.3f} {wall / sim_run - 1:+6.1%} "
+              f"{last.peak_device_bytes / 1e6:7.2f} {sim_cal.peak_bytes['gpu'] / 1e6:7.2f} "
+              f"{statistics.median(s.stall_s['h2d'] for s in runs):9.3f} "
+              f"{statistics.median(s.stall_s['d2h'] for s in runs):6.3f}")
+    if cap is not None:
+        name = "milp (same cap)"
+        print(f"\n(b) under the cap {cap / 1e6:.2f} MB: {mega_name} {measured[mega_name]:.3f} s vs MILP "
+              f"{measured[name]:.3f} s -> MegaTrain / MILP = {measured[mega_name] / measured[name]:.2f}x "
+              "(measured in the same rounds)")
+
+
+def part_c(args) -> None:
+    model = build_model(args.layers, args.hidden, args.vocab)
+    ids, labels = batch_of(args.vocab, args.batch, args.seq)
+    L = args.layers
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * (L + 1)), EmulatedDevice())
+    ours, theirs = [], []
+    for _ in range(args.repeats + 1):  # alternate, so both see the same machine state
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        ex.forward_backward(ids, labels)
+        ours.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=labels).loss.backward()
+        theirs.append(time.perf_counter() - t0)
+    a, b = statistics.median(ours[1:]), statistics.median(theirs[1:])
+    print(f"\n(c) no cap, no throttling, keep-all: executor {a:.3f} s, transformers forward+backward {b:.3f} s "
+          f"-> ratio {a / b:.2f}x (median of {args.repeats})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--gbps", type=float, default=0.1, help="emulated h2d and d2h GB/s in (a)/(b)")
+    parser.add_argument("--nvme-gbps", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=["ab", "c"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.only in (None, "ab"):
+        part_a_b(args)
+    if args.only in (None, "c"):
+        part_c(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Optimizer step throughput on the CPU: Hybrid8bitAdamW vs torch.optim.AdamW (fused, foreach) vs
+bitsandbytes AdamW8bit, side by side in one run.
+
+    python benchmarks/optim.py              # ~19 M params, 15 rounds, < 2 minutes on 2 cores
+    python benchmarks/optim.py --rounds 5   # quicker
+
+Every round times one step of every optimizer in turn (interleaved, so load from other processes
+hits all of them alike) and the table reports the median over rounds. All optimizers update the
+same parameter tensors; before each timed step the gradients are restored from a pristine copy
+(untimed), because clip_grad_norm_ and fused AdamW's grad_scale rescale gradients in place.
+Prints a markdown table: M params/s, ratio to fused fp32 AdamW, optimizer-state bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import numba
+import torch
+
+from lazytrain.optim import Hybrid8bitAdamW, per_tensor_sq_norms
+
+# Realistic shapes: attention/MLP projections, odd sizes, biases and norms.  ~19.3 M params.
+SHAPES = [(4096, 1024)] * 4 + [(1000, 1001), (4097, 333), (4096,), (1024,), (1024,), (333,)]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state tensors, per-tensor scalars (step counters) excluded."""
+    total = 0
+    for st in opt.state.values():
+        for val in st.values():
+            if isinstance(val, torch.Tensor) and val.numel() > 1:
+                total += val.numel() * val.element_size()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15, help="timed steps per optimizer (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in SHAPES]
+    n = sum(p.numel() for p in params)
+    pristine = [torch.randn(s) * 0.01 for s in SHAPES]  # N(0, 0.01): global norm ~44, so clip 1.0 acts
+    for p, g in zip(params, pristine, strict=True):
+        p.grad = g.clone()
+
+    def restore_grads() -> None:
+        for p, g in zip(params, pristine, strict=True):
+            p.grad.copy_(g)
+
+    # ---------------------------------------------------------------- contenders
+    rows: list[tuple[str, str, str, torch.optim.Optimizer, Callable[[], None]]] = []
+
+    def add(name: str, share: str, clip: str, opt: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+        rows.append((name, share, clip, opt, step))
+
+    fused = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    add("torch AdamW fused", "0%", "none", fused, fused.step)
+    fused_c = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def fused_clip_step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        fused_c.step()
+
+    add("torch AdamW fused", "0%", "clip_grad_norm_", fused_c, fused_clip_step)
+    foreach = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    add("torch AdamW foreach", "0%", "none", foreach, foreach.step)
+
+    def norm_now() -> float:  # what the executor accumulates as gradients arrive
+        return math.sqrt(float(sum(per_tensor_sq_norms([p.grad]).sum() for p in params)))
+
+    precomputed_norm = norm_now()
+    for frac in (0.0, 0.02, 1.0):
+        share = f"{frac:.0%}"
+        o_clip = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=1.0)
+        add("Hybrid8bitAdamW", share, "fused, norm inside", o_clip, o_clip.step)
+        o_pre = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=1.0)
+
+        def pre_step(o: Hybrid8bitAdamW = o_pre) -> None:
+            o.step(grad_norm=precomputed_norm)
+
+        add("Hybrid8bitAdamW", share, "fused, norm precomputed", o_pre, pre_step)
+        o_none = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=None)
+
+        def none_step(o: Hybrid8bitAdamW = o_none) -> None:
+            o.step(grad_norm=precomputed_norm)  # finite-check input only; no scaling
+
+        add("Hybrid8bitAdamW", share, "none", o_none, none_step)
+    bnb_version = "not installed"
+    try:
+        import bitsandbytes as bnb
+
+        bnb_version = bnb.__version__
+        b8 = bnb.optim.AdamW8bit(params, lr=1e-4)
+        add(f"bitsandbytes {bnb_version} AdamW8bit", "100%", "none", b8, b8.step)
+    except Exception as exc:  # noqa: BLE001 - optional comparison: any import/runtime failure skips it
+        print(f"(bitsandbytes skipped: {type(exc).__name__}: {exc})")
+
+    # ---------------------------------------------------------------- timing
+    times: list[list[float]] = [[] for _ in rows]
+    for r in range(args.warmup + args.rounds):
+        for i, (*_, step) in enumerate(rows):
+            restore_grads()
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+            if r >= args.warmup:
+                times[i].append(dt)
+
+    # ---------------------------------------------------------------- report
+    med = [statistics.median(t) for t in times]
+    ref = med[0]
+    print(
+        f"\n{n / 1e6:.1f} M params in {len(SHAPES)} tensors; {_cpu_name()}, {torch.get_num_threads()} torch threads, "
+        f"{numba.get_num_threads()} numba threads; torch {torch.__version__}, numba {numba.__version__}, "
+        f"bitsandbytes {bnb_version}; median of {args.rounds} steps\n"
+    )
+    print("| optimizer | 8-bit share | clipping | M params/s | vs fused fp32 | state bytes/param |")
+    print("|---|---|---|---:|---:|---:|")
+    for (name, share, clip, opt, _), m in zip(rows, med, strict=True):
+        print(f"| {name} | {share} | {clip} | {n / m / 1e6:,.0f} | {ref / m:.2f} | {_state_bytes(opt) / n:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

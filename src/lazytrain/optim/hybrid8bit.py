@@ -1,0 +1,311 @@
+"""Hybrid 8-bit AdamW (paper section 3): block-wise 8-bit states for a slice of the parameters, fp32
+AdamW for the rest, the clip coefficient fused into the update, non-finite steps skipped.
+
+Why: the optimizer runs on the host over every parameter every step and its fp32 states (8 bytes per
+parameter) are the largest item in host memory. 8-bit states need ~2.03 bytes per parameter and the
+fused kernel moves ~16 instead of ~28 bytes per parameter, so it need not be slower than fp32.
+
+Usage, whole model (computes the norm itself):
+
+    opt = Hybrid8bitAdamW(model.parameters(), lr=3e-4, max_grad_norm=1.0)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Usage, executor (one param group per layer, norms accumulated as gradients reach the host):
+
+    sq = per_tensor_sq_norms(layer_grads)            # per layer, as its gradients arrive (fp32)
+    total_sq += float(sq.sum())
+    ...
+    clip_coef = opt.begin_step(grad_norm=math.sqrt(total_sq))  # once per step, after all layers
+    if clip_coef is not None:                         # None: non-finite gradients, step skipped
+        for i in range(len(opt.param_groups)):        # any order, any time before the next step
+            opt.step_group(i, clip_coef)
+
+`begin_step` decides skip and clip scale for the whole step (a non-finite norm is rechecked on the
+gradients by the slow exact path); `step_group` updates one group with that scale and does not look
+at other groups. `opt.step(grad_norm=...)` is `begin_step` followed by `step_group` for every group.
+
+Which parameters get 8-bit states is fixed at construction, in parameter order: a tensor with at
+least `min_8bit_size` elements is 8-bit while the 8-bit volume stays within `eightbit_fraction` of
+all parameters. The choice is in `state[p]["eightbit"]` (saved by state_dict).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.optim.clip import _exact_norm, clip_coefficient, global_grad_norm
+from lazytrain.optim.quant import M_ZERO_CODE, adamw8bit_reference_, adamw8bit_step_
+
+
+class NonFiniteGradientsError(LazyTrainError):
+    """Too many consecutive optimizer steps had non-finite gradients."""
+
+
+class Hybrid8bitAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction as torch.optim.AdamW) with hybrid 8-bit states.
+
+    Args:
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (per param group).
+        max_grad_norm: global L2 clip threshold; None disables clipping (non-finite steps are still
+            skipped).
+        block_size: elements per absmax block of the 8-bit states.
+        eightbit_fraction: share of the parameter volume with 8-bit states, 0.0 (all fp32) .. 1.0.
+        min_8bit_size: tensors with fewer elements keep fp32 states.
+        max_consecutive_skips: this many non-finite steps in a row raise NonFiniteGradientsError.
+        use_reference: run the plain-torch 8-bit update instead of the compiled kernel (tests).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        max_grad_norm: float | None = 1.0,
+        block_size: int = 256,
+        eightbit_fraction: float = 1.0,
+        min_8bit_size: int = 4096,
+        max_consecutive_skips: int = 3,
+        use_reference: bool = False,
+    ) -> None:
+        _check_hparams(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got {max_grad_norm}")
+        if not (isinstance(block_size, int) and block_size > 0):
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not 0.0 <= eightbit_fraction <= 1.0:
+            raise ValueError(f"eightbit_fraction must be in [0, 1], got {eightbit_fraction}")
+        if min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be >= 0, got {min_8bit_size}")
+        if max_consecutive_skips < 1:
+            raise ValueError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
+        self.max_grad_norm = max_grad_norm
+        self.block_size = block_size
+        self.eightbit_fraction = eightbit_fraction
+        self.min_8bit_size = min_8bit_size
+        self.max_consecutive_skips = max_consecutive_skips
+        self.use_reference = use_reference
+        self.skipped_steps = 0  # non-finite steps skipped so far
+        self.consecutive_skips = 0
+        self._eightbit_numel = 0
+        self._total_numel = 0
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------ construction
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (one per layer in the executor) and allocate its states now."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                raise ValueError(f"Hybrid8bitAdamW supports fp32 parameters only, got {p.dtype}")
+        self._total_numel += sum(p.numel() for p in group["params"])
+        budget = self.eightbit_fraction * self._total_numel
+        for p in group["params"]:
+            eightbit = (
+                self.eightbit_fraction > 0
+                and p.numel() >= self.min_8bit_size
+                and p.is_contiguous()
+                and self._eightbit_numel + p.numel() <= budget * (1 + 1e-12)
+            )
+            self._init_state(p, eightbit)
+            self._eightbit_numel += p.numel() if eightbit else 0
+
+    def _init_state(self, p: torch.Tensor, eightbit: bool) -> None:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["eightbit"] = eightbit
+        if eightbit:
+            nblocks = (p.numel() + self.block_size - 1) // self.block_size
+            state["qm"] = torch.full((p.numel(),), M_ZERO_CODE, dtype=torch.uint8)
+            state["qv"] = torch.zeros(p.numel(), dtype=torch.uint8)
+            state["absmax_m"] = torch.zeros(nblocks, dtype=torch.float32)
+            state["absmax_v"] = torch.zeros(nblocks, dtype=torch.float32)
+        else:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    # ------------------------------------------------------------ introspection
+    @property
+    def eightbit_numel(self) -> int:
+        """Parameters with 8-bit states."""
+        return self._eightbit_numel
+
+    def state_bytes(self) -> int:
+        """Bytes held by optimizer states (codes, absmax, fp32 moments; step counters excluded)."""
+        total = 0
+        for st in self.state.values():
+            for key in ("qm", "qv", "absmax_m", "absmax_v", "exp_avg", "exp_avg_sq"):
+                if key in st:
+                    total += st[key].numel() * st[key].element_size()
+        return total
+
+    def dequantized_states(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq) of p as fp32 tensors shaped like p (copies for 8-bit states)."""
+        from lazytrain.optim.quant import dequantize_blockwise
+
+        st = self.state[p]
+        if not st["eightbit"]:
+            return st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+        m = dequantize_blockwise(st["qm"], st["absmax_m"], True, self.block_size)
+        v = dequantize_blockwise(st["qv"], st["absmax_v"], False, self.block_size)
+        return m.view_as(p), v.view_as(p)
+
+    # ------------------------------------------------------------ stepping
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def begin_step(self, grad_norm: float | torch.Tensor | None = None) -> float | None:
+        """Decide this step's clip coefficient from the global gradient norm.
+
+        grad_norm: global L2 norm computed earlier (e.g. sqrt of summed `per_tensor_sq_norms`);
+            None computes it from the current gradients. Returns the coefficient to pass to
+            `step_group`, or None when the gradients are not finite: then the step is skipped,
+            counted in `skipped_steps`, and the `max_consecutive_skips`-th skip in a row raises.
+        """
+        if grad_norm is None:
+            total = global_grad_norm(self._grads())
+        else:
+            total = float(grad_norm)
+            if not math.isfinite(total):  # fp32 overflow or a real inf/nan: the slow exact path decides
+                grads = self._grads()
+                total = _exact_norm(grads) if grads else total
+        if not math.isfinite(total):
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise NonFiniteGradientsError(
+                    f"{self.consecutive_skips} optimizer steps in a row had non-finite gradients "
+                    f"(norm {total}, {self.skipped_steps} skipped in all); lower the learning rate or "
+                    f"check the loss, or raise max_consecutive_skips (now {self.max_consecutive_skips})"
+                )
+            return None
+        self.consecutive_skips = 0
+        return clip_coefficient(total, self.max_grad_norm)
+
+    @torch.no_grad()
+    def step_group(self, group_index: int, clip_coef: float = 1.0) -> None:
+        """Update the parameters of one param group with gradients scaled by clip_coef (<= 1).
+
+        Parameters without a gradient are left alone. fp32-state parameters use torch's fused
+        AdamW (their gradients are divided by 1/clip_coef in place when clip_coef < 1); 8-bit ones
+        use the fused 8-bit kernel, which leaves gradients untouched.
+        """
+        group = self.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("Hybrid8bitAdamW does not support sparse gradients")
+            st = self.state[p]
+            if not st["eightbit"]:
+                fp32_p.append(p)
+                fp32_g.append(p.grad)
+                fp32_m.append(st["exp_avg"])
+                fp32_v.append(st["exp_avg_sq"])
+                fp32_steps.append(st["step"])
+                continue
+            st["step"] += 1
+            update = adamw8bit_reference_ if self.use_reference else adamw8bit_step_
+            update(
+                p,
+                p.grad,
+                st["qm"],
+                st["qv"],
+                st["absmax_m"],
+                st["absmax_v"],
+                block_size=self.block_size,
+                clip_coef=clip_coef,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=int(st["step"].item()),
+            )
+        if fp32_p:
+            torch._foreach_add_(fp32_steps, 1)
+            grad_scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
+            torch._fused_adamw_(
+                fp32_p,
+                fp32_g,
+                fp32_m,
+                fp32_v,
+                [],
+                fp32_steps,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+                grad_scale=grad_scale,
+                found_inf=None,
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, *, grad_norm: float | None = None) -> Any:
+        """One optimizer step over all groups; grad_norm as in `begin_step`. Returns closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        clip_coef = self.begin_step(grad_norm)
+        if clip_coef is None:
+            return loss
+        for i in range(len(self.param_groups)):
+            self.step_group(i, clip_coef)
+        return loss
+
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict plus the skip counters (8-bit codes and absmax are plain state tensors)."""
+        sd = super().state_dict()
+        sd["hybrid8bit"] = {
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            "block_size": self.block_size,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict saved by this class with the same parameters and block_size."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("hybrid8bit", None)
+        if extra is not None and extra["block_size"] != self.block_size:
+            raise ValueError(
+                f"state_dict has block_size {extra['block_size']} but this optimizer has {self.block_size}; "
+                "construct it with the saved block_size"
+            )
+        super().load_state_dict(state_dict)
+        for st in self.state.values():  # torch casts every state tensor to the param dtype: undo for codes
+            for key in ("qm", "qv"):
+                if key in st:
+                    st[key] = st[key].to(torch.uint8)
+        self._eightbit_numel = sum(p.numel() for p, st in self.state.items() if st.get("eightbit"))
+        if extra is not None:
+            self.skipped_steps = extra["skipped_steps"]
+            self.consecutive_skips = extra["consecutive_skips"]
+
+
+def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """One-line ValueErrors for bad AdamW hyperparameters."""
+    if isinstance(lr, torch.Tensor) or not lr >= 0.0:
+        raise ValueError(f"lr must be a float >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two floats in [0, 1), got {betas}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")

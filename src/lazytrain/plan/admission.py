@@ -1,0 +1,109 @@
+"""Admission control: refuse a request that no plan can satisfy, before any solve, in one line.
+
+Four budgets are checked, in this order, each against what *every* plan needs:
+  host memory     static_host_bytes() (weights, grads, optimizer states by mode, staging) against --cpu-mem
+                  (or the hardware's host memory; unchecked when neither is known);
+  device memory   static_device_bytes() (2 weight slots + 2 gradient slots, the largest working set of a
+                  layer or the loss head, 2 boundary gradients, constants) against --gpu-mem-cap (or the
+                  device's memory);
+  gpu activations M_G = cap - static_device_bytes() must hold the boundaries every plan keeps on the device
+                  at its worst moment: the least peak (`device_floor_bytes`) is the slots + constants + the
+                  larger of (a layer's working set + 5 boundary buffers: boundary 0, the layer's input and
+                  output, the gradients in and out) and (the head's working set + 3: boundaries 0 and L and
+                  the gradient of L);
+  cpu activations --cpu-act-budget must fit in the host memory left after the static host bytes.
+The result carries the activation budgets the planners use (M_G, M_C, M_N).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.budgets import Budgets
+from lazytrain.spec.cost import CostModel
+from lazytrain.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the request needs and the activation budgets left for the planner (bytes; None = unlimited)."""
+
+    host_need_bytes: int  # static host bytes + the cpu activation budget
+    host_limit_bytes: int | None  # --cpu-mem or the hardware's; None = not checked
+    device_floor_bytes: int  # the least device peak any plan can have
+    gpu_mem_cap_bytes: int
+    gpu_act_bytes: int  # M_G: cap - static_device_bytes()
+    cpu_act_bytes: int | None  # M_C: --cpu-act-budget, else the host room left, else None
+    nvme_act_bytes: int | None  # M_N: --nvme-act-budget (0 = no NVMe tier; None = unlimited)
+
+
+def device_floor_bytes(cost: CostModel) -> int:
+    """The least device peak of any plan (the executor's accounting): see the module docstring."""
+    A = max(cost.boundary_bytes)
+    fixed = 4 * cost.slot_bytes + cost.constant_device_bytes
+    layer = max(cost.working_bytes) + (5 if cost.num_layers > 1 else 4) * A
+    head = cost.head_working_bytes + 3 * A
+    return fixed + max(layer, head)
+
+
+def _short(what: str, need: int, need_detail: str, limit: int, knob: str, advice: str) -> LazyTrainError:
+    return LazyTrainError(
+        f"{what}: needs {format_bytes(need)} ({need_detail}) but {knob} gives {format_bytes(limit)} "
+        f"(short by {format_bytes(need - limit)}); {advice}"
+    )
+
+
+def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
+    """Check the budgets against what every plan needs; raise LazyTrainError naming the first short one."""
+    budgets = budgets or Budgets()
+    hw = cost.hardware
+
+    # ---- host memory: weights, grads, optimizer states, staging ------------------------------------
+    host = cost.host_breakdown()
+    static_host = sum(host.values())
+    host_limit = budgets.host_mem_bytes if budgets.host_mem_bytes is not None else hw.host_mem_bytes
+    host_knob = "--cpu-mem" if budgets.host_mem_bytes is not None else f"the {hw.name} host memory"
+    if host_limit is not None and static_host > host_limit:
+        detail = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
+        advice = ("use --optimizer 8bit, a smaller model or more host memory" if cost.optimizer != "8bit"
+                  else "use a smaller model or more host memory")
+        raise _short("host memory", static_host, detail, host_limit, host_knob, advice)
+
+    # ---- device memory: slots, working sets, loss head, constants ----------------------------------
+    cap = budgets.gpu_mem_cap_bytes if budgets.gpu_mem_cap_bytes is not None else hw.gpu_mem_bytes
+    cap_knob = "--gpu-mem-cap" if budgets.gpu_mem_cap_bytes is not None else f"the {hw.name} device memory"
+    static_device = cost.static_device_bytes()
+    if static_device > cap:
+        detail = (f"weight + gradient slots 4 x {format_bytes(cost.slot_bytes)}, largest working set "
+                  f"{format_bytes(max(max(cost.working_bytes), cost.head_working_bytes))}, 2 boundary gradients "
+                  f"of {format_bytes(max(cost.boundary_bytes))}")
+        raise _short("device memory", static_device, detail, cap, cap_knob,
+                     "lower --batch-size or --seq-len, or raise " + ("--gpu-mem-cap" if budgets.gpu_mem_cap_bytes
+                                                                      is not None else "the device memory"))
+
+    # ---- activation budgets ------------------------------------------------------------------------
+    gpu_act = cap - static_device  # M_G
+    floor = device_floor_bytes(cost)
+    mandatory = floor - static_device  # boundaries every plan holds on the device at its worst moment
+    if gpu_act < mandatory:
+        A = max(cost.boundary_bytes)
+        raise LazyTrainError(
+            f"gpu activation budget: every plan holds {mandatory // A} boundary activations of {format_bytes(A)} "
+            f"on the device at once ({format_bytes(mandatory)}) but {cap_knob} {format_bytes(cap)} leaves "
+            f"{format_bytes(gpu_act)} after {format_bytes(static_device)} of slots and working set "
+            f"(short by {format_bytes(mandatory - gpu_act)}); lower --batch-size or raise --gpu-mem-cap"
+        )
+    host_room = None if host_limit is None else host_limit - static_host
+    cpu_act = budgets.cpu_act_bytes
+    if cpu_act is not None and host_room is not None and cpu_act > host_room:
+        raise LazyTrainError(
+            f"cpu activation budget: --cpu-act-budget {format_bytes(cpu_act)} but {host_knob} "
+            f"{format_bytes(host_limit)} leaves {format_bytes(host_room)} after {format_bytes(static_host)} of "
+            f"weights, grads and optimizer states (short by {format_bytes(cpu_act - host_room)}); "
+            "lower --cpu-act-budget or raise --cpu-mem"
+        )
+    return Admission(host_need_bytes=static_host + (cpu_act or 0), host_limit_bytes=host_limit,
+                     device_floor_bytes=floor, gpu_mem_cap_bytes=cap, gpu_act_bytes=gpu_act,
+                     cpu_act_bytes=cpu_act if cpu_act is not None else host_room,
+                     nvme_act_bytes=budgets.nvme_act_bytes)

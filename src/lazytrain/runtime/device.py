@@ -1,0 +1,382 @@
+"""Devices the executor streams through: an emulated one (CPU compute, capped arena, throttled links) and CUDA.
+
+Both export the same small interface (`Device`), so the executor has one code path:
+
+- an *arena*: `alloc` / `free` / `reserve` / `unreserve` count every byte the executor places on the
+  device against a hard capacity; going over raises `DeviceOutOfMemoryError` naming the bytes asked
+  and free. `peak_bytes` is the high-water mark of that count (what a plan's predicted peak describes).
+- *links*: one FIFO worker thread per stream (`h2d`, `d2h`, `nvme_read`, `nvme_write`, `optimizer`).
+  `copy(link, dst, src)` and `submit(link, fn, num_bytes)` enqueue a job and return an `Event`; a job
+  starts once the events it depends on are set. On the emulated device the worker copies and then
+  sleeps until `num_bytes / bandwidth` has passed since the job started, so overlap and stalls are
+  real and measurable on a laptop. On CUDA the h2d/d2h workers issue the copy on their own CUDA
+  stream and wait for it, so a set `Event` always means the bytes are there.
+- `wait(event)` blocks the compute thread until the event is set and returns the seconds it
+  waited: the measured stall of that stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lazytrain.errors import LazyTrainError
+
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+
+
+class DeviceOutOfMemoryError(torch.OutOfMemoryError):
+    """The device arena would exceed its capacity (a `torch.OutOfMemoryError`, like CUDA's)."""
+
+
+class Event:
+    """Set by a link worker when its job is done; carries the job's exception, re-raised on wait."""
+
+    __slots__ = ("link", "_done", "error", "start_s", "end_s")
+
+    def __init__(self, link: str, done: bool = False) -> None:
+        self.link = link
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.start_s = self.end_s = 0.0
+        if done:
+            self._done.set()
+
+    def is_set(self) -> bool:
+        return self._done.is_set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def wait(self) -> float:
+        """Block until done; return seconds waited. Re-raises the job's exception."""
+        if self._done.is_set():
+            waited = 0.0
+        else:
+            t0 = time.perf_counter()
+            self._done.wait()
+            waited = time.perf_counter() - t0
+        if self.error is not None:
+            raise self.error
+        return waited
+
+
+def done_event(link: str = "none") -> Event:
+    return Event(link, done=True)
+
+
+class _Link:
+    """One FIFO stream: a daemon thread that runs jobs in order, optionally throttled to `bytes_per_s`."""
+
+    def __init__(self, name: str, bytes_per_s: float | None) -> None:
+        self.name = name
+        self.bytes_per_s = bytes_per_s
+        self.busy_s = 0.0
+        self.bytes_moved = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"lazytrain-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object], num_bytes: int, after: Iterable[Event],
+               on_done: Callable[[], None] | None) -> Event:
+        event = Event(self.name)
+        self._queue.put((fn, int(num_bytes), tuple(after), on_done, event))
+        return event
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, num_bytes, after, on_done, event = job
+            try:
+                for dep in after:  # cross-stream dependency, e.g. nvme_write after its d2h
+                    dep.wait()
+                event.start_s = time.perf_counter()
+                fn()
+                if self.bytes_per_s:  # emulated bandwidth: the job takes at least bytes / rate
+                    remaining = event.start_s + num_bytes / self.bytes_per_s - time.perf_counter()
+                    if remaining > 0:
+                        time.sleep(remaining)
+                if on_done is not None:
+                    on_done()
+            except BaseException as err:  # surfaced to the compute thread by Event.wait
+                event.error = err
+            event.end_s = time.perf_counter()
+            self.busy_s += event.end_s - event.start_s
+            self.bytes_moved += num_bytes
+            event.set()
+
+
+class Device(Protocol):
+    """What the executor needs of a device (EmulatedDevice and CudaDevice both provide it)."""
+
+    torch_device: torch.device
+    nvme_dir: Path
+    capacity_bytes: int | None
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str = "") -> torch.Tensor: ...
+    def adopt(self, tensor: torch.Tensor, tag: str = "") -> torch.Tensor: ...
+    def free(self, tensor: torch.Tensor) -> None: ...
+    def reserve(self, num_bytes: int, tag: str = "") -> int: ...
+    def unreserve(self, num_bytes: int) -> None: ...
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def copy(self, link: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = (),
+             on_done: Callable[[], None] | None = None) -> Event: ...
+    def submit(self, link: str, fn: Callable[[], object], num_bytes: int = 0, after: Iterable[Event] = (),
+               on_done: Callable[[], None] | None = None) -> Event: ...
+    def wait(self, event: Event) -> float: ...
+    def record_compute(self) -> Event: ...
+    def synchronize(self) -> None: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def peak_bytes(self) -> int: ...
+    def reset_peak(self) -> None: ...
+    def link_stats(self) -> dict[str, tuple[float, int]]: ...
+
+
+class _ArenaDevice:
+    """The arena, links and NVMe directory shared by both devices; subclasses say how bytes move."""
+
+    def __init__(self, torch_device: torch.device, capacity_bytes: int | None, rates_gbps: dict[str, float | None],
+                 nvme_dir: str | Path | None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise LazyTrainError(f"device capacity_bytes must be positive, got {capacity_bytes}")
+        self.torch_device = torch_device
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._used = 0
+        self._peak = 0
+        self._sizes: dict[int, int] = {}  # id(tensor) -> bytes counted for it
+        self.links = {name: _Link(name, _bytes_per_s(rates_gbps.get(name))) for name in LINKS}
+        if nvme_dir is None:
+            self.nvme_dir = Path(tempfile.mkdtemp(prefix="lazytrain-nvme-"))
+            weakref.finalize(self, shutil.rmtree, str(self.nvme_dir), True)
+        else:
+            self.nvme_dir = Path(nvme_dir)
+        weakref.finalize(self, _close_links, list(self.links.values()))
+
+    # ---- arena ------------------------------------------------------------------------------
+    def _count(self, num_bytes: int, tag: str) -> None:
+        with self._lock:
+            if self.capacity_bytes is not None and self._used + num_bytes > self.capacity_bytes:
+                free = self.capacity_bytes - self._used
+                raise DeviceOutOfMemoryError(
+                    f"device out of memory: tried to allocate {num_bytes} bytes for {tag or 'a tensor'} with "
+                    f"{free} bytes free of {self.capacity_bytes} (in use {self._used}); raise the device "
+                    "capacity or choose a plan with a smaller predicted peak"
+                )
+            self._used += num_bytes
+            self._peak = max(self._peak, self._used)
+
+    def _uncount(self, num_bytes: int) -> None:
+        with self._lock:
+            self._used -= num_bytes
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str = "") -> torch.Tensor:
+        """A device tensor counted in the arena until `free`."""
+        num_bytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        self._count(num_bytes, tag)
+        tensor = self._empty(tuple(shape), dtype)
+        with self._lock:
+            self._sizes[id(tensor)] = num_bytes
+        return tensor
+
+    def adopt(self, tensor: torch.Tensor, tag: str = "") -> torch.Tensor:
+        """Count a tensor compute just produced on the device (a layer's output), until `free`."""
+        num_bytes = tensor.numel() * tensor.element_size()
+        self._count(num_bytes, tag)
+        with self._lock:
+            self._sizes[id(tensor)] = num_bytes
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor` (idempotent). The caller drops its last reference."""
+        with self._lock:
+            num_bytes = self._sizes.pop(id(tensor), 0)
+            self._used -= num_bytes
+
+    def reserve(self, num_bytes: int, tag: str = "") -> int:
+        """Count transient bytes that no tensor of ours holds (a layer's autograd working set)."""
+        self._count(int(num_bytes), tag)
+        return int(num_bytes)
+
+    def unreserve(self, num_bytes: int) -> None:
+        self._uncount(int(num_bytes))
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._used
+
+    # ---- links ------------------------------------------------------------------------------
+    def submit(self, link: str, fn: Callable[[], object], num_bytes: int = 0, after: Iterable[Event] = (),
+               on_done: Callable[[], None] | None = None) -> Event:
+        """Run `fn` on `link`'s worker (FIFO) once `after` are set; it occupies the link for >= bytes/rate."""
+        return self.links[link].submit(fn, num_bytes, after, on_done)
+
+    def wait(self, event: Event) -> float:
+        """Block the compute thread until `event` is set; the seconds waited are that stream's stall."""
+        return event.wait()
+
+    def record_compute(self) -> Event:
+        """An event set once the compute issued so far has finished (immediate on the emulated device)."""
+        return done_event("compute")
+
+    def synchronize(self) -> None:
+        pass
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def link_stats(self) -> dict[str, tuple[float, int]]:
+        """Per link: (seconds busy, bytes moved) since the device was made."""
+        return {name: (link.busy_s, link.bytes_moved) for name, link in self.links.items()}
+
+    def close(self) -> None:
+        _close_links(list(self.links.values()))
+
+
+class EmulatedDevice(_ArenaDevice):
+    """A device emulated on the CPU: real compute, a capped arena, and links throttled to the given rates.
+
+    `capacity_bytes` None = unlimited; a `*_gbps` of None = unthrottled (GB/s = 1e9 bytes/s);
+    `nvme_dir` None = a temporary directory removed with the device.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, h2d_gbps: float | None = None,
+                 d2h_gbps: float | None = None, nvme_read_gbps: float | None = None,
+                 nvme_write_gbps: float | None = None, nvme_dir: str | Path | None = None) -> None:
+        for knob, value in (("h2d_gbps", h2d_gbps), ("d2h_gbps", d2h_gbps), ("nvme_read_gbps", nvme_read_gbps),
+                            ("nvme_write_gbps", nvme_write_gbps)):
+            if value is not None and not value > 0:
+                raise LazyTrainError(f"EmulatedDevice {knob} must be positive (or None = unthrottled), got {value}")
+        super().__init__(torch.device("cpu"), capacity_bytes,
+                         {"h2d": h2d_gbps, "d2h": d2h_gbps, "nvme_read": nvme_read_gbps,
+                          "nvme_write": nvme_write_gbps}, nvme_dir)
+
+    def __repr__(self) -> str:
+        rates = {n: link.bytes_per_s and link.bytes_per_s / 1e9 for n, link in self.links.items()}
+        return f"EmulatedDevice(capacity_bytes={self.capacity_bytes}, gbps={rates})"
+
+    def copy(self, link: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = (),
+             on_done: Callable[[], None] | None = None) -> Event:
+        return self.submit(link, lambda: dst.copy_(src), src.numel() * src.element_size(), after, on_done)
+
+
+class CudaDevice(_ArenaDevice):
+    """A CUDA GPU: h2d and d2h copies on their own CUDA streams, pinned host buffers, NVMe files.
+
+    The arena counts the executor's tensors against `capacity_bytes` (default: the GPU's total memory),
+    so a plan's predicted peak is checked the same way as on the emulated device.
+    """
+
+    def __init__(self, index: int = 0, capacity_bytes: int | None = None, nvme_dir: str | Path | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise LazyTrainError("CudaDevice needs a CUDA GPU but torch.cuda.is_available() is False; "
+                                 "use EmulatedDevice")
+        device = torch.device("cuda", index)
+        if capacity_bytes is None:
+            capacity_bytes = torch.cuda.get_device_properties(device).total_memory
+        super().__init__(device, capacity_bytes, {}, nvme_dir)
+        self.streams = {"h2d": torch.cuda.Stream(device), "d2h": torch.cuda.Stream(device)}
+
+    def __repr__(self) -> str:
+        return f"CudaDevice({self.torch_device}, capacity_bytes={self.capacity_bytes})"
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def record_compute(self) -> Event:
+        """A CUDA event on the compute stream, wrapped so link workers can wait for it."""
+        cuda_event = torch.cuda.Event()
+        cuda_event.record(torch.cuda.current_stream(self.torch_device))
+        event = Event("compute")
+        event._cuda = cuda_event  # type: ignore[attr-defined]
+        return event
+
+    def copy(self, link: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = (),
+             on_done: Callable[[], None] | None = None) -> Event:
+        after = tuple(after)
+        cuda_deps = [getattr(e, "_cuda", None) for e in after]
+        host_deps = [e for e, c in zip(after, cuda_deps, strict=True) if c is None]
+        stream = self.streams[link]
+
+        def run() -> None:
+            with torch.cuda.stream(stream):
+                for dep in cuda_deps:
+                    if dep is not None:
+                        stream.wait_event(dep)
+                dst.copy_(src, non_blocking=True)
+                for t in (dst, src):
+                    if t.is_cuda:
+                        t.record_stream(stream)
+            stream.synchronize()  # the event below means the bytes have landed
+
+        return self.submit(link, run, src.numel() * src.element_size(), host_deps, on_done)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    @property
+    def max_allocated_bytes(self) -> int:
+        """What the CUDA caching allocator saw (includes autograd intermediates not in the arena)."""
+        return torch.cuda.max_memory_allocated(self.torch_device)
+
+
+def check_nvme_dir(path: Path) -> None:
+    """Refuse a missing or unwritable NVMe directory before the first step, not in the middle of one."""
+    if not path.is_dir():
+        raise LazyTrainError(f"NVMe directory {path} does not exist; create it or pass another nvme_dir")
+    probe = path / f".lazytrain-probe-{threading.get_ident()}"
+    try:
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as err:
+        raise LazyTrainError(f"NVMe directory {path} is not writable ({err.strerror}); pass a writable nvme_dir"
+                             ) from None
+
+
+def _bytes_per_s(gbps: float | None) -> float | None:
+    if gbps is None or gbps == float("inf"):
+        return None
+    return gbps * 1e9
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _close_links(links: list[_Link]) -> None:
+    """Stop the link threads (at device collection or interpreter exit) and let them finish their queue."""
+    for link in links:
+        link.close()
+    for link in links:
+        if link._thread is not threading.current_thread():
+            link._thread.join(timeout=1.0)

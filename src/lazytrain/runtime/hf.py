@@ -1,0 +1,181 @@
+"""The pieces of a `transformers` decoder the executor streams, and the stateless calls that run them.
+
+Supported: Llama, Mistral, Qwen2, Qwen3 causal LMs (tied embeddings too). The model's own modules are
+the *templates*: `torch.func.functional_call` binds streamed device weights to a layer for one call,
+so the host parameters are never moved and the math is the model's own (exactness tests compare the
+result with the model's `forward` + `backward`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from lazytrain.errors import LazyTrainError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DecoderParts:
+    """Embedding, decoder layers, rotary embedding, final norm and LM head of one causal LM."""
+
+    model: nn.Module
+    embedding: nn.Embedding
+    layers: list[nn.Module]
+    rotary: nn.Module
+    norm: nn.Module
+    lm_head: nn.Linear
+    tied: bool  # lm_head.weight is the embedding weight
+    mask_kinds: list[str]  # per layer: "full_attention" or "sliding_attention"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def find_parts(model: nn.Module) -> DecoderParts:
+    """Locate the streamed pieces of a supported causal LM, or say what is missing."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    missing = [n for n in ("embed_tokens", "layers", "rotary_emb", "norm") if not hasattr(base, n)]
+    head = getattr(model, "lm_head", None)
+    if base is None or missing or not isinstance(head, nn.Linear):
+        raise LazyTrainError(
+            f"model {type(model).__name__} (model_type {model_type!r}) is not a supported causal LM: missing "
+            f"{missing or ['lm_head']}; supported: Llama, Mistral, Qwen2, Qwen3 *ForCausalLM"
+        )
+    if head.bias is not None:
+        raise LazyTrainError(f"model {type(model).__name__}: an LM head with a bias is not supported")
+    layer_types = getattr(config, "layer_types", None)
+    num_layers = len(base.layers)
+    if layer_types is not None:
+        mask_kinds = list(layer_types)[:num_layers]
+    elif getattr(config, "sliding_window", None) is not None and model_type == "mistral":
+        mask_kinds = ["sliding_attention"] * num_layers
+    else:
+        mask_kinds = ["full_attention"] * num_layers
+    return DecoderParts(model=model, embedding=base.embed_tokens, layers=list(base.layers), rotary=base.rotary_emb,
+                        norm=base.norm, lm_head=head, tied=head.weight is base.embed_tokens.weight,
+                        mask_kinds=mask_kinds)
+
+
+def layer_named_params(layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(layer.named_parameters())
+
+
+def head_named_params(parts: DecoderParts) -> list[tuple[str, nn.Parameter]]:
+    """Final norm then LM head weight (the embedding weight when tied), named for `head_forward`."""
+    return [(f"norm.{n}", p) for n, p in parts.norm.named_parameters()] + [("lm_head.weight", parts.lm_head.weight)]
+
+
+@dataclass
+class StepConstants:
+    """Per-step device tensors every layer call needs: positions, rotary cos/sin, attention masks."""
+
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    masks: dict[str, torch.Tensor | None]
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.position_ids, *self.position_embeddings, *(m for m in self.masks.values() if m is not None)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Rotary:
+    """A device copy of the model's rotary embedding (buffers only, no parameters)."""
+
+    def __init__(self, parts: DecoderParts, device: torch.device) -> None:
+        self.module = parts.rotary if device.type == "cpu" else copy.deepcopy(parts.rotary).to(device)
+        self.config = parts.model.config
+        self.kinds = sorted(set(parts.mask_kinds))
+
+    def constants(self, boundary0: torch.Tensor) -> StepConstants:
+        """Positions 0..S-1, cos/sin and masks exactly as the model's own forward makes them."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        seq_len = boundary0.shape[1]
+        position_ids = torch.arange(seq_len, device=boundary0.device).unsqueeze(0)
+        kwargs = dict(config=self.config, inputs_embeds=boundary0, attention_mask=None, cache=None,
+                      position_ids=position_ids)
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {kind: makers[kind](**kwargs) for kind in self.kinds}
+        with torch.no_grad():
+            cos, sin = self.module(boundary0, position_ids)
+        return StepConstants(position_ids, (cos, sin), masks)
+
+
+def layer_forward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                  consts: StepConstants, mask_kind: str) -> torch.Tensor:
+    """Layer j: boundary j -> boundary j+1, with `weights` (device tensors) bound to the template."""
+    out = functional_call(layer, weights, (hidden,), dict(
+        attention_mask=consts.masks[mask_kind], position_embeddings=consts.position_embeddings,
+        position_ids=consts.position_ids))
+    return out[0] if isinstance(out, tuple) else out
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """HF convention: position t predicts token t+1; the last position is ignored. (B, S) -> (B*S,)."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
+
+
+def head_forward_backward(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                          targets: torch.Tensor, grad_hidden: torch.Tensor, grad_weights: dict[str, torch.Tensor],
+                          chunk_tokens: int, loss_scale: float) -> torch.Tensor:
+    """Final norm + LM head + cross-entropy over token chunks, forward and backward together.
+
+    hidden: (B, S, H) boundary L; targets: (B*S,) shifted labels. Writes d(loss*loss_scale)/d(hidden)
+    into `grad_hidden` and adds the weight gradients into `grad_weights` (zeroed by the caller).
+    Returns the loss (fp32, 0-dim): the mean over non-ignored tokens, exactly HF's `ForCausalLMLoss`
+    (NaN when every token is ignored, as there). Full logits never exist: at most `chunk_tokens` rows.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (T, H)
+    grad_flat = grad_hidden.view(-1, hidden.shape[-1])
+    num_valid = int((targets != IGNORE_INDEX).sum())
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    norm_names = [n for n in weights if n.startswith("norm.")]
+    for start in range(0, flat.shape[0], chunk_tokens):
+        stop = min(start + chunk_tokens, flat.shape[0])
+        target = targets[start:stop]
+        if num_valid and not bool((target != IGNORE_INDEX).any()):
+            grad_flat[start:stop].zero_()  # a chunk with no labels adds nothing to loss or gradients
+            continue
+        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+        x = flat[start:stop].detach().requires_grad_()
+        with torch.enable_grad():
+            normed = functional_call(norm, {n[len("norm."):]: leaves[n] for n in norm_names}, (x,))
+            logits = F.linear(normed, leaves["lm_head.weight"]).float()
+            chunk_loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum") / num_valid
+            names = list(leaves)
+            grads = torch.autograd.grad(chunk_loss * loss_scale, [x] + [leaves[n] for n in names])
+        grad_flat[start:stop].copy_(grads[0])
+        for n, g in zip(names, grads[1:], strict=True):
+            grad_weights[n].add_(g)
+        loss += chunk_loss.detach()
+    return loss
+
+
+def layer_backward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                   grad_out: torch.Tensor, consts: StepConstants, mask_kind: str
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Re-run layer j with autograd from boundary j and backpropagate d(boundary j+1).
+
+    Returns d(boundary j) and the weight gradients by parameter name.
+    """
+    leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+    x = hidden.detach().requires_grad_()
+    with torch.enable_grad():
+        out = layer_forward(layer, leaves, x, consts, mask_kind)
+        names = list(leaves)
+        grads = torch.autograd.grad(out, [x] + [leaves[n] for n in names], grad_outputs=grad_out,
+                                    allow_unused=True)
+    weight_grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(names, grads[1:],
+                                                                                                strict=True)}
+    return grads[0], weight_grads

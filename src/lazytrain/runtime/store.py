@@ -1,0 +1,181 @@
+"""Host-side stores: packed layer weights, offloaded boundary activations, NVMe spill files.
+
+- `WeightGroup`: one layer's (or the loss head's) parameters packed densely, in the compute dtype, into
+  one host buffer that starts on a 4 KiB boundary, so a layer crosses the link as one copy.
+  In fp32 the model's parameters are re-pointed at views of the buffer (no second copy; the optimizer
+  updates the buffer in place). In bf16 the buffer is a compute-dtype copy of the fp32 master
+  parameters, re-packed when a parameter changed (tracked by tensor version counters).
+- `ActivationStore`: host buffers for `cpu` boundaries and files for `nvme` boundaries, with a CRC32
+  checked on read and every file removed when the step ends.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lazytrain.errors import LazyTrainError
+
+ALIGN_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in its group's flat buffer (elements)."""
+
+    name: str  # name in the template module, for torch.func.functional_call
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+class WeightGroup:
+    """The parameters of one layer (or the head) in one contiguous, aligned host buffer."""
+
+    def __init__(self, name: str, named_params: list[tuple[str, torch.nn.Parameter]], dtype: torch.dtype,
+                 host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        self.name = name
+        self.params = [p for _, p in named_params]
+        self.dtype = dtype
+        slots, offset = [], 0
+        for pname, p in named_params:  # packed densely: the device slot holds exactly the layer's bytes
+            slots.append(Slot(pname, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        self.slots = slots
+        self.numel = offset
+        self.buffer = aligned_empty(offset, dtype, host_empty)
+        self.aliased = all(p.dtype == dtype for p in self.params)
+        self._versions: list[int] = []
+        self._ptrs: list[int] = []
+        self.pack(force=True)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.numel * self.buffer.element_size()
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`flat` (a device slot or this buffer) cut into the named parameter tensors."""
+        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def _stale(self) -> bool:
+        if self.aliased:  # parameters are views of the buffer unless someone replaced p.data
+            return [p.data_ptr() for p in self.params] != self._ptrs
+        return [p._version for p in self.params] != self._versions
+
+    def pack(self, force: bool = False) -> bool:
+        """Bring the buffer up to date with the parameters; returns whether it copied anything."""
+        if not force and not self._stale():
+            return False
+        with torch.no_grad():
+            for s, p in zip(self.slots, self.params, strict=True):
+                view = self.buffer[s.offset:s.offset + s.numel].view(s.shape)
+                view.copy_(p.detach())
+                if self.aliased:
+                    p.data = view  # fp32: the parameter *is* the streamed buffer
+        self._ptrs = [p.data_ptr() for p in self.params]
+        self._versions = [p._version for p in self.params]
+        return True
+
+    def accumulate_grads(self, flat_grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Add a flat gradient (compute dtype, this group's layout) into each parameter's fp32 `.grad`."""
+        for s, p in zip(self.slots, self.params, strict=True):
+            g = flat_grad[s.offset:s.offset + s.numel].view(s.shape)
+            add_grad(p, g, scale)
+
+
+def aligned_empty(numel: int, dtype: torch.dtype,
+                  host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """A flat host tensor whose first byte sits on a 4 KiB boundary (one large DMA per layer)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = host_empty((numel * size + ALIGN_BYTES,), torch.uint8)
+    skip = -raw.data_ptr() % ALIGN_BYTES
+    return raw[skip:skip + numel * size].view(dtype)
+
+
+def add_grad(p: torch.nn.Parameter, g: torch.Tensor, scale: float = 1.0) -> None:
+    """`p.grad += scale * g` in p's dtype, creating `.grad` on first use (what autograd does)."""
+    if p.grad is None:
+        p.grad = g.to(p.dtype, copy=True)
+        if scale != 1.0:
+            p.grad.mul_(scale)
+    elif scale != 1.0:
+        p.grad.add_(g.to(p.dtype), alpha=scale)
+    else:
+        p.grad.add_(g.to(p.dtype))
+
+
+class ActivationStore:
+    """Host buffers (`cpu` tier) and spill files (`nvme` tier) for boundary activations of one step."""
+
+    def __init__(self, nvme_dir: Path, host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        self.nvme_dir = Path(nvme_dir)
+        self._host_empty = host_empty
+        self._host: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # reused across steps
+        self._crc: dict[int, int] = {}
+        self._files: dict[int, Path] = {}
+        self.host_bytes_in_use = 0
+        self.peak_host_bytes = 0
+        self.nvme_bytes_in_use = 0
+        self.peak_nvme_bytes = 0
+
+    def host_buffer(self, boundary: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The host buffer of `boundary` (pinned on CUDA), allocated once and recycled across steps."""
+        key = (boundary, tuple(shape), dtype)
+        if key not in self._host:
+            self._host[key] = self._host_empty(tuple(shape), dtype)
+        return self._host[key]
+
+    def note_host(self, num_bytes: int) -> None:
+        self.host_bytes_in_use += num_bytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
+
+    def path(self, boundary: int) -> Path:
+        return self.nvme_dir / f"lazytrain-{os.getpid()}-{id(self):x}-boundary{boundary}.bin"
+
+    def write(self, boundary: int, host: torch.Tensor) -> None:
+        """Write `host` to the boundary's file and remember its CRC32 (runs on the nvme_write link)."""
+        data = _bytes_view(host)
+        path = self.path(boundary)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as err:
+            raise LazyTrainError(f"cannot write NVMe spill file {path}: {err.strerror}") from None
+        self._crc[boundary] = zlib.crc32(data)
+        self._files[boundary] = path
+        self.nvme_bytes_in_use += len(data)
+        self.peak_nvme_bytes = max(self.peak_nvme_bytes, self.nvme_bytes_in_use)
+
+    def read(self, boundary: int, host: torch.Tensor) -> None:
+        """Read the boundary's file into `host` and verify its CRC32 (runs on the nvme_read link)."""
+        data = _bytes_view(host)
+        path = self._files[boundary]
+        with open(path, "rb") as f:
+            n = f.readinto(data)
+        if n != len(data) or zlib.crc32(data) != self._crc[boundary]:
+            raise LazyTrainError(f"NVMe spill file {path} is corrupt (read {n} of {len(data)} bytes, checksum "
+                                 "mismatch); check the disk under nvme_dir")
+
+    def remove(self, boundary: int) -> None:
+        path = self._files.pop(boundary, None)
+        if path is not None:
+            self.nvme_bytes_in_use -= path.stat().st_size if path.exists() else 0
+            path.unlink(missing_ok=True)
+        self._crc.pop(boundary, None)
+
+    def end_step(self) -> None:
+        """Remove every spill file of the step (also after an error)."""
+        for boundary in list(self._files):
+            self.remove(boundary)
+        self.nvme_bytes_in_use = 0
+        self.host_bytes_in_use = 0
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (works for bf16, which numpy lacks)."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,336 @@
+"""CostModel: seconds and bytes of every piece of a training step, for one model, machine and workload.
+
+The planner (MILP, rules), the simulator and admission control all ask this one object, so they agree.
+Lists are indexed by layer j (0..L-1, layer j maps boundary j -> j+1) or boundary i (0..L).
+
+Time model (per layer, forward, FLOPs over the achieved matmul rate):
+    linear   2 * P_active_j * T                     (T = batch * seq tokens; MoE: top-k experts only)
+    attention (full, causal)  4 * d_q * T * (seq + 1) / 2        QK^T and AV, half the square (causal);
+              sliding window w: the mean of min(t + 1, w) keys instead of (seq + 1) / 2;
+              linear (Gated DeltaNet, chunk 64, head dim 128): 2 * (64 + 128) * 2 * hidden * T, no seq^2.
+              GQA changes only the k/v projections, already in P_active.
+    elementwise (RMSNorms, residual adds, rotary, SiLU*up as `transformers` runs them eagerly):
+              bytes moved / `mem_gbps` (see _elementwise_bytes); ignored when mem_gbps is inf.
+    backward_s = re-forward with autograd (1x) + backward (2x) = 3 x forward_s.
+    loss head: forward + backward of final norm + LM head + cross-entropy, 3 x 2 * vocab * hidden * T FLOPs.
+`with_times(...)` or `CostModel.from_profile(model, ...)` replaces the FLOP estimate by measured seconds
+(what the CPU emulated device needs: tiny layers are dominated by overheads, not FLOPs).
+
+Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_model.md):
+    host:   weights + gradients in the compute dtype (the packed per-layer store the DMA reads and the
+            p.grad the d2h writes), optimizer states (fp32 Adam 8 B/param; 8-bit 2 B/param + fp32 absmax
+            per 256-element block per state; hybrid = 2% of the parameters in 8 bits), and pinned staging =
+            2 gradient landing slots. `master_weights=True` adds an fp32 master copy and keeps the gradients
+            in fp32 (+6 B/param in bf16) — the paper's accounting has neither. Without it this reproduces the
+            paper's GPT-OSS-120B admission figures (CPU base 1321 GiB hybrid vs 683 GiB all 8-bit) within 2.5%.
+    device: 2 weight slots + 2 gradient slots (each the largest of a layer and the head), the largest
+            working set, 2 boundary-gradient buffers (static part); boundary activations come and go.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.workload import Workload
+
+OPTIMIZERS = ("fp32", "hybrid", "8bit")
+HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid"
+QUANT_BLOCK = 256  # elements per absmax block of the 8-bit states (bitsandbytes' current block size)
+LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk_gated_delta_rule)
+LINEAR_ATTN_HEAD_DIM = 128
+HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
+
+
+def _rate(gbps: float) -> float:
+    return gbps * 1e9
+
+
+class CostModel:
+    """Per-layer seconds and bytes of one training step (see the module docstring for the formulas)."""
+
+    def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
+                 *, master_weights: bool = False, head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> None:
+        if optimizer not in OPTIMIZERS:
+            raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
+        self.spec, self.hardware, self.workload, self.optimizer = spec, hardware, workload, optimizer
+        self.master_weights = master_weights
+        self.num_layers = L = spec.num_layers
+        tokens, dtype_bytes = workload.tokens, workload.dtype_bytes
+        self.dtype_bytes = dtype_bytes
+        self.head_chunk_tokens = min(head_chunk_tokens, tokens)
+
+        # ---- compute time -----------------------------------------------------------------------
+        self.forward_flops = [self._layer_forward_flops(j) for j in range(L)]
+        rate = hardware.matmul_flops_per_s
+        mem_rate = _rate(hardware.mem_gbps)
+        self.forward_s = [
+            f / rate + self._elementwise_bytes(j) / mem_rate + hardware.layer_overhead_s
+            for j, f in enumerate(self.forward_flops)
+        ]
+        self.backward_s = [3.0 * t for t in self.forward_s]  # autograd re-forward (1x) + backward (2x)
+        head_matmul = spec.vocab_size * spec.hidden_size
+        self.head_flops = 3 * 2 * head_matmul * tokens
+        # cross-entropy over fp32 logits: write, softmax read/write, grad write, ~4 passes of 4 bytes
+        self.head_s = (self.head_flops / rate + 16 * spec.vocab_size * tokens / mem_rate
+                       + 3 * hardware.layer_overhead_s)
+
+        # ---- bytes ------------------------------------------------------------------------------
+        act = tokens * spec.hidden_size * dtype_bytes
+        self.boundary_bytes = [act] * (L + 1)  # A_i
+        self.param_bytes = [p * dtype_bytes for p in spec.layer_params]  # every expert streams
+        self.grad_bytes = list(self.param_bytes)
+        self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
+        self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
+        self.working_bytes = [tokens * self._working_elements_per_token(j) * dtype_bytes for j in range(L)]
+        # one chunk's logits in the compute dtype, their fp32 softmax and its gradient
+        self.head_working_bytes = self.head_chunk_tokens * spec.vocab_size * (dtype_bytes + 8)
+
+        # ---- optimizer time ---------------------------------------------------------------------
+        self.optimizer_s = [self._optimizer_seconds(p) for p in spec.layer_params]
+        self.head_optimizer_s = self._optimizer_seconds(spec.head_params)
+        self.embedding_optimizer_s = self._optimizer_seconds(spec.embedding_params)
+
+        # host: adding each landed gradient (compute dtype) into the fp32 .grad, on the optimizer stream
+        acc_rate = _rate(hardware.grad_accumulate_gbps)
+        self.accumulate_s = [b / acc_rate for b in self.grad_bytes]
+        self.head_accumulate_s = self.head_grad_bytes / acc_rate
+        self.embedding_accumulate_s = spec.embedding_params * dtype_bytes / acc_rate
+        # per-step device constants: rotary cos/sin tables and positions (SDPA builds no mask tensor)
+        self.constant_device_bytes = 2 * workload.seq_len * spec.head_dim * dtype_bytes + 8 * workload.seq_len
+
+        # ---- link rates -------------------------------------------------------------------------
+        self.h2d_bytes_per_s = _rate(hardware.h2d_gbps)
+        self.d2h_bytes_per_s = _rate(hardware.d2h_gbps)
+        self.nvme_read_bytes_per_s = _rate(hardware.nvme_read_gbps)
+        self.nvme_write_bytes_per_s = _rate(hardware.nvme_write_gbps)
+
+    # ---- FLOPs and bytes of one layer --------------------------------------------------------------
+    def _layer_forward_flops(self, j: int) -> float:
+        spec, seq, tokens = self.spec, self.workload.seq_len, self.workload.tokens
+        linear = 2.0 * spec.layer_active_params[j] * tokens
+        kind = spec.layer_types[j]
+        d_q = spec.num_attention_heads * spec.head_dim
+        if kind == "linear_attention":
+            mixing = 2.0 * (LINEAR_ATTN_CHUNK + LINEAR_ATTN_HEAD_DIM) * 2 * spec.hidden_size * tokens
+        else:
+            window = spec.sliding_window if kind == "sliding_attention" and spec.sliding_window else seq
+            mixing = 4.0 * d_q * tokens * mean_keys_per_query(seq, window)
+        return linear + mixing
+
+    def _mlp_width(self) -> int:
+        spec = self.spec
+        return spec.intermediate_size * max(1, spec.num_experts_per_tok)
+
+    def _elementwise_bytes(self, j: int) -> float:
+        """Forward bytes moved by the memory-bound ops of one layer, as `transformers` runs them eagerly.
+
+        Per token, in bf16 bytes (scaled by dtype_bytes / 2): each RMSNorm upcasts to fp32, squares,
+        averages, scales, downcasts and multiplies by its weight (~36 B per element, 2 norms); 2 residual
+        adds (6 B each); rotary on q and k (mul, rotate_half's slice/neg/cat, mul, add: ~20 B per element);
+        SiLU(gate) * up (10 B per intermediate element); the attention output transpose (4 B per q element).
+        """
+        spec = self.spec
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        if spec.layer_types[j] == "linear_attention":
+            q, kv = 2 * q, 0  # gated conv + norm over the value heads instead of rotary; about as much traffic
+        per_token = 2 * 36 * spec.hidden_size + 2 * 6 * spec.hidden_size + 20 * (q + kv) + 4 * q
+        per_token += 10 * self._mlp_width()
+        return per_token * self.dtype_bytes / 2 * self.workload.tokens
+
+    def _working_elements_per_token(self, j: int) -> int:
+        """Autograd-saved tensors of one layer plus the largest transient of its backward, per token.
+
+        Saved: layer input, norm outputs, residual (4 h), q and attention output (2 d_q), k, v (2 d_kv),
+        gate, up, SiLU(gate), their product (4 I); the backward adds about two I-wide gradients (2 I).
+        MoE adds the gathered token copies for the top-k experts (2 k h).
+        """
+        spec = self.spec
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        moe = 2 * spec.num_experts_per_tok * spec.hidden_size if spec.is_moe else 0
+        return 4 * spec.hidden_size + 2 * q + 2 * kv + 6 * self._mlp_width() + moe
+
+    def _optimizer_seconds(self, params: int) -> float:
+        hw = self.hardware
+        fp32_rate, q8_rate = hw.optimizer_params_per_s(False), hw.optimizer_params_per_s(True)
+        if self.optimizer == "fp32":
+            return params / fp32_rate
+        if self.optimizer == "8bit":
+            return params / q8_rate
+        return params * ((1 - HYBRID_8BIT_FRACTION) / fp32_rate + HYBRID_8BIT_FRACTION / q8_rate)
+
+    # ---- static memory ------------------------------------------------------------------------------
+    @property
+    def slot_bytes(self) -> int:
+        """One weight (or gradient) slot: the largest layer or the loss head, in the compute dtype."""
+        return max(max(self.param_bytes), self.head_param_bytes)
+
+    def optimizer_state_bytes(self) -> int:
+        """Adam's two moments: fp32 8 B/param; 8-bit 2 B/param + an fp32 absmax per block per moment."""
+        n = self.spec.num_params
+        eight_bit = 2.0 + 2 * 4.0 / QUANT_BLOCK
+        share = {"fp32": 0.0, "hybrid": HYBRID_8BIT_FRACTION, "8bit": 1.0}[self.optimizer]
+        return int(round(n * ((1 - share) * 8.0 + share * eight_bit)))
+
+    def host_breakdown(self) -> dict[str, int]:
+        """Static host bytes by kind (see static_host_bytes)."""
+        n = self.spec.num_params
+        return {
+            "weights": n * self.dtype_bytes,
+            "grads": n * (4 if self.master_weights else self.dtype_bytes),  # fp32 .grad beside an fp32 master
+            "master_weights": 4 * n if self.master_weights and self.dtype_bytes < 4 else 0,
+            "optimizer_states": self.optimizer_state_bytes(),
+            "pinned_staging": 2 * self.slot_bytes,
+        }
+
+    def static_host_bytes(self) -> int:
+        """Weights + grads in the compute dtype, optimizer states by mode, 2 gradient landing slots [+ fp32 master]."""
+        return sum(self.host_breakdown().values())
+
+    def device_breakdown(self) -> dict[str, int]:
+        return {
+            "weight_slots": 2 * self.slot_bytes,
+            "grad_slots": 2 * self.slot_bytes,
+            "working_set": max(max(self.working_bytes), self.head_working_bytes),
+            "boundary_grads": 2 * max(self.boundary_bytes),
+            "constants": self.constant_device_bytes,
+        }
+
+    def static_device_bytes(self) -> int:
+        """Weight slots + gradient slots + the largest working set + two boundary-gradient buffers + constants."""
+        return sum(self.device_breakdown().values())
+
+    # ---- throughput conventions -----------------------------------------------------------------
+    @property
+    def step_flops(self) -> float:
+        """MegaTrain's convention: 6 * N_params * batch * seq (N = all stored parameters)."""
+        return 6.0 * self.spec.num_params * self.workload.tokens
+
+    def tflops(self, step_s: float) -> float:
+        return self.step_flops / step_s / 1e12
+
+    def tokens_per_s(self, step_s: float) -> float:
+        return self.workload.tokens / step_s
+
+    @property
+    def total_optimizer_s(self) -> float:
+        return sum(self.optimizer_s) + self.head_optimizer_s + self.embedding_optimizer_s
+
+    # ---- measured overrides ---------------------------------------------------------------------
+    def with_times(self, *, forward_s: Sequence[float] | float | None = None,
+                   backward_s: Sequence[float] | float | None = None, head_s: float | None = None,
+                   optimizer_s: Sequence[float] | float | None = None) -> CostModel:
+        """A copy with measured seconds in place of the FLOP estimates (a float applies to every layer)."""
+        out = copy.copy(self)
+        for name, value in (("forward_s", forward_s), ("backward_s", backward_s), ("optimizer_s", optimizer_s)):
+            if value is None:
+                continue
+            values = [float(value)] * self.num_layers if isinstance(value, int | float) else [float(v) for v in value]
+            if len(values) != self.num_layers or any(not math.isfinite(v) or v < 0 for v in values):
+                raise LazyTrainError(f"{name}: need {self.num_layers} finite non-negative seconds, got {value!r}")
+            setattr(out, name, values)
+        if head_s is not None:
+            out.head_s = float(head_s)
+        return out
+
+    @classmethod
+    def from_profile(cls, model: Any, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
+                     *, repeats: int = 3, **kwargs: Any) -> CostModel:
+        """A CostModel whose forward/backward/head seconds are measured on this machine with `model`.
+
+        `model` is a `transformers` causal LM on the CPU (random weights are fine). One layer of each
+        distinct shape is timed (median of `repeats`): forward without autograd, and autograd forward +
+        backward; the loss head is timed chunked, as the executor runs it. Optimizer seconds come from
+        `hardware.optimizer_gparams_per_s` (`HardwareSpec.profile()` measures it).
+        """
+        from lazytrain.plan.plan import spec_of
+
+        spec = spec_of(model)
+        cost = cls(spec, hardware, workload, optimizer, **kwargs)
+        times = profile_layer_times(model, workload, repeats=repeats, head_chunk_tokens=cost.head_chunk_tokens)
+        return cost.with_times(forward_s=times["forward_s"], backward_s=times["backward_s"], head_s=times["head_s"])
+
+
+def mean_keys_per_query(seq: int, window: int) -> float:
+    """Mean number of keys a query attends to under a causal mask limited to `window` keys: mean of min(t+1, w)."""
+    w = min(window, seq)
+    # sum_{t=0}^{seq-1} min(t+1, w) = w(w+1)/2 + (seq - w) * w
+    return (w * (w + 1) / 2 + (seq - w) * w) / seq
+
+
+# ---- measured layer times (CPU emulated device) -----------------------------------------------------
+def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
+                        head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> dict[str, Any]:
+    """Measure forward / autograd forward+backward seconds of each layer shape and of the chunked loss head.
+
+    Layers with the same type and parameter count share one measurement. Returns
+    {"forward_s": [...L], "backward_s": [...L], "head_s": float}.
+    """
+    import torch
+
+    from lazytrain.plan.plan import spec_of
+
+    spec = spec_of(model)
+    inner = model.model if hasattr(model, "model") else model
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(0)
+    b, s = workload.batch_size, workload.seq_len
+    hidden = torch.randn(b, s, spec.hidden_size, generator=gen).to(dtype)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
+    rotary = getattr(inner, "rotary_emb", None)
+    pos_emb = rotary(hidden, position_ids) if rotary is not None else None
+
+    def call(layer: Any, x: Any) -> Any:
+        out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=pos_emb)
+        return out[0] if isinstance(out, tuple) else out
+
+    measured: dict[tuple[str, int], tuple[float, float]] = {}
+    forward_s, backward_s = [], []
+    for j, layer in enumerate(inner.layers):
+        key = (spec.layer_types[j], spec.layer_params[j])
+        if key not in measured:
+            def fwd(layer: Any = layer) -> None:
+                with torch.no_grad():
+                    call(layer, hidden)
+
+            x = hidden.clone().requires_grad_(True)
+            grad = torch.randn(b, s, spec.hidden_size, generator=gen).to(dtype)
+
+            def fwd_bwd(layer: Any = layer, x: Any = x, grad: Any = grad) -> None:
+                call(layer, x).backward(grad)
+
+            measured[key] = (_median_s(fwd, repeats), _median_s(fwd_bwd, repeats))
+            layer.zero_grad(set_to_none=True)
+        forward_s.append(measured[key][0])
+        backward_s.append(measured[key][1])
+
+    norm, lm_head = inner.norm, model.lm_head
+    labels = torch.randint(0, spec.vocab_size, (b * s,), generator=gen)
+    x = hidden.reshape(b * s, -1).clone().requires_grad_(True)
+
+    def head() -> None:
+        for start in range(0, b * s, head_chunk_tokens):
+            chunk = x[start:start + head_chunk_tokens]
+            logits = lm_head(norm(chunk)).float()
+            loss = torch.nn.functional.cross_entropy(logits, labels[start:start + head_chunk_tokens], reduction="sum")
+            loss.backward()
+
+    head_s = _median_s(head, repeats)
+    model.zero_grad(set_to_none=True)
+    return {"forward_s": forward_s, "backward_s": backward_s, "head_s": head_s}
+
+
+def _median_s(fn: Any, repeats: int) -> float:
+    fn()  # warm-up: allocator, kernels
+    samples = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return sorted(samples)[len(samples) // 2]

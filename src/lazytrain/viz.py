@@ -1,0 +1,56 @@
+"""Timeline picture of one simulated (or measured) step: one row per stream, device memory below.
+
+    from lazytrain.viz import plot_timeline
+    plot_timeline(simulate(plan, cost), "timeline.png", title="qwen3.6-27b, MILP plan")
+
+Needs matplotlib (the `viz` extra); imported lazily so the rest of LazyTrain never pays for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lazytrain.errors import LazyTrainError
+
+ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "H": "#c44e52", "h2d": "#8172b3", "d2h": "#937860",
+          "nvme_read": "#da8bc3", "nvme_write": "#8c8c8c", "optimizer": "#ccb974"}
+
+
+def _color(stream: str, name: str) -> str:
+    if stream == "compute":
+        return COLORS.get(name[:1], "#4c72b0")
+    return COLORS.get(stream, "#999999")
+
+
+def plot_timeline(result: Any, path: str | Path, *, title: str = "") -> Path:
+    """Draw `result.events` (a SimResult) as bars per stream and the device memory trace; save to `path`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise LazyTrainError("the timeline picture needs matplotlib: pip install 'lazytrain[viz]'") from None
+    fig, (ax, mem) = plt.subplots(2, 1, figsize=(14, 5.5), sharex=True, height_ratios=[3, 1.4])
+    for row, stream in enumerate(ROWS):
+        bars = [(e.start, e.end - e.start) for e in result.events if e.stream == stream and e.end > e.start]
+        colors = [_color(stream, e.name) for e in result.events if e.stream == stream and e.end > e.start]
+        if bars:
+            ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors, edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(ROWS)), [f"{s}\n(exposed {result.exposed_s.get(s, 0.0) * 1e3:.0f} ms)"
+                                      if s != "compute" else s for s in ROWS], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(title or f"step {result.step_s:.3f} s, {result.tflops:.1f} TFLOPS ({result.optimizer_mode} optimizer)")
+    times, levels = zip(*result.memory_trace["gpu"], strict=True) if result.memory_trace["gpu"] else ((0,), (0,))
+    mem.step(times, [v / 2**30 for v in levels], where="post", color="#4c72b0")
+    mem.set_ylabel("device GiB")
+    mem.set_xlabel("seconds")
+    mem.axhline(result.peak_bytes["gpu"] / 2**30, color="#c44e52", linewidth=0.8, linestyle="--")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,153 @@
+"""CostModel: FLOP formulas (causal attention, GQA, sliding window, linear attention, MoE), bytes, memory modes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.spec.cost import CostModel, mean_keys_per_query
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.workload import Workload
+
+RNG = random.Random(20261202)
+FLOP_ONLY = HardwareSpec.load("h800", mem_gbps=math.inf)  # time = FLOPs / rate exactly
+
+
+def _dense(**over) -> ModelSpec:
+    heads = RNG.choice([4, 8])
+    cfg = {"model_type": "llama", "hidden_size": heads * RNG.choice([16, 32]), "num_attention_heads": heads,
+           "num_key_value_heads": RNG.choice([1, 2, heads]), "intermediate_size": RNG.randrange(64, 300),
+           "num_hidden_layers": RNG.randrange(2, 6), "vocab_size": RNG.randrange(500, 2000), **over}
+    return ModelSpec.from_config(cfg, name="dense")
+
+
+def test_dense_forward_time_is_linear_plus_causal_attention_flops_over_the_rate() -> None:
+    spec = _dense()
+    wl = Workload(RNG.randrange(1, 9), RNG.randrange(16, 600))
+    cost = CostModel(spec, FLOP_ONLY, wl)
+    T, s = wl.tokens, wl.seq_len
+    d_q = spec.num_attention_heads * spec.head_dim
+    # causal: query t sees t+1 keys; QK^T and AV are 2 FLOPs per multiply-add each
+    attention = 2 * 2 * d_q * wl.batch_size * sum(t + 1 for t in range(s))
+    flops = 2 * spec.layer_params[0] * T + attention
+    assert cost.forward_s[0] == pytest.approx(flops / (FLOP_ONLY.matmul_tflops * 1e12), rel=1e-12)
+    assert cost.backward_s == pytest.approx([3 * f for f in cost.forward_s])
+    assert cost.head_s == pytest.approx(6 * spec.vocab_size * spec.hidden_size * T / FLOP_ONLY.matmul_flops_per_s,
+                                        rel=1e-12)
+
+
+def test_gqa_changes_only_the_projection_flops() -> None:
+    base = _dense(num_key_value_heads=None)
+    gqa = _dense(**{k: getattr(base, k) for k in ("hidden_size", "num_attention_heads", "intermediate_size",
+                                                    "vocab_size")}, num_hidden_layers=base.num_layers,
+                 num_key_value_heads=1)
+    wl = Workload(2, 128)
+    full, grouped = CostModel(base, FLOP_ONLY, wl), CostModel(gqa, FLOP_ONLY, wl)
+    saved = 2 * (base.layer_params[0] - gqa.layer_params[0]) * wl.tokens
+    assert saved > 0
+    assert (full.forward_flops[0] - grouped.forward_flops[0]) == pytest.approx(saved)
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_mean_keys_per_query_matches_brute_force(trial: int) -> None:
+    seq, window = RNG.randrange(1, 400), RNG.randrange(1, 500)
+    assert mean_keys_per_query(seq, window) == pytest.approx(sum(min(t + 1, window) for t in range(seq)) / seq)
+
+
+def test_sliding_linear_and_moe_layers() -> None:
+    spec = ModelSpec.load("tiny-gpt-oss")
+    assert "sliding_attention" in spec.layer_types and spec.sliding_window and spec.is_moe
+    wl = Workload(2, 4 * spec.sliding_window)
+    cost = CostModel(spec, FLOP_ONLY, wl)
+    for j, kind in enumerate(spec.layer_types):
+        linear = 2 * spec.layer_active_params[j] * wl.tokens
+        keys = (wl.seq_len + 1) / 2  # causal
+        if kind == "sliding_attention":
+            keys = mean_keys_per_query(wl.seq_len, spec.sliding_window)
+        assert cost.forward_flops[j] == pytest.approx(linear + 4 * spec.num_attention_heads * spec.head_dim
+                                                      * wl.tokens * keys)
+        # MoE: every expert streams and is updated, only the top-k are computed
+        assert cost.param_bytes[j] == spec.layer_params[j] * 2
+        assert spec.layer_active_params[j] < spec.layer_params[j]
+    hybrid = ModelSpec.load("tiny-qwen3.6")
+    assert {"linear_attention", "full_attention"} <= set(hybrid.layer_types)
+    short, long = (CostModel(hybrid, FLOP_ONLY, Workload(1, s)) for s in (64, 256))
+    for j, kind in enumerate(hybrid.layer_types):
+        ratio = long.forward_flops[j] / short.forward_flops[j]
+        if kind == "linear_attention":
+            assert ratio == pytest.approx(4.0)  # no seq^2 term
+        else:
+            assert ratio > 4.0
+
+
+def test_bytes_follow_shapes_and_dtype() -> None:
+    spec = _dense()
+    for dtype, size in (("bf16", 2), ("fp32", 4)):
+        wl = Workload(RNG.randrange(1, 5), RNG.randrange(8, 64), dtype)
+        cost = CostModel(spec, FLOP_ONLY, wl)
+        assert cost.boundary_bytes == [wl.tokens * spec.hidden_size * size] * (spec.num_layers + 1)
+        assert cost.param_bytes == [p * size for p in spec.layer_params] == cost.grad_bytes
+        assert cost.head_param_bytes == (spec.vocab_size + 1) * spec.hidden_size * size
+        assert cost.slot_bytes == max(max(cost.param_bytes), cost.head_param_bytes)
+        assert all(w > 0 for w in cost.working_bytes)
+    with pytest.raises(LazyTrainError, match="optimizer 'adam16'"):
+        CostModel(spec, FLOP_ONLY, Workload(1, 8), "adam16")
+
+
+def test_optimizer_modes_change_states_and_time() -> None:
+    spec = _dense()
+    hw = HardwareSpec.load("h800", optimizer_gparams_per_s=6.0, optimizer_8bit_gparams_per_s=2.0)
+    wl = Workload(1, 16)
+    fp32, hybrid, q8 = (CostModel(spec, hw, wl, mode) for mode in ("fp32", "hybrid", "8bit"))
+    n = spec.num_params
+    assert fp32.optimizer_state_bytes() == 8 * n
+    assert q8.optimizer_state_bytes() == round(n * (2 + 8 / 256))
+    assert fp32.optimizer_state_bytes() > hybrid.optimizer_state_bytes() > q8.optimizer_state_bytes()
+    assert hybrid.optimizer_state_bytes() == round(n * (0.98 * 8 + 0.02 * (2 + 8 / 256)))
+    assert fp32.total_optimizer_s == pytest.approx(n / 6e9)
+    assert q8.total_optimizer_s == pytest.approx(n / 2e9)
+    assert fp32.static_host_bytes() - q8.static_host_bytes() == 8 * n - q8.optimizer_state_bytes()
+    master = CostModel(spec, hw, Workload(1, 16, "bf16"), master_weights=True)
+    assert master.static_host_bytes() - fp32.static_host_bytes() == 6 * n  # fp32 master + fp32 (not bf16) grads
+
+
+def test_throughput_conventions() -> None:
+    spec = _dense()
+    wl = Workload(3, 50)
+    cost = CostModel(spec, FLOP_ONLY, wl)
+    step_s = RNG.uniform(0.5, 5)
+    assert cost.tflops(step_s) == pytest.approx(6 * spec.num_params * 150 / step_s / 1e12)
+    assert cost.tokens_per_s(step_s) == pytest.approx(150 / step_s)
+
+
+def test_with_times_overrides_and_validates() -> None:
+    spec = _dense()
+    cost = CostModel(spec, FLOP_ONLY, Workload(1, 8))
+    times = [RNG.uniform(0.1, 1) for _ in range(spec.num_layers)]
+    measured = cost.with_times(forward_s=times, backward_s=0.5, head_s=0.25)
+    assert measured.forward_s == times and measured.backward_s == [0.5] * spec.num_layers
+    assert measured.head_s == 0.25 and cost.head_s != 0.25  # the original is untouched
+    with pytest.raises(LazyTrainError, match="forward_s"):
+        cost.with_times(forward_s=times[:-1])
+    with pytest.raises(LazyTrainError, match="backward_s"):
+        cost.with_times(backward_s=[-1.0] * spec.num_layers)
+
+
+def test_from_profile_times_a_real_tiny_model() -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    spec_cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256}
+    torch.manual_seed(RNG.randrange(2**31))
+    config = transformers.AutoConfig.for_model(**spec_cfg)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    cost = CostModel.from_profile(model, HardwareSpec.load("emulated"), Workload(2, 32, "fp32"), repeats=1)
+    assert all(t > 0 for t in cost.forward_s + cost.backward_s) and cost.head_s > 0
+    assert cost.forward_s[0] == cost.forward_s[1]  # same shape: measured once
+    assert cost.backward_s[0] == cost.backward_s[1] != cost.forward_s[0]
+    assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients behind

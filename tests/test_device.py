@@ -1,0 +1,96 @@
+"""EmulatedDevice: a capped arena that raises out-of-memory, and links that really take bytes / bandwidth."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lazytrain import EmulatedDevice
+from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.device import DeviceOutOfMemoryError, check_nvme_dir
+
+
+def test_arena_counts_and_refuses_over_capacity() -> None:
+    dev = EmulatedDevice(capacity_bytes=1000)
+    a = dev.alloc((100,), torch.float32, "a")  # 400 bytes
+    dev.reserve(500, "working set")
+    with pytest.raises(torch.OutOfMemoryError, match=r"tried to allocate 400 bytes .* with 100 bytes free"):
+        dev.alloc((100,), torch.float32, "b")
+    assert isinstance(DeviceOutOfMemoryError("x"), RuntimeError)
+    assert dev.used_bytes == 900 and dev.peak_bytes == 900
+    dev.free(a)
+    dev.free(a)  # idempotent
+    dev.unreserve(500)
+    assert dev.used_bytes == 0 and dev.peak_bytes == 900
+    dev.reset_peak()
+    assert dev.peak_bytes == 0
+    t = dev.adopt(torch.randn(50), "output")
+    assert dev.used_bytes == 200
+    dev.free(t)
+
+
+def test_link_takes_bytes_over_bandwidth_and_overlaps_compute() -> None:
+    dev = EmulatedDevice(h2d_gbps=0.01)  # 10 MB/s
+    src = torch.randn(250_000)  # 1 MB -> 0.1 s
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    ev = dev.copy("h2d", dst, src)
+    time.sleep(0.05)  # 50 ms of "compute" (torch kernels release the GIL too) overlapping the copy
+    stall = dev.wait(ev)
+    elapsed = time.perf_counter() - t0
+    assert torch.equal(dst, src)
+    assert 0.1 <= elapsed < 0.4  # upper bound loose: other processes share the cores
+    assert 0.02 < stall <= elapsed - 0.05  # only the part of the copy that compute did not hide
+
+
+def test_links_are_fifo_and_independent() -> None:
+    dev = EmulatedDevice(h2d_gbps=0.01, d2h_gbps=0.01)
+    src = torch.randn(125_000)  # 0.5 MB -> 50 ms each
+    order: list[str] = []
+    e1 = dev.submit("h2d", lambda: order.append("h2d-1"), src.numel() * 4)
+    e2 = dev.submit("h2d", lambda: order.append("h2d-2"), src.numel() * 4)
+    e3 = dev.submit("d2h", lambda: order.append("d2h"), src.numel() * 4)
+    t0 = time.perf_counter()
+    for e in (e1, e2, e3):
+        dev.wait(e)
+    elapsed = time.perf_counter() - t0
+    assert order.index("h2d-1") < order.index("h2d-2")
+    assert 0.09 <= elapsed < 0.3  # h2d's two copies in series, d2h in parallel with them
+
+
+def test_dependency_and_error_propagate() -> None:
+    dev = EmulatedDevice(d2h_gbps=0.01)
+    first = dev.submit("d2h", lambda: None, 500_000)  # 50 ms
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    second = dev.submit("nvme_write", fail, 0, after=[first])
+    with pytest.raises(ValueError, match="boom"):
+        dev.wait(second)
+    assert second.start_s >= first.end_s
+
+
+def test_bad_rates_and_nvme_dirs(tmp_path) -> None:
+    with pytest.raises(LazyTrainError, match="h2d_gbps must be positive"):
+        EmulatedDevice(h2d_gbps=0)
+    with pytest.raises(LazyTrainError, match="does not exist"):
+        check_nvme_dir(tmp_path / "nope")
+    check_nvme_dir(tmp_path)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:  # as root permissions do not bind, but nobody can create files in /proc
+        with pytest.raises(LazyTrainError, match="not writable"):
+            check_nvme_dir(Path("/proc") if os.geteuid() == 0 else locked)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_default_nvme_dir_is_a_temporary_directory() -> None:
+    dev = EmulatedDevice()
+    assert dev.nvme_dir.is_dir()

@@ -1,0 +1,271 @@
+"""Executor vs the model's own transformers forward/backward: loss and every gradient, under every plan shape."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lazytrain import EmulatedDevice, Executor, Plan
+from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.executor import predict_device_peak
+
+VOCAB = 61
+NUM_LAYERS = 6
+
+
+def make_model(kind: str, num_layers: int = NUM_LAYERS, attn: str = "eager", seed: int = 0) -> torch.nn.Module:
+    """A tiny random-weight causal LM of the given family."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  attn_implementation=attn)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, pad_token_id=3))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=12))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=5))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # random norms too, so their gradients are not trivially uniform
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def make_batch(batch: int = 3, seq_len: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
+    labels = ids.clone()
+    labels[0, : seq_len // 2] = -100  # padding labels
+    if batch > 1:
+        labels[-1, -3:] = -100
+    return ids, labels
+
+
+def reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict]:
+    ref = copy.deepcopy(model)
+    out = ref(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return float(out.loss), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def assert_matches(model, loss, ref_loss, ref_grads, tol=1e-5) -> None:
+    assert abs(float(loss) - ref_loss) <= tol * abs(ref_loss), (float(loss), ref_loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        err = float((p.grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30))
+        assert err <= tol, f"{name}: relative error {err:.2e}"
+
+
+def megatrain(num_layers: int, interval: int) -> list[str]:
+    return ["gpu" if i % interval == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
+
+
+PLANS = {
+    "keep-all": ["gpu"] * (NUM_LAYERS + 1),
+    "recompute-all": ["gpu"] + ["recompute"] * (NUM_LAYERS - 1) + ["gpu"],
+    "megatrain-2": megatrain(NUM_LAYERS, 2),
+    "megatrain-3": megatrain(NUM_LAYERS, 3),
+    "all-cpu": ["gpu"] + ["cpu"] * (NUM_LAYERS - 1) + ["gpu"],
+    "mix-nvme": ["gpu", "nvme", "recompute", "cpu", "gpu", "nvme", "gpu"],
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_loss_and_grads_match_transformers(kind: str, plan_name: str) -> None:
+    model = make_model(kind)
+    ids, labels = make_batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    ex = Executor(model, Plan.from_tiers(model, PLANS[plan_name]), EmulatedDevice(), head_chunk_tokens=7)
+    loss = ex.forward_backward(ids, labels)
+    assert_matches(model, loss, ref_loss, ref_grads)
+    stats = ex.last_step
+    assert stats.peak_device_bytes <= stats.predicted_peak_device_bytes
+    assert stats.peak_device_bytes >= 0.9 * stats.predicted_peak_device_bytes
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inner=st.lists(st.sampled_from(["gpu", "cpu", "nvme", "recompute"]), min_size=NUM_LAYERS - 1,
+                      max_size=NUM_LAYERS - 1),
+       kind=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
+       seq_len=st.sampled_from([5, 9, 13]), batch=st.sampled_from([1, 3]))
+def test_random_tier_lists_match(inner, kind, seq_len, batch) -> None:
+    model = make_model(kind)
+    ids, labels = make_batch(batch, seq_len, seed=seq_len)
+    ref_loss, ref_grads = reference(model, ids, labels)
+    tiers = ["gpu", *inner, "gpu"]
+    ex = Executor(model, Plan.from_tiers(model, tiers), EmulatedDevice(), head_chunk_tokens=4)
+    assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
+    assert ex.last_step.peak_device_bytes <= ex.last_step.predicted_peak_device_bytes
+
+
+def test_sdpa_attention_matches() -> None:
+    model = make_model("llama", attn="sdpa")
+    ids, labels = make_batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    ex = Executor(model, Plan.from_tiers(model, PLANS["megatrain-3"]), EmulatedDevice())
+    assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
+
+
+def test_chunk_with_no_labels_and_all_ignored() -> None:
+    model = make_model("llama")
+    ids, labels = make_batch(2, 9)
+    labels[0, :] = -100  # a whole chunk (head_chunk_tokens=9) ignored
+    ref_loss, ref_grads = reference(model, ids, labels)
+    ex = Executor(model, Plan.from_tiers(model, PLANS["all-cpu"]), EmulatedDevice(), head_chunk_tokens=9)
+    assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
+    model.zero_grad(set_to_none=True)
+    labels[:] = -100  # every token ignored: NaN, exactly as the model's own loss
+    assert torch.isnan(ex.forward_backward(ids, labels))
+
+
+def test_gradients_accumulate_like_autograd() -> None:
+    model = make_model("qwen2")
+    batches = [make_batch(3, 7, seed=s) for s in (1, 2)]
+    ref = copy.deepcopy(model)
+    for ids, labels in batches:
+        (ref(input_ids=ids, labels=labels).loss * 0.5).backward()
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice())
+    for ids, labels in batches:
+        ex.forward_backward(ids, labels, loss_scale=0.5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert float((p.grad - q.grad).norm() / q.grad.norm()) <= 1e-5, name
+
+
+def test_overlapped_optimizer_hook_equals_serial_adamw() -> None:
+    """Per-layer AdamW steps run by the hook as grads land == one AdamW step after the whole backward."""
+    model = make_model("llama")
+    serial = copy.deepcopy(model)
+    ids, labels = make_batch()
+    serial_ex = Executor(serial, Plan.from_tiers(serial, PLANS["megatrain-2"]), EmulatedDevice())
+    serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
+    seen: list[int] = []
+    ex = Executor(model, Plan.from_tiers(model, PLANS["megatrain-2"]), EmulatedDevice())
+    opts = [torch.optim.AdamW(group, lr=1e-2) for group in ex.param_groups()]
+
+    def hook(index: int, params: list[torch.nn.Parameter]) -> None:
+        seen.append(index)
+        opts[index].step()
+        opts[index].zero_grad(set_to_none=True)
+
+    ex.optimizer_hook = hook
+    for _ in range(2):
+        serial_ex.forward_backward(ids, labels)
+        serial_opt.step()
+        serial_opt.zero_grad(set_to_none=True)
+        ex.forward_backward(ids, labels)
+    assert sorted(seen) == sorted(list(range(len(ex.param_groups()))) * 2)
+    for p, q in zip(model.parameters(), serial.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_compute_tracks_fp32() -> None:
+    model = make_model("llama")
+    ids, labels = make_batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(),
+                  compute_dtype=torch.bfloat16)
+    loss = ex.forward_backward(ids, labels)
+    assert abs(float(loss) - ref_loss) < 0.02 * ref_loss
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32  # fp32 master and grads
+        assert float((p.grad - ref_grads[name]).norm() / ref_grads[name].norm()) < 0.1, name
+    with torch.no_grad():  # an update of the fp32 master weights reaches the streamed bf16 copy
+        model.lm_head.weight.mul_(0.0)
+    model.zero_grad()
+    assert abs(float(ex.forward_backward(ids, labels)) - torch.log(torch.tensor(float(VOCAB)))) < 1e-2
+
+
+def test_over_the_cap_raises_out_of_memory() -> None:
+    model = make_model("llama")
+    ids, labels = make_batch()
+    plan = Plan.from_tiers(model, PLANS["keep-all"])
+    peak = Executor(model, plan, EmulatedDevice()).predicted_peak_bytes(3, 11)
+    ex = Executor(model, plan, EmulatedDevice(capacity_bytes=peak - 1))
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory.*bytes"):
+        ex.forward_backward(ids, labels)
+    assert ex.device.used_bytes == 0  # the failed step returned every byte
+    ok = Executor(model, plan, EmulatedDevice(capacity_bytes=peak))
+    ok.forward_backward(ids, labels)
+    assert ok.last_step.peak_device_bytes == peak
+
+
+def test_offloading_lowers_the_peak() -> None:
+    model = make_model("llama", num_layers=8)
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 9), EmulatedDevice())
+    sizes = ex.memory_sizes(3, 11)
+    keep = predict_device_peak(["gpu"] * 9, sizes)
+    offload = predict_device_peak(["gpu"] + ["cpu"] * 7 + ["gpu"], sizes)
+    assert keep - offload >= 4 * sizes.boundary_bytes
+
+
+def test_plan_for_another_model_is_refused() -> None:
+    model = make_model("llama")
+    other = make_model("llama", num_layers=NUM_LAYERS - 1)
+    with pytest.raises(LazyTrainError, match="plan was made for model"):
+        Executor(model, Plan.from_tiers(other, ["gpu"] * NUM_LAYERS), EmulatedDevice())
+
+
+def test_missing_nvme_dir_is_reported_before_the_step(tmp_path) -> None:
+    model = make_model("llama")
+    plan = Plan.from_tiers(model, PLANS["mix-nvme"])
+    with pytest.raises(LazyTrainError, match="does not exist"):
+        Executor(model, plan, EmulatedDevice(nvme_dir=tmp_path / "missing"))
+    Executor(model, Plan.from_tiers(model, PLANS["all-cpu"]), EmulatedDevice(nvme_dir=tmp_path / "missing"))
+
+
+def test_nvme_files_are_removed_after_the_step(tmp_path) -> None:
+    model = make_model("mistral")
+    ids, labels = make_batch()
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(nvme_dir=tmp_path))
+    ex.forward_backward(ids, labels)
+    assert list(tmp_path.iterdir()) == []
+    assert ex.last_step.peak_nvme_bytes == 2 * 3 * 11 * 32 * 4
+
+
+def test_throttled_links_stall_and_are_measured() -> None:
+    model = make_model("llama")
+    ids, labels = make_batch()
+    fast = Executor(model, Plan.from_tiers(model, PLANS["all-cpu"]), EmulatedDevice())
+    fast.forward_backward(ids, labels)
+    model.zero_grad()
+    slow = EmulatedDevice(h2d_gbps=0.002)  # 2 MB/s: a 20 KB layer takes ~10 ms per crossing
+    ex = Executor(model, Plan.from_tiers(model, PLANS["all-cpu"]), slow)
+    ex.forward_backward(ids, labels)
+    stats = ex.last_step
+    h2d_s = stats.link_bytes["h2d"] / 2e6
+    assert stats.link_bytes["h2d"] == fast.last_step.link_bytes["h2d"]
+    assert stats.link_busy_s["h2d"] >= 0.95 * h2d_s
+    assert stats.wall_s >= h2d_s  # the h2d link is the bottleneck ...
+    assert stats.stall_s["h2d"] >= 0.8 * (h2d_s - fast.last_step.wall_s)  # ... and compute measurably waits on it
+    assert fast.last_step.stall_s["h2d"] < 0.5 * stats.stall_s["h2d"]
+
+
+def test_device_peak_equals_the_simulators() -> None:
+    """The arena's measured peak is the simulator's predicted gpu peak for the same plan and cost model."""
+    pytest.importorskip("lazytrain.plan.sim")
+    from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
+    from lazytrain.plan.sim import simulate
+
+    for kind in ("llama", "qwen2"):
+        model = make_model(kind, attn="sdpa")  # SDPA: no mask tensor (the cost model counts none)
+        ids, labels = make_batch()
+        cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(3, 11, "fp32"))
+        for name, tiers in PLANS.items():
+            plan = Plan.from_tiers(model, tiers)
+            ex = Executor(model, plan, EmulatedDevice(), cost=cost, head_chunk_tokens=cost.head_chunk_tokens)
+            ex.forward_backward(ids, labels)
+            predicted = simulate(plan, cost).peak_bytes["gpu"]
+            assert ex.last_step.peak_device_bytes <= predicted, (kind, name)
+            assert ex.last_step.peak_device_bytes >= 0.9 * predicted, (kind, name)

@@ -1,0 +1,90 @@
+"""Plan files (Contract 1) made by the planners: round trip, refusal of a foreign plan, malformed files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.milp import solve_milp
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.rules import make_rule_plan
+from lazytrain.plan.sim import simulate
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.workload import Workload
+
+
+@pytest.fixture(scope="module")
+def milp_plan() -> tuple[Plan, ModelSpec, Workload]:
+    spec = ModelSpec.load("qwen2.5-7b")
+    workload = Workload(96, 1024)
+    cost = CostModel(spec, HardwareSpec.load("h800"), workload)
+    budgets = Budgets(gpu_mem_cap_bytes=40 * 10**9, cpu_act_bytes=8 * 10**9, nvme_act_bytes=8 * 10**9)
+    plan = solve_milp(cost, budgets)
+    return plan.with_prediction(simulate(plan, cost).to_prediction()), spec, workload
+
+
+def test_milp_plan_round_trips(tmp_path, milp_plan) -> None:
+    plan, spec, workload = milp_plan
+    assert plan.transfers and {"cpu", "gpu"} <= set(plan.tiers)  # the fixture exercises offloads
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path, spec=spec, workload=workload)
+    assert loaded == plan
+    assert loaded.report.solver == "highs" and loaded.report.gap == 0
+    # every offloaded boundary's bytes leave on d2h in the forward windows at or after it
+    for i in plan.boundaries("cpu"):
+        moved = [t for t in plan.transfers if t.boundary == i and t.link == "d2h"]
+        assert sum(t.num_bytes for t in moved) == pytest.approx(max(CostModel(
+            spec, HardwareSpec.load("h800"), workload).boundary_bytes), rel=1e-6)
+        assert all(t.window >= i for t in moved)
+
+
+def test_foreign_plan_is_refused(tmp_path, milp_plan) -> None:
+    plan, _, workload = milp_plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    with pytest.raises(LazyTrainError, match="made for model"):
+        Plan.load(path, spec=ModelSpec.load("qwen2.5-14b"))
+    with pytest.raises(LazyTrainError, match="batch"):
+        Plan.load(path, spec=ModelSpec.load("qwen2.5-7b"), workload=Workload(8, 1024))
+
+
+def test_rule_plan_round_trips(tmp_path) -> None:
+    spec = ModelSpec.load("tiny-qwen3")
+    plan = make_rule_plan("offload-all", spec)
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json", spec=spec) == plan
+
+
+def _mutations(data: dict) -> dict[str, object]:
+    boundaries = data["boundaries"]
+    return {
+        "not json": "{",
+        "a list": "[]",
+        "future version": {**data, "version": 99},
+        "no boundaries": {k: v for k, v in data.items() if k != "boundaries"},
+        "unknown tier": {**data, "boundaries": [*boundaries[:-2], {"boundary": len(boundaries) - 2, "tier": "ssd"},
+                                                boundaries[-1]]},
+        "gap in boundaries": {**data, "boundaries": boundaries[:1] + boundaries[2:]},
+        "last boundary not gpu": {**data, "boundaries": [*boundaries[:-1], {"boundary": len(boundaries) - 1,
+                                                                            "tier": "cpu"}]},
+        "transfer out of range": {**data, "transfers": [{"boundary": 1, "window": 999, "link": "d2h",
+                                                         "num_bytes": 1}]},
+        "bad workload": {**data, "workload": {"batch_size": -3, "seq_len": 1024}},
+    }
+
+
+@pytest.mark.parametrize("case", list(_mutations({"boundaries": [{}, {}, {}]})))
+def test_malformed_plan_files_are_refused_in_one_line(tmp_path, milp_plan, case: str) -> None:
+    plan, spec, _ = milp_plan
+    bad = _mutations(plan.to_dict())[case]
+    path = tmp_path / "bad.json"
+    path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+    with pytest.raises(LazyTrainError) as err:
+        Plan.load(path, spec=spec)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,86 @@
+"""Host stores: packed aligned layer buffers, gradient accumulation, NVMe spill files with checksums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.store import ALIGN_BYTES, ActivationStore, WeightGroup
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def small_layer(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3, bias=False))
+
+
+def test_fp32_group_packs_and_aliases_parameters() -> None:
+    layer = small_layer()
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    group = WeightGroup("layer.0", list(layer.named_parameters()), torch.float32, host_empty)
+    assert group.buffer.data_ptr() % ALIGN_BYTES == 0
+    assert group.numel == sum(p.numel() for p in layer.parameters())
+    for name, view in group.views(group.buffer).items():
+        assert torch.equal(view, before[name])
+    with torch.no_grad():  # an optimizer's in-place update lands in the streamed buffer directly
+        layer[0].weight.add_(1.0)
+    assert torch.equal(group.views(group.buffer)["0.weight"], before["0.weight"] + 1)
+    assert not group.pack()
+    layer[0].weight.data = torch.zeros(5, 7)  # replaced storage: re-packed
+    assert group.pack()
+    assert torch.equal(group.views(group.buffer)["0.weight"], torch.zeros(5, 7))
+
+
+def test_bf16_group_repacks_when_master_changes() -> None:
+    layer = small_layer()
+    group = WeightGroup("layer.0", list(layer.named_parameters()), torch.bfloat16, host_empty)
+    assert layer[0].weight.dtype == torch.float32  # fp32 master stays
+    assert not group.pack()
+    with torch.no_grad():
+        layer[2].weight.mul_(2)
+    assert group.pack()
+    torch.testing.assert_close(group.views(group.buffer)["2.weight"].float(), layer[2].weight.detach(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_gradients_accumulate_in_fp32() -> None:
+    layer = small_layer()
+    group = WeightGroup("layer.0", list(layer.named_parameters()), torch.bfloat16, host_empty)
+    flat = torch.randn(group.numel).to(torch.bfloat16)
+    group.accumulate_grads(flat)
+    group.accumulate_grads(flat, scale=0.5)
+    for name, p in layer.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, 1.5 * group.views(flat)[name].float())
+
+
+def test_nvme_roundtrip_checksum_and_cleanup(tmp_path) -> None:
+    store = ActivationStore(tmp_path, host_empty)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, 8).to(dtype)
+        store.write(4, x)
+        back = torch.empty_like(x)
+        store.read(4, back)
+        assert torch.equal(back, x)
+        store.remove(4)
+    store.write(2, torch.randn(64))
+    path = store.path(2)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # flip one byte on "disk"
+    path.write_bytes(bytes(data))
+    with pytest.raises(LazyTrainError, match="corrupt"):
+        store.read(2, torch.empty(64))
+    store.end_step()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_host_buffers_are_recycled() -> None:
+    store = ActivationStore(".", host_empty)
+    a = store.host_buffer(3, (2, 4), torch.float32)
+    assert store.host_buffer(3, (2, 4), torch.float32) is a
+    assert store.host_buffer(3, (2, 5), torch.float32) is not a

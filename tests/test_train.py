@@ -1,0 +1,170 @@
+"""`lazytrain train` end to end on the tiny debug model: metrics, checkpoint, argument errors, golden losses.
+
+Regenerate the golden file (only after a deliberate change of the training math) with
+`python tests/test_train.py --regen`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from lazytrain.cli import main
+from lazytrain.errors import LazyTrainError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from lazytrain.train import TrainConfig, train  # noqa: E402  (after the importorskip guards)
+
+GOLDEN = Path(__file__).parent / "golden" / "train_loss.json"
+RNG = random.Random(20261202)
+# A few seconds per run on 2 cores: 4 layers of width 64, the Zen of Python as corpus.
+TINY = ["--model", "debug", "--corpus", "zen", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1",
+        "--no-progress"]
+# The golden run: fp32 so that the executor is exact, a rule plan so that no solver is involved.
+GOLDEN_CONFIG = dict(model="debug", corpus="zen", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2,
+                     dtype="fp32", planner="megatrain", eval_batches=0, seed=0, progress=False)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cli_run_writes_metrics_plan_and_a_loadable_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "3", "--output-dir", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_s"] > 0
+        assert r["predicted_step_s"] > 0 and set(r["stall_s"]) >= {"h2d", "d2h"}
+        assert r["peak_device_bytes"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["placement_map"] in printed  # the placement map is printed before training
+    assert summary["first_loss"] == rows[0]["loss"] and summary["last_loss"] == rows[-1]["loss"]
+    from lazytrain.plan.plan import Plan, spec_of
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    assert Plan.load(out / "plan.json", spec_of(model)).placement_map() == summary["placement_map"]
+    assert (out / "checkpoint" / "model.safetensors").exists()
+
+
+def test_checkpoint_gives_the_trained_models_logits(tmp_path):
+    result = train(TrainConfig(**{**GOLDEN_CONFIG, "steps": 2, "dtype": "bf16", "planner": "auto",
+                                  "output_dir": str(tmp_path / "run")}))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(result.output_dir / "checkpoint")
+    gen = torch.Generator().manual_seed(RNG.randrange(2**31))
+    ids = torch.randint(0, 256, (2, RNG.randrange(5, 30)), generator=gen)
+    with torch.no_grad():
+        expected = result.model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # and training really changed the weights (a checkpoint of the initial model would not pass this)
+    fresh = transformers.AutoModelForCausalLM.from_config(loaded.config)
+    assert not torch.equal(fresh.lm_head.weight, loaded.lm_head.weight)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--steps", "0"], "--steps 0"),
+    (["--batch-size", "-2"], "--batch-size -2"),
+    (["--lr", "0"], "--lr 0"),
+    (["--gpu-mem-cap", "lots"], "--gpu-mem-cap"),
+    (["--corpus", "/nonexistent/corpus.txt"], "--corpus"),
+    (["--model", "/nonexistent/config.json"], "--model"),
+    (["--seq-len", "100000"], "--seq-len"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
+    out = tmp_path / "run"
+    assert main(["train", "--output-dir", str(out), *TINY, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and needle in err
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_unwritable_output_dir_fails_before_training(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    assert main(["train", "--output-dir", str(blocker / "run"), *TINY]) == 2
+    captured = capsys.readouterr()
+    assert "--output-dir" in captured.err and "\n" not in captured.err.strip()
+    assert "model" not in captured.out  # nothing was built
+
+
+def test_a_plan_for_another_model_is_refused(tmp_path, capsys):
+    from lazytrain.plan.plan import Plan
+    from lazytrain.spec.model import ModelSpec
+
+    other = ModelSpec.load("tiny-llama")
+    plan_file = tmp_path / "other.json"
+    Plan.from_tiers(other, ["gpu"] * (other.num_layers + 1)).save(plan_file)
+    assert main(["train", "--output-dir", str(tmp_path / "run"), "--plan", str(plan_file), *TINY]) == 2
+    assert "plan was made for model" in capsys.readouterr().err
+
+
+def test_a_saved_plan_of_this_model_is_used(tmp_path, capsys):
+    first = tmp_path / "first"
+    assert main(["train", "--steps", "1", "--output-dir", str(first), "--planner", "recompute-all", *TINY]) == 0
+    capsys.readouterr()
+    second = tmp_path / "second"
+    assert main(["train", "--steps", "1", "--output-dir", str(second), "--plan", str(first / "plan.json"),
+                 *TINY]) == 0
+    assert "GRRRG" in capsys.readouterr().out
+    assert json.loads((second / "summary.json").read_text())["placement_map"] == "GRRRG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
+    assert main(["train", "--device", "cuda", "--output-dir", str(tmp_path / "run"), *TINY]) == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_config_range_checks_name_the_flag():
+    with pytest.raises(LazyTrainError, match="--min-lr-ratio"):
+        TrainConfig(min_lr_ratio=1.5)
+    with pytest.raises(LazyTrainError, match="--optimizer"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(LazyTrainError, match="--h2d-gbps"):
+        TrainConfig(h2d_gbps=0.0)
+
+
+def test_losses_match_the_golden_file(tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["config"] == GOLDEN_CONFIG, "the golden config changed: regenerate the file (see module docstring)"
+    result = train(TrainConfig(**GOLDEN_CONFIG, output_dir=str(tmp_path / "run")))
+    # fp32 on any 2-core CPU: kernels may sum in another order, so allow a little, far less than one step's drop
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(golden["losses"]), rtol=2e-4, atol=2e-4)
+    assert result.losses[-1] < result.losses[0] - 0.1
+
+
+def test_bf16_streaming_tracks_the_fp32_golden_curve(tmp_path):
+    """bf16 compute with fp32 master weights learns like fp32: the streamed bf16 weights follow every update."""
+    golden = json.loads(GOLDEN.read_text())
+    result = train(TrainConfig(**{**GOLDEN_CONFIG, "dtype": "bf16"}, output_dir=str(tmp_path / "run")))
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(golden["losses"]), rtol=0, atol=0.05)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_run_uses_the_gpu(tmp_path, capsys):
+    assert main(["train", "--steps", "3", "--device", "auto", "--output-dir", str(tmp_path / "run"), *TINY]) == 0
+    assert "CudaDevice" in capsys.readouterr().out
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--regen"]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = train(TrainConfig(**GOLDEN_CONFIG, output_dir=tmp)).losses
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({"config": GOLDEN_CONFIG, "torch": torch.__version__, "losses": losses},
+                                 indent=1) + "\n")
+    print(f"wrote {GOLDEN}: {losses}")
