@@ -11,6 +11,7 @@ count N) and tokens/s. Why both: MegaTrain's TFLOPS column is 6 * (nominal size:
     python benchmarks/calibrate.py                 # table at the preset's numbers
     python benchmarks/calibrate.py --fit           # grid search, then the table at the best point
     python benchmarks/calibrate.py --milp          # also: MILP plan vs the rule per model (HiGHS)
+    python benchmarks/calibrate.py --emulated      # the emulated executor: measured vs simulated step time
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def print_milp(hw: HardwareSpec, time_limit_s: float) -> None:
                       nvme_act_bytes=parse_bytes("32GB"))
     print("\nMILP plan vs MegaTrain rule (h800, --gpu-mem-cap 70GB --cpu-act-budget 15GB --nvme-act-budget 32GB)")
     print("| model | batch | rule TFLOPS (serial) | MILP TFLOPS (serial) | ratio | MILP TFLOPS (overlap) | ratio | "
-          "MILP map | solve s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "MILP peak GB | MILP map | solve s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, batch, *_ in ROWS:
         spec = ModelSpec.load(name)
         cost = CostModel(spec, hw, Workload(batch, SEQ))
@@ -112,7 +113,63 @@ def print_milp(hw: HardwareSpec, time_limit_s: float) -> None:
         serial = simulate(plan, cost, optimizer_mode="serial")
         overlap = simulate(plan, cost, optimizer_mode="overlap")
         print(f"| {name} | {batch} | {rule.tflops:.1f} | {serial.tflops:.1f} | {serial.tflops / rule.tflops:.3f} | "
-              f"{overlap.tflops:.1f} | {overlap.tflops / rule.tflops:.3f} | `{plan.placement_map()}` | {solve_s:.2f} |")
+              f"{overlap.tflops:.1f} | {overlap.tflops / rule.tflops:.3f} | {overlap.peak_bytes['gpu'] / 1e9:.2f} | "
+              f"`{plan.placement_map()}` | {solve_s:.2f} |")
+
+
+def print_emulated(gbps: float, steps: int) -> None:
+    """A 6-layer llama (h=256, b=4, s=256, fp32) on the EmulatedDevice: measured wall_s vs the simulator.
+
+    Two predictions per plan: from `CostModel.from_profile` (compute seconds measured before, in isolation)
+    and a replay with the compute seconds the executor measured in that same step (`with_measured_step`),
+    which checks the schedule and the stream model alone. Medians over `steps` steps after one warm-up.
+    """
+    import statistics
+
+    import torch
+    import transformers
+
+    from lazytrain import EmulatedDevice, Executor
+
+    torch.manual_seed(0)
+    L, B, S = 6, 4, 256
+    config = transformers.LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=L,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    links = dict(h2d_gbps=gbps, d2h_gbps=gbps, nvme_read_gbps=gbps, nvme_write_gbps=gbps)
+    hw = HardwareSpec.profile(seconds=0.3, **links)
+    cost = CostModel.from_profile(model, hw, Workload(B, S, "fp32"), repeats=5)
+    ids = torch.randint(0, config.vocab_size, (B, S))
+    plans = {
+        "keep-all": ["gpu"] * (L + 1),
+        "megatrain-2": megatrain_tiers(L, 2),
+        "offload-all": ["gpu"] + ["cpu"] * (L - 1) + ["gpu"],
+        "mixed-nvme": ["gpu", "nvme", "recompute", "cpu", "gpu", "nvme", "gpu"],
+    }
+    print(f"\nemulated executor, links {gbps} GB/s, matmul {hw.matmul_tflops * 1e3:.0f} GFLOPS (profiled)")
+    print("| plan | measured wall s | from_profile s | ratio | replayed s | ratio | exposed h2d meas / sim |")
+    print("|---|---|---|---|---|---|---|")
+    for name, tiers in plans.items():
+        plan = Plan.from_tiers(model, tiers)
+        device = EmulatedDevice(**links)
+        ex = Executor(model, plan, device, cost=cost)
+        walls, replays, stalls = [], [], []
+        for step in range(steps + 1):
+            model.zero_grad(set_to_none=True)
+            ex.forward_backward(ids, ids.clone())
+            if step:  # the first step warms allocators and kernels
+                stats = ex.last_step
+                replay = simulate(plan, cost.with_measured_step(stats), optimizer_mode="serial")
+                walls.append(stats.wall_s)
+                replays.append(replay.forward_backward_s)
+                stalls.append((stats.stall_s["h2d"], replay.exposed_s["h2d"]))
+        device.close()
+        predicted = simulate(plan, cost, optimizer_mode="serial").forward_backward_s
+        wall, replayed = statistics.median(walls), statistics.median(replays)
+        h2d_meas, h2d_sim = (statistics.median(v) for v in zip(*stalls, strict=True))
+        print(f"| {name} | {wall:.3f} | {predicted:.3f} | {predicted / wall:.2f} | {replayed:.3f} | "
+              f"{replayed / wall:.3f} | {h2d_meas:.3f} / {h2d_sim:.3f} |")
 
 
 def main() -> None:
@@ -120,6 +177,9 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="grid-search the two h800 numbers first")
     parser.add_argument("--milp", action="store_true", help="also compare the MILP plan with the rule")
     parser.add_argument("--time-limit", type=float, default=60.0, help="MILP time limit per model, seconds")
+    parser.add_argument("--emulated", action="store_true", help="measure the emulated executor against the simulator")
+    parser.add_argument("--link-gbps", type=float, default=0.05, help="emulated link rate for --emulated, GB/s")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per plan for --emulated")
     args = parser.parse_args()
     hw = HardwareSpec.load("h800")
     if args.fit:
@@ -129,6 +189,8 @@ def main() -> None:
     print_table(hw)
     if args.milp:
         print_milp(hw, args.time_limit)
+    if args.emulated:
+        print_emulated(args.link_gbps, args.steps)
 
 
 if __name__ == "__main__":

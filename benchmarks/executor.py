@@ -21,6 +21,7 @@ import time
 import torch
 
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
+from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.sim import simulate
 
@@ -50,6 +51,13 @@ def calibrated(cost: CostModel, stats: list) -> CostModel:
     med = lambda rows: [statistics.median(col) for col in zip(*rows, strict=True)]  # noqa: E731
     return cost.with_times(forward_s=med([s.forward_s for s in stats]), backward_s=med([s.backward_s for s in stats]),
                            head_s=statistics.median(s.head_s for s in stats))
+
+
+def replayed(cost: CostModel, st) -> CostModel:
+    """`cost` with one step's own measured compute seconds (a recomputed layer: the mean of F_j and R_j,
+    since the simulator uses one forward time for both)."""
+    forward = [(f + r) / (2 if r > 0 else 1) for f, r in zip(st.forward_s, st.recompute_s, strict=True)]
+    return cost.with_times(forward_s=forward, backward_s=st.backward_s, head_s=st.head_s)
 
 
 def rounds(model, entries: dict, ids, labels, repeats: int, cost: CostModel | None = None) -> dict:
@@ -99,16 +107,24 @@ def part_a_b(args) -> None:
     try:
         from lazytrain.plan.milp import solve_milp
 
-        # a cap between MegaTrain-4's and keep-all's predicted peaks: keep-all does not fit
+        # the tightest cap (from MegaTrain-4's predicted peak up, one boundary at a time) the MILP can plan
+        # for: keep-all does not fit it, and MegaTrain must recompute
         peak = {n: simulate(Plan.from_tiers(model, t), cost0).peak_bytes["gpu"] for n, t in plans.items()}
-        cap = (peak["megatrain-4"] + peak["keep-all"]) // 2
+        cap = peak["megatrain-4"]
+        while True:
+            try:
+                milp = solve_milp(cost0, Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=None, nvme_act_bytes=0),
+                                  time_limit_s=30)
+                break
+            except LazyTrainError:
+                if cap >= peak["keep-all"]:
+                    raise
+                cap += base.boundary_bytes[0]
         # the MegaTrain rule at its best interval under the cap (fastest simulated step that fits)
         sims = {k: simulate(Plan.from_tiers(model, megatrain(L, k)), cost0) for k in range(2, L + 1)}
         best_k = min((r.forward_backward_s, k) for k, r in sims.items() if r.peak_bytes["gpu"] <= cap)[1]
         mega_name = f"megatrain-{best_k} (best K, cap)"
         plans[mega_name] = megatrain(L, best_k)
-        milp = solve_milp(cost0, Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=None, nvme_act_bytes=0),
-                          time_limit_s=30)
         plans["milp (same cap)"] = list(milp.tiers)
     except ImportError:
         print("lazytrain.plan.milp.solve_milp not available: no MILP plan")
@@ -119,27 +135,31 @@ def part_a_b(args) -> None:
     cost = calibrated(base, stats.pop("calib"))
     print(f"\n(a) measured forward_backward vs simulator (no optimizer), median of {args.repeats}, plans round-robin")
     print("    sim(cal): per-layer compute seconds from unthrottled keep-all steps in the same rounds")
-    print("    sim(run): the same run's own measured compute seconds (isolates the transfer/overlap model)")
-    print(f"{'plan':28s} {'map':>13s} {'measured':>8s} {'sim(cal)':>8s} {'err':>6s} {'sim(run)':>8s} {'err':>6s} "
-          f"{'peak MB':>7s} {'sim MB':>7s} {'stall h2d':>9s} {'d2h':>6s}")
+    print("    sim(run): each step replayed with its own measured compute seconds; median of the per-step errors")
+    print(f"{'plan':28s} {'map':>13s} {'measured':>8s} {'sim(cal)':>8s} {'err':>6s} {'sim(run) err':>12s} "
+          f"{'worst':>6s} {'peak MB':>7s} {'sim MB':>7s} {'stall h2d':>9s} {'d2h':>6s}")
     measured = {}
     for name, runs in stats.items():
         plan = entries[name][0]
         wall = statistics.median(s.wall_s for s in runs)
-        measured[name] = wall
+        measured[name] = [s.wall_s for s in runs]
         sim_cal = simulate(plan, cost, optimizer_mode="serial")
-        sim_run = simulate(plan, calibrated(base, runs), optimizer_mode="serial").forward_backward_s
+        errors = [st.wall_s / simulate(plan, replayed(base, st), optimizer_mode="serial").forward_backward_s - 1
+                  for st in runs]
         last = runs[-1]
         print(f"{name:28s} {plan.placement_map():>13s} {wall:8.3f} {sim_cal.forward_backward_s:8.3f} "
-              f"{wall / sim_cal.forward_backward_s - 1:+6.1%} {sim_run:8.3f} {wall / sim_run - 1:+6.1%} "
-              f"{last.peak_device_bytes / 1e6:7.2f} {sim_cal.peak_bytes['gpu'] / 1e6:7.2f} "
+              f"{wall / sim_cal.forward_backward_s - 1:+6.1%} {statistics.median(errors):+12.1%} "
+              f"{max(errors, key=abs):+6.1%} {last.peak_device_bytes / 1e6:7.2f} "
+              f"{sim_cal.peak_bytes['gpu'] / 1e6:7.2f} "
               f"{statistics.median(s.stall_s['h2d'] for s in runs):9.3f} "
               f"{statistics.median(s.stall_s['d2h'] for s in runs):6.3f}")
     if cap is not None:
         name = "milp (same cap)"
-        print(f"\n(b) under the cap {cap / 1e6:.2f} MB: {mega_name} {measured[mega_name]:.3f} s vs MILP "
-              f"{measured[name]:.3f} s -> MegaTrain / MILP = {measured[mega_name] / measured[name]:.2f}x "
-              "(measured in the same rounds)")
+        ratios = [a / b for a, b in zip(measured[mega_name], measured[name], strict=True)]
+        print(f"\n(b) under the cap {cap / 1e6:.2f} MB: {mega_name} {statistics.median(measured[mega_name]):.3f} s "
+              f"vs MILP {statistics.median(measured[name]):.3f} s -> MegaTrain / MILP = "
+              f"{statistics.median(ratios):.2f}x (median of per-round ratios; rounds: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 def part_c(args) -> None:
@@ -158,8 +178,10 @@ def part_c(args) -> None:
         model(input_ids=ids, labels=labels).loss.backward()
         theirs.append(time.perf_counter() - t0)
     a, b = statistics.median(ours[1:]), statistics.median(theirs[1:])
+    ratios = [x / y for x, y in zip(ours[1:], theirs[1:], strict=True)]
     print(f"\n(c) no cap, no throttling, keep-all: executor {a:.3f} s, transformers forward+backward {b:.3f} s "
-          f"-> ratio {a / b:.2f}x (median of {args.repeats})")
+          f"(medians of {args.repeats}); ratio of medians {a / b:.2f}x, median per-pair ratio "
+          f"{statistics.median(ratios):.2f}x")
 
 
 def main() -> None:
@@ -175,7 +197,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["ab", "c"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    import os
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
     if args.only in (None, "ab"):
         part_a_b(args)
     if args.only in (None, "c"):

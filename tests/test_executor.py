@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.errors import LazyTrainError
-from lazytrain.runtime.executor import predict_device_peak
+from lazytrain.runtime.executor import layerwise_hook, predict_device_peak
 
 VOCAB = 61
 NUM_LAYERS = 6
@@ -143,21 +143,22 @@ def test_gradients_accumulate_like_autograd() -> None:
         assert float((p.grad - q.grad).norm() / q.grad.norm()) <= 1e-5, name
 
 
-def test_overlapped_optimizer_hook_equals_serial_adamw() -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_overlapped_optimizer_hook_equals_serial_adamw(kind: str) -> None:
     """Per-layer AdamW steps run by the hook as grads land == one AdamW step after the whole backward."""
-    model = make_model("llama")
+    model = make_model(kind)
     serial = copy.deepcopy(model)
     ids, labels = make_batch()
     serial_ex = Executor(serial, Plan.from_tiers(serial, PLANS["megatrain-2"]), EmulatedDevice())
     serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
     seen: list[int] = []
     ex = Executor(model, Plan.from_tiers(model, PLANS["megatrain-2"]), EmulatedDevice())
-    opts = [torch.optim.AdamW(group, lr=1e-2) for group in ex.param_groups()]
+    step_group = layerwise_hook([torch.optim.AdamW(group, lr=1e-2) for group in ex.param_groups()])
 
     def hook(index: int, params: list[torch.nn.Parameter]) -> None:
         seen.append(index)
-        opts[index].step()
-        opts[index].zero_grad(set_to_none=True)
+        assert all(p.grad is not None for p in params)
+        step_group(index, params)
 
     ex.optimizer_hook = hook
     for _ in range(2):
@@ -215,6 +216,20 @@ def test_plan_for_another_model_is_refused() -> None:
     other = make_model("llama", num_layers=NUM_LAYERS - 1)
     with pytest.raises(LazyTrainError, match="plan was made for model"):
         Executor(model, Plan.from_tiers(other, ["gpu"] * NUM_LAYERS), EmulatedDevice())
+
+
+def test_plan_for_another_workload_is_refused() -> None:
+    from lazytrain import Workload
+
+    model = make_model("llama")
+    ids, labels = make_batch(3, 11)
+    plan = Plan.from_tiers(model, PLANS["keep-all"], workload=Workload(3, 11, "fp32"))
+    ex = Executor(model, plan, EmulatedDevice())
+    ex.forward_backward(ids, labels)
+    with pytest.raises(LazyTrainError, match="plan was made for"):
+        ex.forward_backward(*make_batch(3, 9))
+    with pytest.raises(LazyTrainError, match="plan was made for"):
+        Executor(model, plan, EmulatedDevice(), compute_dtype=torch.bfloat16).forward_backward(ids, labels)
 
 
 def test_missing_nvme_dir_is_reported_before_the_step(tmp_path) -> None:

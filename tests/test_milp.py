@@ -48,8 +48,9 @@ def brute_force(inst: PlanningInstance, max_segment: int) -> tuple[float, tuple[
     return best, best_tiers
 
 
+@pytest.mark.parametrize("formulation", ["paper", "segment"])
 @pytest.mark.parametrize("case", range(8))
-def test_milp_optimum_equals_brute_force(case: int) -> None:
+def test_milp_optimum_equals_brute_force(case: int, formulation: str) -> None:
     rng = random.Random(SEED + case)
     L = rng.randrange(2, 7)
     K = rng.randrange(2, 4)
@@ -57,9 +58,9 @@ def test_milp_optimum_equals_brute_force(case: int) -> None:
     best, best_tiers = brute_force(inst, K)
     if best_tiers is None:
         with pytest.raises(LazyTrainError):
-            solve_instance(inst, max_segment=K)
+            solve_instance(inst, max_segment=K, formulation=formulation)
         return
-    sol = solve_instance(inst, max_segment=K)
+    sol = solve_instance(inst, max_segment=K, formulation=formulation)
     assert sol.report.status == "optimal" and sol.report.gap == pytest.approx(0, abs=1e-9)
     assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
     # the solver's own tiers score the same under the independent evaluator
@@ -77,8 +78,9 @@ def test_brute_force_cases_exercise_every_tier() -> None:
     assert {"cpu", "recompute"} <= seen
 
 
+@pytest.mark.parametrize("formulation", ["paper", "segment"])
 @pytest.mark.parametrize("case", range(3))
-def test_fixed_tiers_objective_equals_closed_form_evaluation(case: int) -> None:
+def test_fixed_tiers_objective_equals_closed_form_evaluation(case: int, formulation: str) -> None:
     rng = random.Random(SEED + 100 + case)
     inst = random_instance(rng, 6, tight=2.0)
     options = ("gpu", "cpu", "nvme", "recompute")
@@ -87,13 +89,13 @@ def test_fixed_tiers_objective_equals_closed_form_evaluation(case: int) -> None:
         tiers = ("gpu", *(rng.choice(options) for _ in range(5)), "gpu")
         ev = evaluate_tiers(tiers, inst)
         if ev.feasible:
-            sol = solve_instance(inst, max_segment=3, fixed_tiers=tiers)
+            sol = solve_instance(inst, max_segment=3, fixed_tiers=tiers, formulation=formulation)
             assert sol.tiers == tiers
             assert sol.report.objective == pytest.approx(ev.objective, rel=1e-6, abs=1e-9)
             checked += 1
         else:
             with pytest.raises(LazyTrainError):
-                solve_instance(inst, max_segment=3, fixed_tiers=tiers)
+                solve_instance(inst, max_segment=3, fixed_tiers=tiers, formulation=formulation)
     assert checked >= 3
 
 
@@ -232,7 +234,8 @@ def test_infeasible_raises_with_numbers() -> None:
 
 def test_bad_options_raise() -> None:
     inst = _uniform(4)
-    for kwargs in ({"max_segment": 0}, {"time_limit_s": 0}, {"mip_rel_gap": -1}, {"solver": "cplex"}):
+    for kwargs in ({"max_segment": 0}, {"time_limit_s": 0}, {"mip_rel_gap": -1}, {"solver": "cplex"},
+                   {"formulation": "dense"}):
         with pytest.raises(LazyTrainError):
             solve_instance(inst, **kwargs)
 
@@ -242,5 +245,45 @@ def test_scip_agrees_with_highs() -> None:
     rng = random.Random(SEED + 55)
     inst = random_instance(rng, 10, tight=1.5)
     a = solve_instance(inst, max_segment=4, solver="highs")
-    b = solve_instance(inst, max_segment=4, solver="scip")
+    b = solve_instance(inst, max_segment=4, solver="scip", formulation="segment")
     assert a.report.objective == pytest.approx(b.report.objective, rel=1e-6, abs=1e-9)
+
+
+def test_segment_formulation_matches_paper_on_a_larger_instance() -> None:
+    rng = random.Random(SEED + 77)
+    inst = random_instance(rng, 16, tight=2.0)
+    a = solve_instance(inst, max_segment=5)
+    b = solve_instance(inst, max_segment=5, formulation="segment")
+    assert a.report.objective == pytest.approx(b.report.objective, rel=1e-6, abs=1e-9)
+    assert b.report.num_constraints < a.report.num_constraints / 2
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_fifo_transfers_move_every_byte_and_hide_what_the_solver_hides(case: int) -> None:
+    """The plan's window assignment (runtime FIFO order) exposes exactly the solver's optimal exposure."""
+    rng = random.Random(SEED + 300 + case)
+    inst = random_instance(rng, 7, tight=1.6)
+    sol = solve_instance(inst, max_segment=3)
+    L, A = inst.num_layers, inst.boundary_bytes
+    kept = [i for i, t in enumerate(sol.tiers) if t != "recompute"]
+    nxt = dict(zip(kept, kept[1:], strict=False))
+    for i, tier in enumerate(sol.tiers):
+        links = {"cpu": ("d2h", "h2d"), "nvme": ("d2h", "h2d", "nvme_write", "nvme_read")}.get(tier, ())
+        for link in ("d2h", "h2d", "nvme_write", "nvme_read"):
+            moved = [t for t in sol.transfers if t.boundary == i and t.link == link]
+            assert sum(t.num_bytes for t in moved) == pytest.approx(A[i] if link in links else 0, abs=4)
+            for t in moved:
+                if link in ("d2h", "nvme_write"):
+                    assert t.window >= i
+                else:
+                    e = nxt[i]
+                    assert t.window in ([L] if e == L else range(e, nxt[e]))
+    # exposure implied by the transfers, per window, against the closed form
+    load: dict[tuple[str, int], float] = {}
+    for t in sol.transfers:
+        load[t.link, t.window] = load.get((t.link, t.window), 0.0) + t.num_bytes
+    d2h = sum(max(0.0, load.get(("d2h", w), 0.0) - max(0.0, inst.d2h_bytes_per_s * inst.window_s(w)
+                                                         - (inst.head_param_bytes if w == L else 0.0)))
+              for w in range(L + 1))
+    expected = evaluate_tiers(sol.tiers, inst).exposed_s["d2h"] * inst.d2h_bytes_per_s
+    assert d2h == pytest.approx(expected, rel=1e-6, abs=64)

@@ -48,7 +48,7 @@ def test_maps_sorted_with_zero_and_ends(signed: bool) -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-12, 3), signed=st.booleans())
+@given(seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-16, 3), signed=st.booleans())
 def test_reference_quantizer_rounds_to_a_neighbouring_map_entry(seed: int, log_scale: float, signed: bool) -> None:
     """Codes are one of the two map entries around x, the nearer one in the companded domain."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,20 +59,23 @@ def test_reference_quantizer_rounds_to_a_neighbouring_map_entry(seed: int, log_s
     codes, absmax = q.quantize_blockwise(x, signed, 256)
     deq = q.dequantize_blockwise(codes, absmax, signed, 256).double()
     blocks = torch.nn.functional.pad(x.abs(), (0, 768 - 700)).view(3, 256).amax(dim=1)
-    assert torch.equal(absmax, blocks) or not signed  # v: tiny blocks are stored as 0
+    tiny = blocks < q.V_TINY_ABSMAX if not signed else torch.zeros(3, dtype=torch.bool)
+    assert torch.equal(absmax, torch.where(tiny, 0.0, blocks))  # v blocks below V_TINY_ABSMAX store 0
+    live = ~tiny.repeat_interleave(256)[:700]
+    assert torch.all(codes[~live] == 0)
+    x, codes, deq = x[live], codes[live], deq[live]
     qmap = torch.from_numpy(q.SIGNED_MAP if signed else q.UNSIGNED_MAP).double()
-    a = absmax.double().repeat_interleave(256)[:700]
+    a = absmax.double().repeat_interleave(256)[:700][live]
     y = x.double() / a  # position on the normalised map
     lo = torch.searchsorted(qmap, y, right=True).clamp(1, 255) - 1  # entries qmap[lo] <= y < qmap[lo + 1]
     got = deq / a
     ok = torch.isclose(got, qmap[lo], rtol=1e-5, atol=0) | torch.isclose(got, qmap[lo + 1], rtol=1e-5, atol=0)
-    if not signed:
-        ok |= (y > 0) & (y < qmap[1]) & (codes == 1)  # nonzero v rounds up, never to 0
-    assert torch.all(ok)
+    rounded_up = (y > 0) & (y < qmap[1]) & (codes == 1) if not signed else torch.zeros_like(ok)
+    assert torch.all(ok | rounded_up)  # nonzero v rounds up to the first entry, never to 0
     # nearest in the companded domain: |root(x) - root(entry)| <= half a level
     power, levels = (2, 127) if signed else (4, 255)
     dist = (y.abs() ** (1 / power) - got.abs() ** (1 / power)).abs() * levels
-    assert torch.all((dist <= 0.5 + 1e-4) | ((y < qmap[1]) & (codes == 1)))
+    assert torch.all((dist <= 0.5 + 1e-4) | rounded_up)
 
 
 def test_nonzero_v_never_quantizes_to_zero() -> None:
@@ -110,12 +113,15 @@ def test_no_nonzero_m_where_v_dequantizes_to_zero(use_reference: bool) -> None:
 # ---------------------------------------------------------------- kernel == reference
 def test_kernel_matches_torch_reference_step_by_step() -> None:
     gen = torch.Generator().manual_seed(3)
-    shapes = [(333, 77), (4097,), (256 * 40,)]
+    shapes = [(333, 77), (4097,), (256 * 40,), (300, 257)]  # the last one takes the parallel kernel
+    assert math.prod(shapes[-1]) >= q.PARALLEL_MIN_NUMEL > math.prod(shapes[0])
     pa, pb = _params(shapes, 3), _params(shapes, 3)
     kw = dict(lr=2e-3, weight_decay=0.1, max_grad_norm=0.3, min_8bit_size=0)
     oa, ob = Hybrid8bitAdamW(pa, **kw), Hybrid8bitAdamW(pb, use_reference=True, **kw)
     for _ in range(6):
         g = _grads(shapes, gen, scale=0.05)
+        g[2][:256] = 0.0  # a whole block without gradient: v == 0, absmax 0
+        g[3].view(-1)[::5] = 0.0  # exact zeros: sqrt(0) must not turn into 0 * inf under fastmath
         _set_grads(pa, g)
         _set_grads(pb, g)
         oa.step()
@@ -132,6 +138,17 @@ def test_kernel_matches_torch_reference_step_by_step() -> None:
         ob.load_state_dict(copy.deepcopy(oa.state_dict()))
         for a, b in zip(pa, pb, strict=True):
             b.data.copy_(a.data)
+
+
+def test_kernels_compile_once() -> None:
+    """All tensor sizes and hyperparameters share one compiled specialisation per kernel (cached on disk)."""
+    for n, lr in [(5000, 1e-3), (70000, 0.5), (123457, 0)]:
+        p = torch.nn.Parameter(torch.randn(n))
+        opt = Hybrid8bitAdamW([p], lr=lr, min_8bit_size=0, max_grad_norm=None)
+        p.grad = torch.randn(n)
+        opt.step()
+    assert len(q._adamw8bit_serial.signatures) == 1
+    assert len(q._adamw8bit_parallel.signatures) == 1
 
 
 # ---------------------------------------------------------------- fp32 path == torch.optim.AdamW
@@ -233,16 +250,18 @@ def test_all_8bit_stays_close_to_fp32_adamw() -> None:
     assert mae <= 1.2e-4 and mre <= 3e-3, (mae, mre)
 
 
-def test_as_close_as_bitsandbytes() -> None:
+@pytest.mark.parametrize("resync", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_as_close_as_bitsandbytes(resync: bool) -> None:
+    """Same test, same gradients: at least as close to fp32 AdamW as bitsandbytes' AdamW8bit."""
     bnb = pytest.importorskip("bitsandbytes")
 
     def theirs(ps):
         return bnb.optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.0, min_8bit_size=0)
 
-    for resync in (True, False):
-        *_, mae, mre = _run_vs_fp32(_ours, resync)
-        *_, bnb_mae, bnb_mre = _run_vs_fp32(theirs, resync)
-        assert mae <= 1.2 * bnb_mae or mre <= 1.2 * bnb_mre, (resync, mae, bnb_mae, mre, bnb_mre)
+    *_, mae, mre = _run_vs_fp32(_ours, resync)
+    *_, bnb_mae, bnb_mre = _run_vs_fp32(theirs, resync)
+    # measured: drift 9.3e-5 / 2.2e-3 vs bnb 1.4e-4 / 6.2e-3; resync 3.8e-6 / 1.7e-4 vs 6.1e-6 / 4.4e-4
+    assert mae <= bnb_mae and mre <= bnb_mre, (resync, mae, bnb_mae, mre, bnb_mre)
 
 
 # ---------------------------------------------------------------- slice selection, memory

@@ -8,7 +8,7 @@ import pytest
 
 from lazytrain.cli import main
 from lazytrain.plan.plan import Plan
-from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.model import PRESET_DIR, ModelSpec
 
 PAPER = ["plan", "--model", "qwen3.6-27b", "--hardware", "h800", "--batch-size", "72", "--seq-len", "1024",
          "--gpu-mem-cap", "70GB", "--cpu-act-budget", "15GB", "--nvme-act-budget", "32GB"]
@@ -41,13 +41,19 @@ def test_rule_instead_of_the_milp(capsys) -> None:
 def test_model_from_a_config_path(tmp_path, capsys) -> None:
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
-    config = json.loads((ModelSpec.load("tiny-llama") and
-                         __import__("lazytrain.spec.model", fromlist=["PRESET_DIR"]).PRESET_DIR
-                         / "tiny-llama.json").read_text())
+    config = json.loads((PRESET_DIR / "tiny-llama.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config))
     for model in (str(model_dir), str(model_dir / "config.json")):
         assert main(["plan", "--model", model, "--hardware", "emulated", "--batch-size", "2", "--seq-len", "32"]) == 0
         assert "model my-model (4 layers" in capsys.readouterr().out
+
+
+def test_hardware_from_a_yaml_file(tmp_path, capsys) -> None:
+    path = tmp_path / "my-gpu.yaml"
+    path.write_text("base: rtx3090\ngpu_mem_bytes: 20GiB\nh2d_gbps: 8\n")
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", str(path), "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "hardware my-gpu" in out and "gpu cap 20 GiB" in out
 
 
 def test_max_batch_reports_every_planner(capsys) -> None:

@@ -118,7 +118,7 @@ def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:
         spec = ModelSpec.load(preset)
         tiers = rule_tiers("megatrain", spec.num_layers, interval=4)
 
-        def rule_fits(batch: int) -> bool:
+        def rule_fits(batch: int, spec: ModelSpec = spec, tiers: tuple[str, ...] = tiers) -> bool:
             cost = CostModel(spec, hw, Workload(batch, 1024))
             try:
                 _, budgets = admitted_budgets(cost, Budgets())

@@ -213,3 +213,13 @@ def test_prediction_and_bad_inputs() -> None:
         simulate(_plan(["gpu"] * 4), cost, optimizer_mode="lazy")
     with pytest.raises(LazyTrainError, match="layers"):
         simulate(_plan(["gpu"] * 5), cost)
+
+
+def test_timeline_picture_is_written(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from lazytrain.viz import plot_timeline
+
+    cost = synthetic(4, forward=0.2, head_s=0.1, optimizer_s=0.05, links_gbps={"h2d_gbps": 1e-5, "d2h_gbps": 1e-5})
+    result = simulate(_plan(["gpu", "cpu", "recompute", "nvme", "gpu"]), cost)
+    path = plot_timeline(result, tmp_path / "t" / "timeline.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -292,9 +292,9 @@ def make_plan(cfg: TrainConfig, model: Any, kind: str, probe_batch: tuple[Any, A
 def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, probe_batch: tuple[Any, Any]) -> Any:
     """A CostModel whose compute and optimizer seconds are measured on the device the run uses.
 
-    Two steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
+    Three steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
     forward and backward and the loss head exactly as the executor runs them (the first step warms up);
-    one step of a throwaway optimizer of the run's kind times the host update (the parameters are restored
+    three steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
     afterwards). On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
     estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
     """
@@ -310,10 +310,15 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
     keep_all = Plan.from_tiers(model, ["gpu"] * (model.config.num_hidden_layers + 1))
     probe_device = build_device(cfg, kind, None, throttled=False)
     executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
-    for _ in range(2):  # host sync: returns with every gradient in p.grad
-        executor.forward_backward(*probe_batch)
-    measured = executor.last_step
+    steps = []
+    for _ in range(3):  # the first step warms up; of the next two take each layer's faster time (this CPU
+        executor.forward_backward(*probe_batch)  # may be shared: the minimum is the least disturbed)
+        steps.append(executor.last_step)
     probe_device.close()
+    forward_s = [min(a, b) for a, b in zip(steps[1].forward_s, steps[2].forward_s, strict=True)]
+    backward_s = [min(a, b) for a, b in zip(steps[1].backward_s, steps[2].backward_s, strict=True)]
+    head_s = min(steps[1].head_s, steps[2].head_s)
+    wall_s = min(steps[1].wall_s, steps[2].wall_s)
 
     snapshot = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(cfg, model)
@@ -334,10 +339,10 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
     cost = CostModel(spec_of(model), hardware, workload, "hybrid" if cfg.optimizer == "hybrid8bit" else "fp32")
     if kind == "cuda":
         flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
-        k = measured.wall_s / flop_step_s
+        k = wall_s / flop_step_s
         return cost.with_times(forward_s=[k * t for t in cost.forward_s], backward_s=[k * t for t in cost.backward_s],
                                head_s=k * cost.head_s)
-    return cost.with_times(forward_s=measured.forward_s, backward_s=measured.backward_s, head_s=measured.head_s)
+    return cost.with_times(forward_s=forward_s, backward_s=backward_s, head_s=head_s)
 
 
 def _solve(planner: str, cost: Any, spec: Any, workload: Any, budgets: dict[str, int]) -> tuple[Any, str]:
@@ -489,6 +494,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     from lazytrain.data import ByteTokenizer, TokenData
 
+    t_start = time.perf_counter()
     out = prepare_output_dir(cfg)
     torch.manual_seed(cfg.seed)
 
@@ -550,6 +556,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         "median_step_s": median_step, "predicted_step_s": predicted,
         "median_tokens_per_s": cfg.tokens_per_step / median_step,
         "total_train_s": sum(step_times),
+        "total_run_s": time.perf_counter() - t_start,  # setup (data, calibration, plan) + loop + save
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     say(f"loss     first {losses[0]:.4f} -> last {losses[-1]:.4f}"
@@ -557,7 +564,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     say(f"time     median step {median_step:.3f} s measured"
         + (f" vs {predicted:.3f} s predicted ({median_step / predicted:.2f}x)" if predicted else "")
         + f", {summary['median_tokens_per_s']:,.0f} tokens/s")
-    say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json, checkpoint/)")
+    say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json, checkpoint/) after {summary['total_run_s']:.0f} s "
+        f"({summary['total_train_s']:.0f} s in the {cfg.steps} steps)")
     return TrainResult(model=model, plan=plan, output_dir=out, losses=losses, summary=summary)
 
 

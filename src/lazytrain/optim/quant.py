@@ -24,10 +24,15 @@ stored m is set to 0. V_TINY_ABSMAX keeps every nonzero decoded v a normal float
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+
+import llvmlite.binding as llvm_binding
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
-from numba import get_parallel_chunksize, njit, prange, set_parallel_chunksize, types
+from numba import njit, prange, set_parallel_chunksize, types
 from numba.extending import intrinsic
 
 # ---------------------------------------------------------------- maps
@@ -317,12 +322,43 @@ def adamw8bit_step_(
         f32(1.0 / bc2**0.5),
     )
     if p.numel() < PARALLEL_MIN_NUMEL:
-        _adamw8bit_serial(*args)
+        _first_call_wide(_adamw8bit_serial, args)
         return
     # dynamic scheduling, 2 work items at a time: a thread preempted by another process delays only
     # its current items, not a static half of the tensor (the setting is per calling thread)
     saved_chunksize = set_parallel_chunksize(2)
     try:
-        _adamw8bit_parallel(*args)
+        _first_call_wide(_adamw8bit_parallel, args)
     finally:
         set_parallel_chunksize(saved_chunksize)
+
+
+# LLVM's cost model picks 256-bit vectors, interleave 4 for these loops on Zen 4/5; 512-bit vectors,
+# interleave 2 take ~20% less CPU per element. The options are global to LLVM, so they are set only
+# around the call that compiles (or loads from the on-disk cache) each kernel, then reset to default.
+_WIDE_VECTORS = "+avx512f" in llvm_binding.get_host_cpu_features().flatten()
+_loaded: set[object] = set()
+
+
+def _first_call_wide(kernel: object, args: tuple) -> None:
+    if kernel in _loaded or not _WIDE_VECTORS:
+        kernel(*args)
+        return
+    llvm_binding.set_option("", "-force-vector-width=16")
+    llvm_binding.set_option("", "-force-vector-interleave=2")
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as err:
+        os.dup2(err.fileno(), 2)  # forced width makes LLVM print "remark:" lines for numba's own loops
+        try:
+            kernel(*args)
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            llvm_binding.set_option("", "-force-vector-width=0")  # 0 = LLVM's default (cost model decides)
+            llvm_binding.set_option("", "-force-vector-interleave=0")
+            err.seek(0)
+            other = [ln for ln in err.read().decode(errors="replace").splitlines() if not ln.startswith("remark:")]
+            if other:
+                print("\n".join(other), file=sys.stderr)
+    _loaded.add(kernel)

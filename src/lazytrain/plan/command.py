@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--rule", help=f"use a rule instead of the MILP: {', '.join(RULE_CHOICES)}")
     a("--interval", default="4", help="MegaTrain rule: materialize every K-th boundary on the GPU (default: 4)")
     a("--solver", default="highs", help="MILP solver: highs (default) or scip (needs PySCIPOpt)")
+    a("--formulation", default="paper",
+      help="MILP reload rows: paper (per window, as the paper) or segment (per segment: same optimum, faster)")
     a("--max-segment", default="8", help="longest recompute segment the MILP considers, in layers (default: 8)")
     a("--time-limit", default="60", help="MILP time limit in seconds (default: 60)")
     a("--mip-gap", default="0", help="relative MIP gap at which the solver stops (default: 0 = optimal)")
@@ -105,6 +107,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         rule=_choice(args.rule, "--rule", RULE_CHOICES) if args.rule else None,
         interval=_int(args.interval, "--interval"),
         solver=_choice(args.solver, "--solver", ("highs", "scip")),
+        formulation=_choice(args.formulation, "--formulation", ("paper", "segment")),
         max_segment=_int(args.max_segment, "--max-segment"),
         time_limit_s=_float(args.time_limit, "--time-limit", 1e-3),
         mip_rel_gap=_float(args.mip_gap, "--mip-gap", 0.0, 1.0),
@@ -142,8 +145,10 @@ def make_plan(cfg: dict[str, Any], cost: Any, budgets: Budgets, *, feasibility_o
         report = replace(plan.report, objective=ev.objective)
         budgets_bytes = {k: int(v) for k, v in budgets.to_dict().items() if v is not None}
         return replace(plan, report=report, budgets_bytes=budgets_bytes)
+    # feasibility does not depend on the objective: the smaller "segment" rows and any incumbent will do
     return solve_milp(cost, budgets, max_segment=cfg["max_segment"], time_limit_s=cfg["time_limit_s"],
-                      mip_rel_gap=0.999 if feasibility_only else cfg["mip_rel_gap"], solver=cfg["solver"])
+                      mip_rel_gap=0.999 if feasibility_only else cfg["mip_rel_gap"], solver=cfg["solver"],
+                      formulation="segment" if feasibility_only else cfg.get("formulation", "paper"))
 
 
 def largest_feasible_batch(cfg: dict[str, Any], rule: str | None, *, limit: int = MAX_BATCH_LIMIT) -> int:
@@ -207,9 +212,9 @@ def _print_plan(cfg: dict[str, Any], cost: Any, admission: Any, plan: Plan) -> A
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}), optimizer {cost.optimizer}")
     cpu = "unlimited" if admission.cpu_act_bytes is None else format_bytes(admission.cpu_act_bytes)
     nvme = "unlimited" if admission.nvme_act_bytes is None else format_bytes(admission.nvme_act_bytes)
-    print(f"budgets: gpu cap {format_bytes(admission.gpu_mem_cap_bytes)} = static {format_bytes(cost.static_device_bytes())}"
-          f" + activations {format_bytes(admission.gpu_act_bytes)}; cpu act {cpu}; nvme act {nvme}; "
-          f"boundary {format_bytes(max(cost.boundary_bytes))}")
+    print(f"budgets: gpu cap {format_bytes(admission.gpu_mem_cap_bytes)} = static "
+          f"{format_bytes(cost.static_device_bytes())} + activations {format_bytes(admission.gpu_act_bytes)}; "
+          f"cpu act {cpu}; nvme act {nvme}; boundary {format_bytes(max(cost.boundary_bytes))}")
     print(f"placement (boundaries 0..{plan.num_layers}; G gpu, C cpu, N nvme, R recompute):")
     print(plan.placement_map())
     counts = plan.counts()
@@ -217,8 +222,9 @@ def _print_plan(cfg: dict[str, Any], cost: Any, admission: Any, plan: Plan) -> A
     print(f"recomputed boundaries: {_ranges(plan.boundaries('recompute'))}")
     r = plan.report
     if r.planner == "milp":
-        print(f"solver: {r.solver} {r.status} in {r.seconds:.2f} s, gap {r.gap:.2g}, objective {r.objective * 1e3:.2f} ms "
-              f"({r.num_variables} variables, {r.num_constraints} constraints, max segment {r.options['max_segment']})")
+        print(f"solver: {r.solver} {r.status} in {r.seconds:.2f} s, gap {r.gap:.2g}, "
+              f"objective {r.objective * 1e3:.2f} ms ({r.num_variables} variables, {r.num_constraints} constraints, "
+              f"max segment {r.options['max_segment']})")
     else:
         print(f"rule: {r.planner}{' K=' + str(r.options['interval']) if 'interval' in r.options else ''}, "
               f"MILP objective of its tiers {r.objective * 1e3:.2f} ms")

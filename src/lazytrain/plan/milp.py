@@ -79,6 +79,7 @@ from lazytrain.units import format_bytes
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEGMENT = 8
+FORMULATIONS = ("paper", "segment")
 INF = math.inf
 
 
@@ -249,17 +250,21 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
 
 
 class _Formulation:
-    def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None) -> None:
+    def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None,
+                 formulation: str = "paper") -> None:
         self.unit = max(max(inst.boundary_bytes), 1.0)  # bytes per model unit
         inst = _scaled(inst, self.unit)
         self.inst, self.K, self.L = inst, max_segment, inst.num_layers
+        self.per_segment = formulation == "segment"
         self.m = _Model()
         self.fixed = tuple(fixed_tiers) if fixed_tiers is not None else None
         self.build_s: dict[str, float] = {}
         families = [self._add_variables, self._add_path, self._add_placement, self._add_capacity,
-                    self._add_gpu_memory, self._add_d2h_windows, self._add_h2d_windows,
-                    self._add_nvme_write_windows, self._add_nvme_read_windows, self._add_reload_windows,
-                    self._add_objective]
+                    self._add_gpu_memory, self._add_d2h_windows, self._add_nvme_write_windows, self._add_objective]
+        if self.per_segment:
+            families += [self._add_segment_reloads]
+        else:
+            families += [self._add_h2d_windows, self._add_nvme_read_windows, self._add_reload_windows]
         for family in families:
             t0 = time.perf_counter()
             family()
@@ -272,7 +277,7 @@ class _Formulation:
         return range(i, self.L + 1)
 
     def reload_windows(self, i: int) -> list[int]:
-        """Backward windows that may carry boundary i's reload: inside the segment after i's (S[i,w] = 1).
+        """Candidate backward windows for boundary i's reload (the reload-window rows pick the segment after i's).
 
         That segment ends at most 2K after i; window L (loss head) only if i's segment can be the last.
         """
@@ -302,16 +307,20 @@ class _Formulation:
         offloadable = range(1, L)
         use_nvme = nvme_ub > 0
         self.d = {(i, w): m.var(f"d[{i},{w}]") for i in offloadable for w in self.offload_windows(i)}
-        self.h = {(i, w): m.var(f"h[{i},{w}]") for i in offloadable for w in self.reload_windows(i)}
-        self.q = {(i, w): m.var(f"q[{i},{w}]") for i in offloadable for w in self.offload_windows(i)} if use_nvme else {}
-        self.r = {(i, w): m.var(f"r[{i},{w}]") for i in offloadable for w in self.reload_windows(i)} if use_nvme else {}
+        self.h = {} if self.per_segment else {(i, w): m.var(f"h[{i},{w}]") for i in offloadable
+                                              for w in self.reload_windows(i)}
+        nvme_movers = offloadable if use_nvme else range(0)
+        self.q = {(i, w): m.var(f"q[{i},{w}]") for i in nvme_movers for w in self.offload_windows(i)}
+        self.r = {} if self.per_segment else {(i, w): m.var(f"r[{i},{w}]") for i in nvme_movers
+                                              for w in self.reload_windows(i)}
         windows = range(L + 1)
         self.epsD = [m.var(f"epsD[{w}]") for w in windows] if self._finite(inst.d2h_bytes_per_s) else []
-        self.epsH = [m.var(f"epsH[{w}]") for w in windows] if self._finite(inst.h2d_bytes_per_s) else []
+        self.epsH = ([m.var(f"epsH[{w}]") for w in windows]
+                     if self._finite(inst.h2d_bytes_per_s) and not self.per_segment else [])
         self.epsW = ([m.var(f"epsW[{w}]") for w in windows]
                      if use_nvme and self._finite(inst.nvme_write_bytes_per_s) else [])
         self.epsR = ([m.var(f"epsR[{w}]") for w in windows]
-                     if use_nvme and self._finite(inst.nvme_read_bytes_per_s) else [])
+                     if use_nvme and self._finite(inst.nvme_read_bytes_per_s) and not self.per_segment else [])
 
     def _fix_tiers(self) -> None:
         """Fix z, g, c, n (and so x) to a given tier list: evaluates a rule as a point of this MILP."""
@@ -475,6 +484,61 @@ class _Formulation:
                             coefs[x[e, b]] = -A[i]
                     m.row(f"reload_{name}_before[{i},{w},{e}]", coefs, hi=A[i])
 
+    def _add_segment_reloads(self) -> None:
+        """formulation="segment": the reload links per segment instead of per window (same optimum, far fewer rows).
+
+        Each backward window serves only the reload of the previous segment's start, so for fixed tiers the
+        exposure of a reload link is
+          sum_w max(0, P[w] - C[w])  +  max(0, A[i] - sum_{w in the next segment} max(0, C[w] - P[w]))
+        (the closed form of the per-window LP). The first sum is linear in z (each recomputed layer w adds
+        delta[w] = max(0, P - C | z[w+1] = 0) - max(0, P - C | z[w+1] = 1), charged on the edges x[s,e]); the second
+        is an exposure per candidate segment (e, e2):
+          eps^H[e,e2] >= sum_i A[i] v[i,e] - S^H[e,e2] - A_max (1 - x[e,e2]),   S^H[e,e2] = sum_{w=e..e2-1} slack[w]
+          eps^H[L]    >= sum_i A[i] v[i,L] - S^H[L]                             (the loss head)
+        with v[i,e] >= x[i,e] + c[i] + n[i] - 1 (the reload of i runs in the segment after (i, e)); likewise
+        eps^R with n only and no weights on the NVMe link.
+        """
+        inst, m, L, x, A = self.inst, self.m, self.L, self.x, self.inst.boundary_bytes
+        a_max = max(A)
+        for (s0, s1), xv in x.items():  # v[i,L] too: the reload of the last segment's start, in the loss head
+            if s0 > 0 and s1 == L:
+                v = m.var(f"v[{s0},{s1}]")
+                self.v[s0, s1] = v
+                m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
+        self.vn = {}
+        if inst.nvme_act_bytes > 0 and math.isfinite(inst.nvme_read_bytes_per_s):
+            for (s0, s1), xv in x.items():
+                if s0 > 0:
+                    vn = m.var(f"vn[{s0},{s1}]")
+                    self.vn[s0, s1] = vn
+                    m.row(f"nvme_reload[{s0},{s1}]", {vn: -1.0, xv: 1.0, self.n[s0]: 1.0}, hi=1.0)
+
+        def window_over(B: float, weights: bool, w: int, recomputed: bool) -> float:
+            p = inst.param_bytes[w] * (2 if recomputed else 1) if weights else 0.0
+            return p - B * (inst.backward_s[w] + (inst.forward_s[w] if recomputed else 0.0))
+
+        for link, B, weights, indicator in (("H", inst.h2d_bytes_per_s, True, self.v),
+                                            ("R", inst.nvme_read_bytes_per_s, False, self.vn)):
+            if not math.isfinite(B) or (link == "R" and not self.vn):
+                continue
+            if weights:  # recompute re-streams weights: charge the extra mandatory exposure on the edges
+                for (s0, s1), xv in x.items():
+                    delta = sum(max(0.0, window_over(B, True, w, True)) - max(0.0, window_over(B, True, w, False))
+                                for w in range(s0, s1 - 1))
+                    m.cost[xv] += delta / B
+            for (e, e2), xv in x.items():
+                slack = sum(max(0.0, -window_over(B, weights, w, w < e2 - 1)) for w in range(e, e2))
+                coefs = {eps: 1.0 for eps in [m.var(f"eps{link}[{e},{e2}]", cost=1.0 / B)]}
+                coefs.update({iv: -A[i] for (i, e_), iv in indicator.items() if e_ == e})
+                if len(coefs) > 1:
+                    coefs[xv] = -a_max
+                    m.row(f"reload_{link}[{e},{e2}]", coefs, lo=-slack - a_max)
+            head_slack = max(0.0, B * inst.head_s - (inst.head_param_bytes if weights else 0.0))
+            coefs = {m.var(f"eps{link}[{L}]", cost=1.0 / B): 1.0}
+            coefs.update({iv: -A[i] for (i, e_), iv in indicator.items() if e_ == L})
+            if len(coefs) > 1:
+                m.row(f"reload_{link}[{L}]", coefs, lo=-head_slack)
+
     def _add_objective(self) -> None:
         # + sum_w (eps^D/B_D + eps^H/B_H + eps^W/B_W + eps^R/B_R) - baseline, the baseline being the exposure of
         # mandatory traffic with every boundary materialized: sum_w max(0, mandatory[w] - C[w]).
@@ -483,7 +547,13 @@ class _Formulation:
                        (self.epsW, inst.nvme_write_bytes_per_s), (self.epsR, inst.nvme_read_bytes_per_s)):
             for v in eps:
                 m.cost[v] = 1.0 / B
-        m.offset = -baseline_exposure_s(inst)
+        # formulation "segment" charges only the recompute-induced part of the mandatory h2d exposure (on x)
+        m.offset = -(_d2h_baseline_s(inst) if self.per_segment else baseline_exposure_s(inst))
+
+
+def _d2h_baseline_s(inst: PlanningInstance) -> float:
+    B = inst.d2h_bytes_per_s
+    return max(0.0, inst.head_param_bytes - B * inst.head_s) / B if math.isfinite(B) else 0.0
 
 
 def baseline_exposure_s(inst: PlanningInstance) -> float:
@@ -584,12 +654,12 @@ def _solve_scip(m: _Model, time_limit_s: float, mip_rel_gap: float) -> tuple[str
                 s.addCons(expr <= hi, name=name)
     s.addObjoffset(m.offset)
     s.optimize()
-    status = s.getStatus()
+    status = {"timelimit": "time_limit", "gaplimit": "optimal_within_gap"}.get(s.getStatus(), s.getStatus())
     if s.getNSols() == 0:
         return status, None, math.nan, math.nan
     sol = s.getBestSol()
     objective = float(s.getObjVal())
-    return ("optimal" if status == "optimal" else status), [sol[v] for v in cols], objective, \
+    return status, [sol[v] for v in cols], objective, \
         _gap(objective, float(s.getDualbound()))
 
 
@@ -608,8 +678,8 @@ SOLVERS = {"highs": _solve_highs, "scip": _solve_scip}
 
 # ---- public entry points ------------------------------------------------------------------------------
 def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
-                   mip_rel_gap: float = 0.0, solver: str = "highs",
-                   fixed_tiers: Sequence[str] | None = None) -> MilpSolution:
+                   mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
+                   formulation: str = "paper") -> MilpSolution:
     """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers."""
     if solver not in SOLVERS:
         raise LazyTrainError(f"solver {solver!r} is not one of {', '.join(SOLVERS)}")
@@ -619,12 +689,14 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         raise LazyTrainError(f"time limit must be > 0 seconds, got {time_limit_s}")
     if not 0 <= mip_rel_gap < 1:
         raise LazyTrainError(f"relative MIP gap must be in [0, 1), got {mip_rel_gap}")
+    if formulation not in FORMULATIONS:
+        raise LazyTrainError(f"formulation {formulation!r} is not one of {', '.join(FORMULATIONS)}")
     t0 = time.perf_counter()
     if fixed_tiers is not None:  # a long recompute block of a rule must still be a candidate edge
         kept = [i for i, t in enumerate(fixed_tiers) if t != "recompute"]
         max_segment = max([max_segment, *(b - a for a, b in zip(kept, kept[1:], strict=False))])
     try:
-        form = _Formulation(inst, min(max_segment, inst.num_layers), fixed_tiers)
+        form = _Formulation(inst, min(max_segment, inst.num_layers), fixed_tiers, formulation)
     except _Infeasible as why:
         raise LazyTrainError(_infeasible_message(inst, max_segment, str(why))) from None
     m = form.m
@@ -643,6 +715,7 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         planner="milp", solver=solver, status=status, objective=objective, gap=gap, seconds=seconds,
         num_variables=len(m.names), num_constraints=len(m.rows),
         options={"max_segment": max_segment, "time_limit_s": time_limit_s, "mip_rel_gap": mip_rel_gap,
+                 "formulation": formulation,
                  "num_binaries": sum(m.integer), "fixed_tiers": fixed_tiers is not None,
                  "build_s": round(sum(form.build_s.values()), 4)},
     )
@@ -748,11 +821,15 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
 
 
 def solve_milp(cost: Any, budgets: Any = None, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
-               mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None) -> Plan:
-    """Solve the paper-mode MILP for a CostModel under Budgets and return the Plan (Contract 1)."""
+               mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
+               formulation: str = "paper") -> Plan:
+    """Solve the paper-mode MILP for a CostModel under Budgets and return the Plan (Contract 1).
+
+    formulation "paper" has the per-window reload variables h[i,w], r[i,w] of the paper; "segment" replaces them
+    by one exposure per candidate segment (same optimum; much smaller for long models)."""
     inst = instance_from_cost(cost, budgets)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
-                              solver=solver, fixed_tiers=fixed_tiers)
+                              solver=solver, fixed_tiers=fixed_tiers, formulation=formulation)
     return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
 
 

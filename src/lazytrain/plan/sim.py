@@ -1,6 +1,6 @@
 """Simulator: replay a Plan on a CostModel as concurrent FIFO streams; predict step time, stalls and memory peaks.
 
-The step schedule is the shared one (Contract 2, /docs/cost_model.md) exactly as the executor runs it
+The step schedule is the shared one (Contract 2; docs/cost_model.md) exactly as the executor runs it
 (`lazytrain.runtime.executor`): one host thread drives the *compute* stream and issues copies and jobs to
 five FIFO streams — h2d, d2h, nvme_read, nvme_write and the CPU *optimizer*. A stream runs its jobs in
 the order they were issued; a job whose `after` dependencies are not done blocks its stream (head-of-line,
@@ -11,8 +11,8 @@ computes every start and end exactly (no event queue is needed).
 
 Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
 s..e-2, backward e-1..s; use u streams into weight slot u % 2):
-  start     allocate 2 weight slots, boundary 0, the constants; h2d boundary 0; h2d weights of use 0; wait
-            for boundary 0.
+  start     allocate 2 weight slots and boundary 0; h2d boundary 0; h2d weights of use 0; wait for
+            boundary 0; allocate the constants (rotary tables, positions).
   use u     issue h2d of use u+1's weights (its slot was freed by use u-1), wait for use u's weights.
   forward   F_j: reserve working set, compute, boundary j+1 appears, release working set; if boundary j is
             not gpu (j > 0): wait for its d2h (if offloaded), free it; if boundary j+1 is cpu/nvme: d2h it
@@ -30,8 +30,9 @@ s..e-2, backward e-1..s; use u streams into weight slot u % 2):
             d2h, free boundary 0 and its gradient; wait for every issued job (forward_backward returns:
             `forward_backward_s`); mode "serial": then the optimizer step of all parameters on the host
             thread (MegaTrain's code). Mode "overlap": each optimizer-stream job also runs that group's
-            optimizer step, as soon as the group's gradients are in (the executor's optimizer hook; clipping
-            off, or computed without holding the steps). The next step's forward never overlaps this one.
+            optimizer step, as soon as the group's gradients are in (the executor's optimizer hook; a tied
+            head's group completes at the embedding backward; clipping off, or computed without holding the
+            steps). The next step's forward never overlaps this one.
 
 Memory. Device bytes change at the program points above, in program order, so the device peak does not
 depend on link speeds and equals the executor's arena accounting (`predict_device_peak`). Host: the static
@@ -239,7 +240,10 @@ def simulate(plan: Plan, cost: CostModel, *, optimizer_mode: str = "overlap") ->
     r.mem("gpu", A[L])  # gradient of boundary L
     r.compute("H", c.head_s)
     r.mem("gpu", -c.head_working_bytes)
-    grad_d2h = [send_grads("head", c.head_grad_bytes, c.head_accumulate_s + (c.head_optimizer_s if overlap else 0))]
+    # a tied head's group (final norm + the shared embedding weight) completes only at the embedding backward
+    tied = c.spec.tie_word_embeddings
+    head_step = c.head_optimizer_s if overlap and not tied else 0.0
+    grad_d2h = [send_grads("head", c.head_grad_bytes, c.head_accumulate_s + head_step)]
     u += 1
 
     # ---- backward ---------------------------------------------------------------------------------
@@ -271,8 +275,9 @@ def simulate(plan: Plan, cost: CostModel, *, optimizer_mode: str = "overlap") ->
 
     # ---- end: embedding backward on the host, drain every stream ----------------------------------
     grad0 = r.issue("d2h", "grad boundary 0", _seconds(A[0], c.d2h_bytes_per_s), A[0])
-    pending.append(r.issue("optimizer", "embedding backward", c.embedding_accumulate_s
-                           + (c.embedding_optimizer_s if overlap else 0.0), after=(grad0,)))
+    embedding_step = (c.embedding_optimizer_s + (c.head_optimizer_s if tied else 0.0)) if overlap else 0.0
+    pending.append(r.issue("optimizer", "embedding backward", c.embedding_accumulate_s + embedding_step,
+                           after=(grad0,)))
     r.wait(grad0)
     r.mem("gpu", -2 * A[0])  # boundary 0 and its gradient
     for job in pending:

@@ -61,10 +61,25 @@ from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.workload import Workload
 
 OFFLOADED = ("cpu", "nvme")
+HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.spec.cost uses the same default)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # hook(group_index, params): called on the optimizer link once every gradient of that group is in `.grad`.
 OptimizerHook = Callable[[int, list[nn.Parameter]], None]
+
+
+def layerwise_hook(optimizers: list[torch.optim.Optimizer]) -> OptimizerHook:
+    """An optimizer hook stepping `optimizers[i]` (one per `Executor.param_groups()` entry) as group i lands.
+
+    E.g. `layerwise_hook([torch.optim.AdamW(g, lr=3e-4, fused=True) for g in ex.param_groups()])`.
+    Global-norm clipping needs every gradient first: clip per group, or use serial mode.
+    """
+
+    def hook(index: int, params: list[nn.Parameter]) -> None:
+        optimizers[index].step()
+        optimizers[index].zero_grad(set_to_none=True)
+
+    return hook
 
 
 @dataclass
@@ -189,12 +204,15 @@ class Executor:
     cost: a `lazytrain.spec.cost.CostModel` whose `working_bytes` / `head_working_bytes` the arena
       reserves (so the simulator and the executor count the same bytes); None = the same CostModel
       formulas for the step's batch and sequence length (`estimate_working_bytes` if that module is absent).
-    head_chunk_tokens: tokens per loss-head chunk (at most this many rows of logits exist at once).
+    head_chunk_tokens: tokens per loss-head chunk (at most this many rows of logits exist at once);
+      None = the cost model's, else 1024.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device: Device | None = None, *,
                  compute_dtype: torch.dtype = torch.float32, optimizer_hook: OptimizerHook | None = None,
-                 cost: Any = None, head_chunk_tokens: int = 1024) -> None:
+                 cost: Any = None, head_chunk_tokens: int | None = None) -> None:
+        if head_chunk_tokens is None:  # the cost model's chunk, so its head working set is the real one
+            head_chunk_tokens = int(getattr(cost, "head_chunk_tokens", None) or HEAD_CHUNK_TOKENS)
         if compute_dtype not in DTYPE_NAMES:
             raise LazyTrainError(f"compute_dtype {compute_dtype} is not supported; use torch.float32 or bfloat16")
         if head_chunk_tokens <= 0:
@@ -209,6 +227,15 @@ class Executor:
         self.cost = cost
         self.head_chunk_tokens = head_chunk_tokens
         self.parts: DecoderParts = find_parts(model)
+        off_host = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
+        if off_host:
+            raise LazyTrainError(f"the model's parameters are on {', '.join(off_host)}; the executor streams them "
+                                 "from the host: keep the model on the CPU and pass the device as `device`")
+        dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+        if model.training and dropout > 0:
+            raise LazyTrainError(f"attention_dropout={dropout} with the model in training mode: the backward "
+                                 "re-runs each layer's forward and would draw other masks; set it to 0 or call "
+                                 "model.eval()")
         if "nvme" in plan.tiers:
             check_nvme_dir(self.device.nvme_dir)  # before the first step, not in the middle of one
         host_empty = self.device.host_empty
@@ -241,7 +268,10 @@ class Executor:
         """The byte sizes of one step at this batch and sequence length (what the arena will count)."""
         dtype_bytes = torch.empty((), dtype=self.compute_dtype).element_size()
         config = self.model.config
-        cost = self.cost if self.cost is not None else self._default_cost(batch, seq_len)
+        cost = self.cost
+        workload = getattr(cost, "workload", None)
+        if cost is None or (workload is not None and (workload.batch_size, workload.seq_len) != (batch, seq_len)):
+            cost = self._default_cost(batch, seq_len)  # e.g. a last, shorter batch than the plan's workload
         if cost is not None:
             working = tuple(int(w) for w in cost.working_bytes)
             head_working = int(cost.head_working_bytes)
@@ -369,7 +399,7 @@ class _Step:
         if dev.torch_device.type == "cuda":
             rows = rows.pin_memory()
         boundary0 = self._alloc(tuple(rows.shape), dtype, "boundary 0")
-        ev0 = dev.copy("h2d", boundary0, rows)
+        ev0 = dev.copy("h2d", boundary0, rows, after=[dev.record_compute()])
         self._issue_weights(0)
         self._wait(ev0)
         self.on_device[0] = boundary0
@@ -581,7 +611,8 @@ class _Step:
             events.append(read)
             after = [read]
         t = self._alloc(shape, self.ex.compute_dtype, f"boundary {i} (reloaded)")
-        events.append(dev.copy("h2d", t, host, after=after))
+        # CUDA: the new block may be memory the compute stream freed but still reads; order after it
+        events.append(dev.copy("h2d", t, host, after=[*after, dev.record_compute()]))
         self.on_device[i] = t
         self.reload_events[i] = events
 

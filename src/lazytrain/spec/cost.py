@@ -239,6 +239,16 @@ class CostModel:
             out.head_s = float(head_s)
         return out
 
+    def with_measured_step(self, stats: Any) -> CostModel:
+        """A copy with the compute seconds one executed step measured (`Executor.last_step`: per-layer
+        `forward_s`, `backward_s` and `head_s`). On a small shared CPU this is the honest way to predict the
+        next steps: the measured times already include the contention of the link and optimizer threads."""
+        forward = [float(t) for t in stats.forward_s]
+        backward = [float(t) for t in stats.backward_s]
+        if not any(forward) or not any(backward):
+            raise LazyTrainError("with_measured_step: the step has no measured layer times (did it run?)")
+        return self.with_times(forward_s=forward, backward_s=backward, head_s=float(stats.head_s))
+
     @classmethod
     def from_profile(cls, model: Any, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
                      *, repeats: int = 3, **kwargs: Any) -> CostModel:
@@ -269,57 +279,92 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
                         head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> dict[str, Any]:
     """Measure forward / autograd forward+backward seconds of each layer shape and of the chunked loss head.
 
-    Layers with the same type and parameter count share one measurement. Returns
-    {"forward_s": [...L], "backward_s": [...L], "head_s": float}.
+    Uses the executor's own layer and head functions (`lazytrain.runtime.hf`, weights bound to copies as in
+    the slots, weight gradients copied into a flat slot) when they accept the model, else the model's modules
+    directly. Layers with the same type and parameter count share one measurement (median of `repeats`).
+    Returns {"forward_s": [...L], "backward_s": [...L], "head_s": float}.
     """
     import torch
 
     from lazytrain.plan.plan import spec_of
 
     spec = spec_of(model)
-    inner = model.model if hasattr(model, "model") else model
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
-    b, s = workload.batch_size, workload.seq_len
-    hidden = torch.randn(b, s, spec.hidden_size, generator=gen).to(dtype)
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
-    rotary = getattr(inner, "rotary_emb", None)
-    pos_emb = rotary(hidden, position_ids) if rotary is not None else None
+    b, s, h = workload.batch_size, workload.seq_len, spec.hidden_size
+    hidden = torch.randn(b, s, h, generator=gen).to(dtype)
+    grad = torch.randn(b, s, h, generator=gen).to(dtype)
+    labels = torch.randint(0, spec.vocab_size, (b * s,), generator=gen)
+    try:
+        from lazytrain.runtime import hf
 
-    def call(layer: Any, x: Any) -> Any:
-        out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=pos_emb)
-        return out[0] if isinstance(out, tuple) else out
+        parts = hf.find_parts(model)
+        consts = hf.Rotary(parts, torch.device("cpu")).constants(hidden)
+    except Exception:  # noqa: BLE001 - any model the executor cannot take: time its modules directly
+        hf = parts = None
 
+    def timed_layer(j: int, layer: Any) -> tuple[float, float]:
+        if parts is not None:
+            weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+            slot = torch.empty(sum(w.numel() for w in weights.values()), dtype=dtype)
+
+            def fwd() -> None:
+                with torch.no_grad():
+                    hf.layer_forward(layer, weights, hidden, consts, parts.mask_kinds[j])
+
+            def fwd_bwd() -> None:
+                _, weight_grads = hf.layer_backward(layer, weights, hidden, grad, consts, parts.mask_kinds[j])
+                offset = 0
+                for g in weight_grads.values():  # into the gradient slot, as the executor does
+                    slot[offset:offset + g.numel()].copy_(g.reshape(-1))
+                    offset += g.numel()
+        else:
+            inner = model.model if hasattr(model, "model") else model
+            position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
+            rotary = getattr(inner, "rotary_emb", None)
+            pos_emb = rotary(hidden, position_ids) if rotary is not None else None
+
+            def call(x: Any) -> Any:
+                out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=pos_emb)
+                return out[0] if isinstance(out, tuple) else out
+
+            def fwd() -> None:
+                with torch.no_grad():
+                    call(hidden)
+
+            def fwd_bwd() -> None:
+                call(hidden.detach().requires_grad_(True)).backward(grad)
+        times = (_median_s(fwd, repeats), _median_s(fwd_bwd, repeats))
+        layer.zero_grad(set_to_none=True)
+        return times
+
+    layers = parts.layers if parts is not None else (model.model if hasattr(model, "model") else model).layers
     measured: dict[tuple[str, int], tuple[float, float]] = {}
     forward_s, backward_s = [], []
-    for j, layer in enumerate(inner.layers):
+    for j, layer in enumerate(layers):
         key = (spec.layer_types[j], spec.layer_params[j])
         if key not in measured:
-            def fwd(layer: Any = layer) -> None:
-                with torch.no_grad():
-                    call(layer, hidden)
-
-            x = hidden.clone().requires_grad_(True)
-            grad = torch.randn(b, s, spec.hidden_size, generator=gen).to(dtype)
-
-            def fwd_bwd(layer: Any = layer, x: Any = x, grad: Any = grad) -> None:
-                call(layer, x).backward(grad)
-
-            measured[key] = (_median_s(fwd, repeats), _median_s(fwd_bwd, repeats))
-            layer.zero_grad(set_to_none=True)
+            measured[key] = timed_layer(j, layer)
         forward_s.append(measured[key][0])
         backward_s.append(measured[key][1])
 
-    norm, lm_head = inner.norm, model.lm_head
-    labels = torch.randint(0, spec.vocab_size, (b * s,), generator=gen)
-    x = hidden.reshape(b * s, -1).clone().requires_grad_(True)
+    if parts is not None:
+        head_weights = {n: p.detach().clone() for n, p in hf.head_named_params(parts)}
+        head_grads = {n: torch.zeros_like(w) for n, w in head_weights.items()}
+        grad_hidden = torch.empty_like(hidden)
 
-    def head() -> None:
-        for start in range(0, b * s, head_chunk_tokens):
-            chunk = x[start:start + head_chunk_tokens]
-            logits = lm_head(norm(chunk)).float()
-            loss = torch.nn.functional.cross_entropy(logits, labels[start:start + head_chunk_tokens], reduction="sum")
-            loss.backward()
+        def head() -> None:
+            hf.head_forward_backward(parts.norm, head_weights, hidden, labels, grad_hidden, head_grads,
+                                     head_chunk_tokens, 1.0)
+    else:
+        norm, lm_head = (model.model if hasattr(model, "model") else model).norm, model.lm_head
+        x = hidden.reshape(b * s, -1).clone().requires_grad_(True)
+
+        def head() -> None:
+            for start in range(0, b * s, head_chunk_tokens):
+                logits = lm_head(norm(x[start:start + head_chunk_tokens])).float()
+                torch.nn.functional.cross_entropy(logits, labels[start:start + head_chunk_tokens],
+                                                  reduction="sum").backward()
 
     head_s = _median_s(head, repeats)
     model.zero_grad(set_to_none=True)

@@ -1,0 +1,143 @@
+"""Planner benchmarks: MILP solve times, HiGHS vs SCIP, MILP vs MegaTrain rule (simulated), rtx3090 max batch.
+
+    python benchmarks/planner.py            # everything (about 5 minutes on a 2-core CPU)
+    python benchmarks/planner.py solve      # solve times for 32/64/80/128 layers, HiGHS and SCIP
+    python benchmarks/planner.py tight      # 27B with tighter gpu caps, where recompute is needed
+    python benchmarks/planner.py tflops     # simulated TFLOPS, MILP vs rule, at the paper's batch sizes (H800)
+    python benchmarks/planner.py maxbatch   # largest feasible batch on the rtx3090 preset, MILP vs rules
+
+The solve instances are the paper's 27B / H800 case (batch 72, seq 1024, gpu cap 70 GB, cpu act 15 GB,
+nvme act 32 GB) with the Qwen3.6-27B layer shapes repeated to L layers. Times are medians of 3 runs.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+
+from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.command import admitted_budgets, largest_feasible_batch
+from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
+from lazytrain.plan.rules import evaluate_tiers, make_rule_plan, rule_tiers
+from lazytrain.plan.sim import simulate
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import PRESET_DIR, ModelSpec
+from lazytrain.spec.workload import Workload
+
+GB = 10**9
+PAPER_BUDGETS = Budgets(gpu_mem_cap_bytes=70 * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=32 * GB)
+PAPER_BATCH = {"qwen2.5-3b": 192, "qwen2.5-7b": 144, "qwen2.5-14b": 96, "qwen3.6-27b": 72}
+PAPER_MEGATRAIN_TFLOPS = {"qwen2.5-3b": 142.80, "qwen2.5-7b": 161.35, "qwen2.5-14b": 171.92, "qwen3.6-27b": 176.90}
+
+
+def qwen36_with_layers(num_layers: int) -> ModelSpec:
+    cfg = json.loads((PRESET_DIR / "qwen3.6-27b.json").read_text())["text_config"]
+    cfg = {**cfg, "num_hidden_layers": num_layers}
+    cfg.pop("layer_types")  # regenerated: every 4th layer full attention
+    return ModelSpec.from_config(cfg, name=f"qwen3.6-27b-shaped-{num_layers}L")
+
+
+def bench_solve(time_limit_s: float = 120.0) -> None:
+    print(f"## MILP solve time, 27B/H800 paper instance, layers varied (max segment 8, time limit {time_limit_s:g} s)")
+    print("| layers | formulation | solver | binaries | variables | constraints | seconds (median of 3) | status | "
+          "gap | objective s | tiers G/C/N/R |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    hw = HardwareSpec.load("h800")
+    for L in (32, 64, 80, 128):
+        cost = CostModel(qwen36_with_layers(L), hw, Workload(72, 1024))
+        _, budgets = admitted_budgets(cost, PAPER_BUDGETS)
+        inst = instance_from_cost(cost, budgets)
+        for formulation in ("paper", "segment"):
+            for solver in ("highs", "scip"):
+                repeats = 1 if (formulation == "paper" and L == 128) or solver == "scip" else 3
+                runs = [solve_instance(inst, time_limit_s=time_limit_s, solver=solver, formulation=formulation)
+                        for _ in range(repeats)]
+                r, tiers = runs[-1].report, runs[-1].tiers
+                counts = "/".join(str(tiers.count(t)) for t in ("gpu", "cpu", "nvme", "recompute"))
+                seconds = statistics.median(x.report.seconds for x in runs)
+                print(f"| {L} | {formulation} | {solver} | {r.options['num_binaries']} | {r.num_variables} | "
+                      f"{r.num_constraints} | {seconds:.2f}{'' if repeats == 3 else ' (1 run)'} | {r.status} | "
+                      f"{r.gap:.2g} | {r.objective:.6f} | {counts} |")
+                sys.stdout.flush()
+
+
+def bench_solve_tight(time_limit_s: float = 120.0) -> None:
+    print("## MILP solve time, 27B/H800, batch 72, cpu act 15 GB, nvme 32 GB, tighter gpu caps (recompute needed)")
+    print("| gpu cap | formulation | solver | seconds (median of 3) | status | gap | objective s | tiers G/C/N/R |")
+    print("|---|---|---|---|---|---|---|---|")
+    cost = CostModel(ModelSpec.load("qwen3.6-27b"), HardwareSpec.load("h800"), Workload(72, 1024))
+    for cap_gb in (50, 45, 40):
+        budgets = Budgets(gpu_mem_cap_bytes=cap_gb * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=32 * GB)
+        _, budgets = admitted_budgets(cost, budgets)
+        inst = instance_from_cost(cost, budgets)
+        for formulation in ("paper", "segment"):
+            runs = [solve_instance(inst, time_limit_s=time_limit_s, formulation=formulation) for _ in range(3)]
+            r, tiers = runs[-1].report, runs[-1].tiers
+            counts = "/".join(str(tiers.count(t)) for t in ("gpu", "cpu", "nvme", "recompute"))
+            print(f"| {cap_gb} GB | {formulation} | highs | {statistics.median(x.report.seconds for x in runs):.2f} | "
+                  f"{r.status} | {r.gap:.2g} | {r.objective:.4f} | {counts} |")
+            sys.stdout.flush()
+
+
+def bench_tflops() -> None:
+    print("## Simulated TFLOPS at the paper's batch sizes, H800 preset, gpu cap 70 GB, cpu act 15 GB, nvme 32 GB")
+    print("| model | batch | paper MegaTrain | rule serial | rule overlap | MILP serial | MILP overlap | "
+          "MILP/rule (both serial) | MILP overlap / rule serial | MILP tiers G/C/N/R | MILP peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    hw = HardwareSpec.load("h800")
+    for preset, batch in PAPER_BATCH.items():
+        spec = ModelSpec.load(preset)
+        cost = CostModel(spec, hw, Workload(batch, 1024))
+        _, budgets = admitted_budgets(cost, PAPER_BUDGETS)
+        plan = solve_milp(cost, budgets)
+        rule = make_rule_plan("megatrain", spec, interval=4)
+        sim = {(name, mode): simulate(p, cost, optimizer_mode=mode)
+               for name, p in (("rule", rule), ("milp", plan)) for mode in ("serial", "overlap")}
+        t = {k: v.tflops for k, v in sim.items()}
+        counts = "/".join(str(plan.tiers.count(x)) for x in ("gpu", "cpu", "nvme", "recompute"))
+        print(f"| {preset} | {batch} | {PAPER_MEGATRAIN_TFLOPS[preset]:.1f} | {t['rule', 'serial']:.1f} | "
+              f"{t['rule', 'overlap']:.1f} | {t['milp', 'serial']:.1f} | {t['milp', 'overlap']:.1f} | "
+              f"{t['milp', 'serial'] / t['rule', 'serial']:.3f} | {t['milp', 'overlap'] / t['rule', 'serial']:.3f} | "
+              f"{counts} | {sim['milp', 'overlap'].peak_bytes['gpu'] / 2**30:.2f} |")
+        sys.stdout.flush()
+
+
+def bench_max_batch() -> None:
+    print("## Largest feasible batch, rtx3090 preset (24 GiB), seq 1024, fp32 Adam, default budgets")
+    print("| model | MILP | megatrain K=4 | keep-all | recompute-all | offload-all | MILP - rule | MILP plan peak "
+          "GiB (simulated) | search s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    hw = HardwareSpec.load("rtx3090")
+    for preset in PAPER_BATCH:
+        t0 = time.perf_counter()
+        cfg = dict(spec=ModelSpec.load(preset), hardware=hw, budgets=Budgets(), seq_len=1024, dtype="bf16",
+                   optimizer="fp32", interval=4, solver="highs", max_segment=8, time_limit_s=60.0, mip_rel_gap=0.0)
+        sizes = {rule or "milp": largest_feasible_batch(cfg, rule)
+                 for rule in (None, "megatrain", "keep-all", "recompute-all", "offload-all")}
+        cost = CostModel(cfg["spec"], hw, Workload(sizes["milp"], 1024))
+        _, budgets = admitted_budgets(cost, Budgets())
+        peak = simulate(solve_milp(cost, budgets), cost).peak_bytes["gpu"] / 2**30
+        print(f"| {preset} | {sizes['milp']} | {sizes['megatrain']} | {sizes['keep-all']} | {sizes['recompute-all']} "
+              f"| {sizes['offload-all']} | {sizes['milp'] - sizes['megatrain']:+d} | {peak:.2f} | "
+              f"{time.perf_counter() - t0:.1f} |")
+        sys.stdout.flush()
+    # the rule under the MILP's memory rows, for reference: the feasibility test used above
+    assert evaluate_tiers(rule_tiers("keep-all", 2), instance_from_cost(
+        CostModel(ModelSpec.load("tiny-llama"), HardwareSpec.load("emulated"), Workload(1, 8)), Budgets())).feasible
+
+
+def main(argv: list[str]) -> None:
+    which = argv or ["solve", "tight", "tflops", "maxbatch"]
+    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}; "
+          f"command: python benchmarks/planner.py {' '.join(argv)}".rstrip())
+    for name in which:
+        {"solve": bench_solve, "tight": bench_solve_tight, "tflops": bench_tflops, "maxbatch": bench_max_batch}[name]()
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
