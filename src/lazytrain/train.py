@@ -7,8 +7,9 @@ recompute). The plan comes from the MILP (or a saved plan file, or a rule); the 
 every step logs the measured step time beside the simulator's prediction. On a machine with CUDA the
 same plan runs on the GPU.
 
-The file reads top to bottom like nanoGPT's train.py: config, model, device, plan, optimizer, data,
-loop, save. `TrainConfig` is the one configuration path; the CLI fills it.
+The file reads top to bottom like nanoGPT's train.py, in ruled sections: config, model, device, plan,
+optimizer, evaluation, the run (data, model, plan, device, loop, save), the loop, helpers, command line.
+`TrainConfig` is the one configuration path; the CLI fills it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class TrainConfig:
     corpus: str = "stdlib"
     """Training text: `stdlib` (docstrings of Python's standard library, ~0.8 MB), `zen` (the Zen of Python)
     or a path to a UTF-8 text file."""
-    steps: int = 80
+    steps: int = 150
     """Optimizer steps to run (>= 1)."""
     batch_size: int = 8
     """Sequences per micro-batch (>= 1)."""
@@ -104,7 +105,7 @@ class TrainConfig:
     """Emulated NVMe write rate."""
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files; None = a temporary directory removed at the end."""
-    eval_batches: int = 4
+    eval_batches: int = 2
     """Held-out batches for the eval loss before and after training; 0 = no eval."""
     seed: int = 0
     """Seeds the model init, the batch order and the eval batches."""
@@ -230,10 +231,8 @@ def build_hardware(cfg: TrainConfig, kind: str) -> Any:
 
 def build_device(cfg: TrainConfig, kind: str, capacity_bytes: int | None, throttled: bool = True) -> Any:
     """The device the executor streams through: CUDA, or the emulated one with the configured link rates."""
-    from lazytrain.runtime.device import CudaDevice, EmulatedDevice, check_nvme_dir
+    from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 
-    if cfg.nvme_dir is not None:
-        check_nvme_dir(Path(cfg.nvme_dir))  # before the first step, not in the middle of one
     if kind == "cuda":
         return CudaDevice(capacity_bytes=capacity_bytes, nvme_dir=cfg.nvme_dir)
     if not throttled:
@@ -281,6 +280,10 @@ def make_plan(cfg: TrainConfig, model: Any, kind: str, probe_batch: tuple[Any, A
     if cfg.plan is not None:
         plan = Plan.load(cfg.plan, spec, workload)
         how = f"loaded from {cfg.plan} ({plan.report.planner})"
+        for knob, flag_value in (("gpu_mem_cap_bytes", cfg.gpu_mem_cap_bytes), ("cpu_act_bytes", cfg.cpu_act_bytes),
+                                 ("nvme_act_bytes", cfg.nvme_act_bytes)):
+            if flag_value is None and plan.budgets_bytes.get(knob) is not None:
+                budgets[knob] = plan.budgets_bytes[knob]  # the budgets the plan was solved under
     else:
         plan, how = _solve(cfg.planner, cost, spec, workload, budgets)
     sim = _simulate(plan, cost)
@@ -496,6 +499,10 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     t_start = time.perf_counter()
     out = prepare_output_dir(cfg)
+    if cfg.nvme_dir is not None:  # like the output dir: refused before anything is built
+        from lazytrain.runtime.device import check_nvme_dir
+
+        check_nvme_dir(Path(cfg.nvme_dir))
     torch.manual_seed(cfg.seed)
 
     # ---- data -------------------------------------------------------------------------------------
@@ -704,6 +711,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step (default 1)")
     a("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     a("--warmup-steps", type=int, default=d.warmup_steps, help=f"linear warm-up steps (default {d.warmup_steps})")
+    a("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+      help=f"final learning rate as a fraction of --lr (default {d.min_lr_ratio})")
     a("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
     a("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clip norm; 0 = off (default 1.0)")
     a("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="host optimizer (default adamw)")

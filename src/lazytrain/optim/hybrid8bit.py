@@ -12,17 +12,18 @@ Usage, whole model (computes the norm itself):
 
 Usage, executor (one param group per layer, norms accumulated as gradients reach the host):
 
-    sq = per_tensor_sq_norms(layer_grads)            # per layer, as its gradients arrive (fp32)
-    total_sq += float(sq.sum())
+    total_sq = torch.zeros(())                       # fp32 accumulator, once per step
+    total_sq += per_tensor_sq_norms(layer_grads).sum()  # per layer, as its gradients reach the host
     ...
-    clip_coef = opt.begin_step(grad_norm=math.sqrt(total_sq))  # once per step, after all layers
+    clip_coef = opt.begin_step(grad_norm=total_sq.sqrt())  # once per step, after all layers (host sync)
     if clip_coef is not None:                         # None: non-finite gradients, step skipped
         for i in range(len(opt.param_groups)):        # any order, any time before the next step
             opt.step_group(i, clip_coef)
 
-`begin_step` decides skip and clip scale for the whole step (a non-finite norm is rechecked on the
-gradients by the slow exact path); `step_group` updates one group with that scale and does not look
-at other groups. `opt.step(grad_norm=...)` is `begin_step` followed by `step_group` for every group.
+`begin_step` decides skip and clip scale for the whole step; a non-finite norm is rechecked on the
+`.grad` tensors by the slow exact path (fp32 overflow of finite gradients still steps), so call it
+while the gradients are on the host. `step_group` updates one group with that scale and does not
+look at other groups. `opt.step(grad_norm=...)` is `begin_step` then `step_group` for every group.
 
 Which parameters get 8-bit states is fixed at construction, in parameter order: a tensor with at
 least `min_8bit_size` elements is 8-bit while the 8-bit volume stays within `eightbit_fraction` of
@@ -288,11 +289,19 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
                 f"state_dict has block_size {extra['block_size']} but this optimizer has {self.block_size}; "
                 "construct it with the saved block_size"
             )
-        super().load_state_dict(state_dict)
-        for st in self.state.values():  # torch casts every state tensor to the param dtype: undo for codes
-            for key in ("qm", "qv"):
-                if key in st:
-                    st[key] = st[key].to(torch.uint8)
+        # torch casts every state tensor to the parameter dtype; keep the uint8 codes out of that
+        # (a float32 copy of the codes would need 4x their memory for a moment)
+        codes: dict[Any, dict[str, torch.Tensor]] = {}
+        plain: dict[Any, dict[str, Any]] = {}
+        for pid, st in state_dict["state"].items():
+            plain[pid] = {k: v for k, v in st.items() if k not in ("qm", "qv")}
+            codes[pid] = {k: v for k, v in st.items() if k in ("qm", "qv")}
+        super().load_state_dict({**state_dict, "state": plain})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params, strict=True):
+            for key, val in codes.get(pid, {}).items():
+                self.state[p][key] = val.to(device=p.device, dtype=torch.uint8)
         self._eightbit_numel = sum(p.numel() for p, st in self.state.items() if st.get("eightbit"))
         if extra is not None:
             self.skipped_steps = extra["skipped_steps"]

@@ -27,12 +27,14 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import llvmlite.binding as llvm_binding
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
-from numba import njit, prange, set_parallel_chunksize, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 # ---------------------------------------------------------------- maps
@@ -152,8 +154,7 @@ def adamw8bit_reference_(
 # delete the guards that keep v > 0 away from code 0. error_model="numpy": no ZeroDivisionError
 # branch (it blocks vectorization); every division here has a nonzero divisor.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
-_CHUNK_BLOCKS = 32  # blocks per parallel work item (8192 elements at block 256)
-PARALLEL_MIN_NUMEL = 1 << 16  # smaller tensors run on one core
+PARALLEL_MIN_NUMEL = 1 << 16  # smaller tensors run on the calling thread only
 
 _F0 = np.float32(0.0)
 _HALF = np.float32(0.5)
@@ -253,29 +254,14 @@ def _update_blocks(
             qvb[j] = np.uint8(kv)
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
-def _adamw8bit_parallel(
-    p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2, eps, decay, step_size,
-    inv_bc2_sqrt,
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _adamw8bit_blocks(
+    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2, eps,
+    decay, step_size, inv_bc2_sqrt,
 ):  # pragma: no cover - compiled
-    """Both cores: chunks of _CHUNK_BLOCKS blocks are the parallel work items."""
-    nblocks = absmax_m.size
-    nchunks = (nblocks + _CHUNK_BLOCKS - 1) // _CHUNK_BLOCKS
-    for c in prange(nchunks):
-        _update_blocks(
-            c * _CHUNK_BLOCKS, min(nblocks, (c + 1) * _CHUNK_BLOCKS), p, g, qm, qv, absmax_m, absmax_v,
-            block_size, clip, beta1, beta2, one_m_b1, one_m_b2, eps, decay, step_size, inv_bc2_sqrt,
-        )
-
-
-@njit(cache=True, fastmath=_FASTMATH, error_model="numpy")
-def _adamw8bit_serial(
-    p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2, eps, decay, step_size,
-    inv_bc2_sqrt,
-):  # pragma: no cover - compiled
-    """One core, for small tensors: waking the thread pool costs more than the update."""
+    """Blocks [b_first, b_last) on the calling thread; nogil, so pool threads run it side by side."""
     _update_blocks(
-        0, absmax_m.size, p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2,
+        b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2,
         eps, decay, step_size, inv_bc2_sqrt,
     )
 
@@ -321,16 +307,36 @@ def adamw8bit_step_(
         f32(lr / bc1),
         f32(1.0 / bc2**0.5),
     )
-    if p.numel() < PARALLEL_MIN_NUMEL:
-        _first_call_wide(_adamw8bit_serial, args)
+    nblocks = absmax_m.numel()
+    if p.numel() < PARALLEL_MIN_NUMEL or _num_threads() == 1:
+        _first_call_wide(_adamw8bit_blocks, (0, nblocks, *args))
         return
-    # dynamic scheduling, 2 work items at a time: a thread preempted by another process delays only
-    # its current items, not a static half of the tensor (the setting is per calling thread)
-    saved_chunksize = set_parallel_chunksize(2)
-    try:
-        _first_call_wide(_adamw8bit_parallel, args)
-    finally:
-        set_parallel_chunksize(saved_chunksize)
+    # Work items of whole blocks, handed out dynamically: a thread preempted by another process
+    # delays only its current item. Own pool (not numba's parallel=True): numba's OpenMP pool and
+    # torch's bundled libgomp both spin-wait and steal the two cores from each other between calls.
+    # _ITEMS_PER_THREAD items per thread: few enough that handing them out (GIL, futures) stays cheap.
+    _first_call_wide(_adamw8bit_blocks, (0, 1, *args))  # compile or load from cache, once
+    step_blocks = max(1, -(-(nblocks - 1) // (_ITEMS_PER_THREAD * _num_threads())))
+    items = [(b, min(nblocks, b + step_blocks)) for b in range(1, nblocks, step_blocks)]
+    list(_pool().map(lambda item: _adamw8bit_blocks(item[0], item[1], *args), items))
+
+
+_ITEMS_PER_THREAD = 4
+_pool_obj: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def _num_threads() -> int:
+    """Threads for the 8-bit update: the cores this process may use (as torch and numba count them)."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _pool_obj
+    with _lock:
+        if _pool_obj is None:
+            _pool_obj = ThreadPoolExecutor(max_workers=_num_threads(), thread_name_prefix="lazytrain-adamw8bit")
+        return _pool_obj
 
 
 # LLVM's cost model picks 256-bit vectors, interleave 4 for these loops on Zen 4/5; 512-bit vectors,
@@ -344,6 +350,15 @@ def _first_call_wide(kernel: object, args: tuple) -> None:
     if kernel in _loaded or not _WIDE_VECTORS:
         kernel(*args)
         return
+    with _lock:  # LLVM options are process-wide: one compiling call at a time
+        if kernel in _loaded:
+            kernel(*args)
+            return
+        _call_with_wide_vectors(kernel, args)
+        _loaded.add(kernel)
+
+
+def _call_with_wide_vectors(kernel: object, args: tuple) -> None:
     llvm_binding.set_option("", "-force-vector-width=16")
     llvm_binding.set_option("", "-force-vector-interleave=2")
     sys.stderr.flush()
@@ -361,4 +376,3 @@ def _first_call_wide(kernel: object, args: tuple) -> None:
             other = [ln for ln in err.read().decode(errors="replace").splitlines() if not ln.startswith("remark:")]
             if other:
                 print("\n".join(other), file=sys.stderr)
-    _loaded.add(kernel)

@@ -264,7 +264,8 @@ class _Formulation:
         if self.per_segment:
             families += [self._add_segment_reloads]
         else:
-            families += [self._add_h2d_windows, self._add_nvme_read_windows, self._add_reload_windows]
+            families += [self._add_h2d_windows, self._add_nvme_read_windows, self._add_reload_windows,
+                         self._add_reload_bounds]
         for family in families:
             t0 = time.perf_counter()
             family()
@@ -484,7 +485,14 @@ class _Formulation:
                             coefs[x[e, b]] = -A[i]
                     m.row(f"reload_{name}_before[{i},{w},{e}]", coefs, hi=A[i])
 
-    def _add_segment_reloads(self) -> None:
+    def _add_reload_bounds(self) -> None:
+        """formulation="paper": the segment closed form as valid inequalities on the per-window eps (same optimum;
+        a much stronger LP bound, so that long models prove optimality):
+          sum_w eps^H[w] >= sum_w max(0, P[w] - C[w]) + sum_{(e,e2)} eps^H[e,e2]     (see _add_segment_reloads)
+        """
+        self._add_segment_reloads(as_bounds=True)
+
+    def _add_segment_reloads(self, as_bounds: bool = False) -> None:
         """formulation="segment": the reload links per segment instead of per window (same optimum, far fewer rows).
 
         Each backward window serves only the reload of the previous segment's start, so for fixed tiers the
@@ -517,27 +525,41 @@ class _Formulation:
             p = inst.param_bytes[w] * (2 if recomputed else 1) if weights else 0.0
             return p - B * (inst.backward_s[w] + (inst.forward_s[w] if recomputed else 0.0))
 
-        for link, B, weights, indicator in (("H", inst.h2d_bytes_per_s, True, self.v),
-                                            ("R", inst.nvme_read_bytes_per_s, False, self.vn)):
+        for link, B, weights, indicator, per_window in (("H", inst.h2d_bytes_per_s, True, self.v, self.epsH),
+                                                        ("R", inst.nvme_read_bytes_per_s, False, self.vn, self.epsR)):
             if not math.isfinite(B) or (link == "R" and not self.vn):
                 continue
-            if weights:  # recompute re-streams weights: charge the extra mandatory exposure on the edges
-                for (s0, s1), xv in x.items():
-                    delta = sum(max(0.0, window_over(B, True, w, True)) - max(0.0, window_over(B, True, w, False))
-                                for w in range(s0, s1 - 1))
-                    m.cost[xv] += delta / B
+            cost = 0.0 if as_bounds else 1.0 / B
+            segment_eps = []
             for (e, e2), xv in x.items():
                 slack = sum(max(0.0, -window_over(B, weights, w, w < e2 - 1)) for w in range(e, e2))
-                coefs = {eps: 1.0 for eps in [m.var(f"eps{link}[{e},{e2}]", cost=1.0 / B)]}
-                coefs.update({iv: -A[i] for (i, e_), iv in indicator.items() if e_ == e})
-                if len(coefs) > 1:
-                    coefs[xv] = -a_max
+                coefs = {iv: -A[i] for (i, e_), iv in indicator.items() if e_ == e}
+                if coefs:
+                    eps = m.var(f"eps{link}[{e},{e2}]", cost=cost)
+                    segment_eps.append(eps)
+                    coefs.update({eps: 1.0, xv: -a_max})
                     m.row(f"reload_{link}[{e},{e2}]", coefs, lo=-slack - a_max)
             head_slack = max(0.0, B * inst.head_s - (inst.head_param_bytes if weights else 0.0))
-            coefs = {m.var(f"eps{link}[{L}]", cost=1.0 / B): 1.0}
-            coefs.update({iv: -A[i] for (i, e_), iv in indicator.items() if e_ == L})
-            if len(coefs) > 1:
-                m.row(f"reload_{link}[{L}]", coefs, lo=-head_slack)
+            coefs = {iv: -A[i] for (i, e_), iv in indicator.items() if e_ == L}
+            if coefs:
+                eps = m.var(f"eps{link}[{L}]", cost=cost)
+                segment_eps.append(eps)
+                m.row(f"reload_{link}[{L}]", {**coefs, eps: 1.0}, lo=-head_slack)
+            # the mandatory part: per window max(0, P - C), i.e. its all-kept value + delta[w] (1 - z[w+1])
+            delta = [max(0.0, window_over(B, weights, w, True)) - max(0.0, window_over(B, weights, w, False))
+                     for w in range(L)]
+            if not as_bounds:  # charge the recompute-induced weight exposure on the edges (the rest is baseline)
+                for (s0, s1), xv in x.items():
+                    m.cost[xv] += sum(delta[s0:s1 - 1]) / B
+                continue
+            base = (sum(max(0.0, window_over(B, weights, w, False)) for w in range(L))
+                    + max(0.0, (inst.head_param_bytes if weights else 0.0) - B * inst.head_s))
+            coefs = {eps: 1.0 for eps in per_window}
+            for eps in segment_eps:
+                coefs[eps] = -1.0
+            for w in range(L):
+                _add(coefs, self.z[w + 1], delta[w])
+            m.row(f"reload_bound_{link}", coefs, lo=base + sum(delta))
 
     def _add_objective(self) -> None:
         # + sum_w (eps^D/B_D + eps^H/B_H + eps^W/B_W + eps^R/B_R) - baseline, the baseline being the exposure of

@@ -56,7 +56,7 @@ from lazytrain.runtime.hf import (
     layer_forward,
     shift_labels,
 )
-from lazytrain.runtime.store import ActivationStore, WeightGroup, add_grad
+from lazytrain.runtime.store import ActivationStore, WeightGroup
 from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.workload import Workload
 
@@ -550,8 +550,9 @@ class _Step:
         if emb.padding_idx is not None:  # nn.Embedding gives the padding row no gradient
             keep = ids != emb.padding_idx
             ids, g = ids[keep], g[keep]
-        full = torch.zeros_like(weight).index_add_(0, ids, g)
-        add_grad(weight, full)
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, ids, g)  # scattered in place: no vocab x hidden temporary
         self._arrived(index, 2 if self.ex.parts.tied else 1)
 
     def _arrived(self, index: int, parts: int) -> None:
