@@ -117,13 +117,14 @@ def print_milp(hw: HardwareSpec, time_limit_s: float) -> None:
               f"`{plan.placement_map()}` | {solve_s:.2f} |")
 
 
-def print_emulated(gbps: float, steps: int) -> None:
+def print_emulated(gbps: float, steps: int, threads: int) -> None:
     """A 6-layer llama (h=256, b=4, s=256, fp32) on the EmulatedDevice: measured wall_s vs the simulator.
 
     Two predictions per plan: from `CostModel.from_profile` (compute seconds measured before, in isolation)
     and a replay with the compute seconds the executor measured in that same step (`with_measured_step`),
     which checks the schedule and the stream model alone. Medians over `steps` steps after one warm-up.
     """
+    import os
     import statistics
 
     import torch
@@ -131,6 +132,8 @@ def print_emulated(gbps: float, steps: int) -> None:
 
     from lazytrain import EmulatedDevice, Executor
 
+    if threads:
+        torch.set_num_threads(threads)  # 1 avoids OpenMP spin-wait collapse on a shared 2-core machine
     torch.manual_seed(0)
     L, B, S = 6, 4, 256
     config = transformers.LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_hidden_layers=L,
@@ -147,7 +150,8 @@ def print_emulated(gbps: float, steps: int) -> None:
         "offload-all": ["gpu"] + ["cpu"] * (L - 1) + ["gpu"],
         "mixed-nvme": ["gpu", "nvme", "recompute", "cpu", "gpu", "nvme", "gpu"],
     }
-    print(f"\nemulated executor, links {gbps} GB/s, matmul {hw.matmul_tflops * 1e3:.0f} GFLOPS (profiled)")
+    print(f"\nemulated executor, links {gbps} GB/s, matmul {hw.matmul_tflops * 1e3:.0f} GFLOPS (profiled), "
+          f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f}")
     print("| plan | measured wall s | from_profile s | ratio | replayed s | ratio | exposed h2d meas / sim |")
     print("|---|---|---|---|---|---|---|")
     for name, tiers in plans.items():
@@ -180,6 +184,7 @@ def main() -> None:
     parser.add_argument("--emulated", action="store_true", help="measure the emulated executor against the simulator")
     parser.add_argument("--link-gbps", type=float, default=0.05, help="emulated link rate for --emulated, GB/s")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per plan for --emulated")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for --emulated (0 = torch's default)")
     args = parser.parse_args()
     hw = HardwareSpec.load("h800")
     if args.fit:
@@ -190,7 +195,7 @@ def main() -> None:
     if args.milp:
         print_milp(hw, args.time_limit)
     if args.emulated:
-        print_emulated(args.link_gbps, args.steps)
+        print_emulated(args.link_gbps, args.steps, args.threads)
 
 
 if __name__ == "__main__":

@@ -136,9 +136,18 @@ def test_outlier_then_silence_keeps_steps_bounded(use_reference: bool) -> None:
 
 
 # ---------------------------------------------------------------- kernel == reference
-def test_kernel_matches_torch_reference_step_by_step() -> None:
+@pytest.fixture
+def two_threads():
+    """The thread-pool path needs torch.get_num_threads() > 1 (it is 1 on a one-core CI runner)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_kernel_matches_torch_reference_step_by_step(two_threads) -> None:
     gen = torch.Generator().manual_seed(3)
-    shapes = [(333, 77), (4097,), (256 * 40,), (300, 257)]  # the last one takes the parallel kernel
+    shapes = [(333, 77), (4097,), (256 * 40,), (300, 257)]  # the last one takes the thread-pool path
     assert math.prod(shapes[-1]) >= q.PARALLEL_MIN_NUMEL > math.prod(shapes[0])
     pa, pb = _params(shapes, 3), _params(shapes, 3)
     kw = dict(lr=2e-3, weight_decay=0.1, max_grad_norm=0.3, min_8bit_size=0)

@@ -56,7 +56,7 @@ class TrainConfig:
     corpus: str = "stdlib"
     """Training text: `stdlib` (docstrings of Python's standard library, ~0.8 MB), `zen` (the Zen of Python)
     or a path to a UTF-8 text file."""
-    steps: int = 150
+    steps: int = 120
     """Optimizer steps to run (>= 1)."""
     batch_size: int = 8
     """Sequences per micro-batch (>= 1)."""

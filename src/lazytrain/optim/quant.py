@@ -283,8 +283,9 @@ def adamw8bit_step_(
     weight_decay: float,
     step: int,
 ) -> None:
-    """One fused AdamW step on a contiguous fp32 tensor with 8-bit states, in place (both cores).
+    """One fused AdamW step on a contiguous fp32 tensor with 8-bit states, in place.
 
+    Runs on torch.get_num_threads() threads (both cores by default) for tensors >= PARALLEL_MIN_NUMEL.
     `step` is the 1-based step count after increment (bias correction as torch.optim.AdamW).
     """
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
@@ -308,7 +309,8 @@ def adamw8bit_step_(
         f32(1.0 / bc2**0.5),
     )
     nblocks = absmax_m.numel()
-    if p.numel() < PARALLEL_MIN_NUMEL or _num_threads() == 1:
+    n_threads = _num_threads()
+    if p.numel() < PARALLEL_MIN_NUMEL or n_threads == 1:
         _first_call_wide(_adamw8bit_blocks, (0, nblocks, *args))
         return
     # Work items of whole blocks, handed out dynamically: a thread preempted by another process
@@ -316,27 +318,26 @@ def adamw8bit_step_(
     # torch's bundled libgomp both spin-wait and steal the two cores from each other between calls.
     # _ITEMS_PER_THREAD items per thread: few enough that handing them out (GIL, futures) stays cheap.
     _first_call_wide(_adamw8bit_blocks, (0, 1, *args))  # compile or load from cache, once
-    step_blocks = max(1, -(-(nblocks - 1) // (_ITEMS_PER_THREAD * _num_threads())))
+    step_blocks = max(1, -(-(nblocks - 1) // (_ITEMS_PER_THREAD * n_threads)))
     items = [(b, min(nblocks, b + step_blocks)) for b in range(1, nblocks, step_blocks)]
-    list(_pool().map(lambda item: _adamw8bit_blocks(item[0], item[1], *args), items))
+    list(_pool(n_threads).map(lambda item: _adamw8bit_blocks(item[0], item[1], *args), items))
 
 
 _ITEMS_PER_THREAD = 4
-_pool_obj: ThreadPoolExecutor | None = None
+_pools: dict[int, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 
 
 def _num_threads() -> int:
-    """Threads for the 8-bit update: the cores this process may use (as torch and numba count them)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    """Threads for the 8-bit update: torch's intra-op thread count (one knob for all host compute)."""
+    return max(1, torch.get_num_threads())
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _pool_obj
+def _pool(n_threads: int) -> ThreadPoolExecutor:
     with _lock:
-        if _pool_obj is None:
-            _pool_obj = ThreadPoolExecutor(max_workers=_num_threads(), thread_name_prefix="lazytrain-adamw8bit")
-        return _pool_obj
+        if n_threads not in _pools:
+            _pools[n_threads] = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="lazytrain-adamw8bit")
+        return _pools[n_threads]
 
 
 # LLVM's cost model picks 256-bit vectors, interleave 4 for these loops on Zen 4/5; 512-bit vectors,

@@ -255,7 +255,7 @@ class CostModel:
         """A CostModel whose forward/backward/head seconds are measured on this machine with `model`.
 
         `model` is a `transformers` causal LM on the CPU (random weights are fine). One layer of each
-        distinct shape is timed (median of `repeats`): forward without autograd, and autograd forward +
+        distinct shape is timed (fastest of `repeats`): forward without autograd, and autograd forward +
         backward; the loss head is timed chunked, as the executor runs it. Optimizer seconds come from
         `hardware.optimizer_gparams_per_s` (`HardwareSpec.profile()` measures it).
         """
@@ -281,7 +281,7 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
 
     Uses the executor's own layer and head functions (`lazytrain.runtime.hf`, weights bound to copies as in
     the slots, weight gradients copied into a flat slot) when they accept the model, else the model's modules
-    directly. Layers with the same type and parameter count share one measurement (median of `repeats`).
+    directly. Layers with the same type and parameter count share one measurement (fastest of `repeats`).
     Returns {"forward_s": [...L], "backward_s": [...L], "head_s": float}.
     """
     import torch
@@ -334,7 +334,7 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
 
             def fwd_bwd() -> None:
                 call(hidden.detach().requires_grad_(True)).backward(grad)
-        times = (_median_s(fwd, repeats), _median_s(fwd_bwd, repeats))
+        times = (_fastest_s(fwd, repeats), _fastest_s(fwd_bwd, repeats))
         layer.zero_grad(set_to_none=True)
         return times
 
@@ -366,16 +366,18 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
                 torch.nn.functional.cross_entropy(logits, labels[start:start + head_chunk_tokens],
                                                   reduction="sum").backward()
 
-    head_s = _median_s(head, repeats)
+    head_s = _fastest_s(head, repeats)
     model.zero_grad(set_to_none=True)
     return {"forward_s": forward_s, "backward_s": backward_s, "head_s": head_s}
 
 
-def _median_s(fn: Any, repeats: int) -> float:
+def _fastest_s(fn: Any, repeats: int) -> float:
+    """Fastest of `repeats` timed calls after a warm-up: the compute itself, robust to bursts of other jobs on a
+    shared machine (a median would take a burst in; on a quiet machine the two agree within a few %)."""
     fn()  # warm-up: allocator, kernels
     samples = []
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return sorted(samples)[len(samples) // 2]
+    return min(samples)
