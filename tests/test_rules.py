@@ -106,6 +106,26 @@ def test_milp_plans_fit_the_simulated_device(paper_27b) -> None:
         assert peak <= cap_gb * 10**9, (cap_gb, peak, plan.placement_map())
 
 
+def test_device_rows_equal_the_simulated_device_peak() -> None:
+    """The MILP's memory rows count exactly what the simulator's arena holds: static + rows = simulated peak."""
+    from lazytrain.plan.plan import Plan
+    from lazytrain.plan.sim import simulate
+    from lazytrain.spec.cost import CostModel
+    from lazytrain.spec.hardware import HardwareSpec
+
+    rng = random.Random(20261202)
+    spec = ModelSpec.load("qwen2.5-7b")
+    cost = CostModel(spec, HardwareSpec.load("h800"), Workload(rng.randrange(8, 64), 1024))
+    inst = instance_from_cost(cost, None)
+    L = spec.num_layers
+    plans = [rule_tiers(rule, L) for rule in RULES]
+    plans += [("gpu", *(rng.choice(["gpu", "cpu", "nvme", "recompute", "recompute"]) for _ in range(L - 1)), "gpu")
+              for _ in range(6)]
+    for tiers in plans:
+        predicted = cost.static_device_bytes() + evaluate_tiers(tiers, inst).gpu_act_peak_bytes
+        assert predicted == pytest.approx(simulate(Plan.from_tiers(spec, tiers), cost).peak_bytes["gpu"], rel=1e-9)
+
+
 def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:
     """At the MegaTrain rule's largest batch + 1 the MILP still finds a plan, at 3B, 7B, 14B and 27B."""
     from lazytrain.plan.budgets import Budgets

@@ -81,6 +81,7 @@ def test_checkpoint_gives_the_trained_models_logits(tmp_path):
     (["--seq-len", "100000"], "--seq-len"),
     (["--nvme-dir", "/nonexistent/nvme"], "/nonexistent/nvme"),
     (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
+    (["--optimizer-mode", "overlap"], "--max-grad-norm 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     out = tmp_path / "run"
@@ -154,6 +155,18 @@ def test_bf16_streaming_tracks_the_fp32_golden_curve(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     result = train(TrainConfig(**{**GOLDEN_CONFIG, "dtype": "bf16"}, output_dir=str(tmp_path / "run")))
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(golden["losses"]), rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit"])
+def test_overlap_mode_updates_like_serial(tmp_path, optimizer):
+    """Each layer stepped from the executor's optimizer stream as its gradients land = one step after the backward."""
+    base = {**GOLDEN_CONFIG, "steps": 4, "max_grad_norm": 0.0, "optimizer": optimizer, "planner": "auto"}
+    serial = train(TrainConfig(**base, output_dir=str(tmp_path / "serial")))
+    overlap = train(TrainConfig(**base, optimizer_mode="overlap", output_dir=str(tmp_path / "overlap")))
+    torch.testing.assert_close(torch.tensor(overlap.losses), torch.tensor(serial.losses), rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(serial.model.named_parameters(), overlap.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert overlap.losses[-1] < overlap.losses[0]
 
 
 @pytest.mark.cuda

@@ -28,6 +28,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.units import format_bytes, parse_bytes
 
 OPTIMIZERS = ("adamw", "hybrid8bit")
+OPTIMIZER_MODES = ("serial", "overlap")
 DEVICES = ("auto", "cpu", "cuda")
 PLANNERS = ("auto", "milp", "megatrain", "keep-all", "recompute-all", "offload-all")
 DTYPES = ("bf16", "fp32")
@@ -76,6 +77,10 @@ class TrainConfig:
     """Global gradient-norm clip threshold; 0 = no clipping."""
     optimizer: str = "adamw"
     """`adamw` (torch AdamW, fp32 states, fused) or `hybrid8bit` (Hybrid 8-bit AdamW, clipping fused)."""
+    optimizer_mode: str = "serial"
+    """`serial`: the host optimizer steps after the whole backward (MegaTrain's code). `overlap`: each
+    layer's update runs on the optimizer stream as soon as its gradients land, while the device works on
+    the layers below (LazyTrain); needs --max-grad-norm 0, since a global clip needs every gradient first."""
     dtype: str = "bf16"
     """Compute / activation precision on the device: `bf16` (fp32 master weights and gradients on the
     host) or `fp32`."""
@@ -85,11 +90,12 @@ class TrainConfig:
     """Path to a saved plan (`lazytrain plan --json`); refused when made for another model or workload.
     None = plan here with `planner`."""
     planner: str = "auto"
-    """`auto` (MILP when the solver works, else the MegaTrain rule), `milp`, `megatrain` (checkpoint every
-    4th boundary), `keep-all` or `recompute-all`."""
+    """`auto` (the MILP; the MegaTrain rule only if the MILP module cannot be imported), `milp`, `megatrain`
+    (keep every 4th boundary on the device, recompute the rest), `keep-all`, `recompute-all` or `offload-all`."""
     gpu_mem_cap_bytes: int | None = None
-    """Device memory cap for the plan and the device arena. None = the plan's static device bytes plus 5
-    boundary activations: too small to keep every boundary, which forces a mix of tiers."""
+    """Device memory cap for the plan and the device arena. None = the budget a loaded `plan` was solved
+    under, else the static device bytes plus 5 boundary activations: too small to keep every boundary,
+    which forces a mix of tiers."""
     cpu_act_bytes: int | None = None
     """Host bytes for offloaded boundary activations. None = 2 boundary activations (a mix of tiers);
     use a large value (e.g. 1TB) for no limit."""
@@ -112,7 +118,7 @@ class TrainConfig:
     output_dir: str | None = None
     """Where metrics.jsonl, plan.json, summary.json and checkpoint/ go; None = runs/<UTC timestamp>."""
     progress: bool = True
-    """Show the tqdm progress bar (off in tests and when not a terminal is fine either way)."""
+    """Show the tqdm progress bar on stderr (`--no-progress` turns it off; the report lines stay on stdout)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, knob: str, value: Any, rule: str) -> None:
@@ -134,6 +140,12 @@ class TrainConfig:
         need(math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0, "--max-grad-norm", self.max_grad_norm,
              "a number >= 0 (0 = no clipping)")
         need(self.optimizer in OPTIMIZERS, "--optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        need(self.optimizer_mode in OPTIMIZER_MODES, "--optimizer-mode", self.optimizer_mode,
+             f"one of {', '.join(OPTIMIZER_MODES)}")
+        if self.optimizer_mode == "overlap" and self.max_grad_norm > 0:
+            raise LazyTrainError(f"--optimizer-mode overlap steps each layer before the global gradient norm is "
+                                 f"known, so it cannot clip at --max-grad-norm {self.max_grad_norm}; pass "
+                                 "--max-grad-norm 0 or use --optimizer-mode serial")
         need(self.dtype in DTYPES, "--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         need(self.device in DEVICES, "--device", self.device, f"one of {', '.join(DEVICES)}")
         need(self.planner in PLANNERS, "--planner", self.planner, f"one of {', '.join(PLANNERS)}")
@@ -252,15 +264,16 @@ class Planned:
     plan: Any
     cost: Any
     how: str
-    sim: Any  # the simulator's SimResult for one forward_backward + serial optimizer step; None = no simulator
+    sim: Any  # the simulator's SimResult for one forward_backward + optimizer step in the run's optimizer mode
     budgets: dict[str, int] = field(default_factory=dict)
+    serial_step_s: float = 0.0  # the simulated step with the serial optimizer (for micro-batches without it)
 
     def predicted_step_s(self, grad_accum: int) -> float | None:
-        """Seconds of one optimizer step: grad_accum streamed micro-batches, then the serial host optimizer."""
+        """Seconds of one optimizer step: grad_accum - 1 streamed micro-batches without the optimizer, then
+        one with it (serial: after the backward; overlap: hidden under it as far as it goes)."""
         if self.sim is None:
             return None
-        optimizer_s = self.cost.total_optimizer_s
-        return grad_accum * (self.sim.step_s - optimizer_s) + optimizer_s
+        return (grad_accum - 1) * (self.serial_step_s - self.cost.total_optimizer_s) + self.sim.step_s
 
 
 def make_plan(cfg: TrainConfig, model: Any, kind: str, probe_batch: tuple[Any, Any]) -> Planned:
@@ -286,10 +299,10 @@ def make_plan(cfg: TrainConfig, model: Any, kind: str, probe_batch: tuple[Any, A
                 budgets[knob] = plan.budgets_bytes[knob]  # the budgets the plan was solved under
     else:
         plan, how = _solve(cfg.planner, cost, spec, workload, budgets)
-    sim = _simulate(plan, cost)
-    if sim is not None:
-        plan = plan.with_prediction(sim.to_prediction())
-    return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets)
+    sim = _simulate(plan, cost, cfg.optimizer_mode)
+    plan = plan.with_prediction(sim.to_prediction())
+    serial_s = sim.step_s if cfg.optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
+    return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, serial_step_s=serial_s)
 
 
 def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, probe_batch: tuple[Any, Any]) -> Any:
@@ -377,11 +390,11 @@ def _solve(planner: str, cost: Any, spec: Any, workload: Any, budgets: dict[str,
     return make_rule_plan(planner, spec, workload=workload), f"{planner} rule"
 
 
-def _simulate(plan: Any, cost: Any) -> Any:
-    """The simulator's replay of one step with the optimizer after the backward (what this loop does)."""
+def _simulate(plan: Any, cost: Any, optimizer_mode: str) -> Any:
+    """The simulator's replay of one step, the optimizer run as this loop runs it."""
     from lazytrain.plan.sim import simulate
 
-    return simulate(plan, cost, optimizer_mode="serial")
+    return simulate(plan, cost, optimizer_mode=optimizer_mode)
 
 
 # =====================================================================================================
@@ -444,6 +457,59 @@ def optimizer_step(cfg: TrainConfig, optimizer: Any, model: Any, zero_grad: bool
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+class OverlapStepper:
+    """Overlap mode: the executor calls `hook(group_index, params)` on its optimizer stream as soon as a
+    group's (a layer's) gradients are all in `.grad`; the hook updates that group and drops its gradients.
+
+    adamw: one fused AdamW per executor group (elementwise, so the same update as one AdamW over all);
+    hybrid8bit: one Hybrid8bitAdamW whose `step_group` updates the param groups of that executor group.
+    No clipping (TrainConfig refuses --max-grad-norm > 0 in this mode).
+    """
+
+    def __init__(self, cfg: TrainConfig, executor: Any) -> None:
+        import torch
+
+        betas = (0.9, 0.95)
+        self.cfg = cfg
+        self.groups: list[list[dict[str, Any]]] = []
+        for params in executor.param_groups():  # [embedding (untied)], layer 0..L-1, head
+            decay = [p for p in params if p.dim() >= 2]
+            no_decay = [p for p in params if p.dim() < 2]
+            self.groups.append([g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]])
+        if cfg.optimizer == "hybrid8bit":
+            from lazytrain.optim import Hybrid8bitAdamW
+
+            flat = [g for groups in self.groups for g in groups]
+            self.optimizers = [Hybrid8bitAdamW(flat, lr=cfg.lr, betas=betas, max_grad_norm=None,
+                                               eightbit_fraction=0.02)]
+            first = [0]
+            for groups in self.groups:
+                first.append(first[-1] + len(groups))
+            self.indices = [range(first[i], first[i + 1]) for i in range(len(self.groups))]
+        else:
+            self.optimizers = [torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True) for groups in self.groups]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every param group of every optimizer (the loop sets their learning rate)."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def begin_step(self) -> None:
+        if self.cfg.optimizer == "hybrid8bit":
+            self.optimizers[0].begin_step(grad_norm=0.0)  # no clipping: scale 1 for every group
+
+    def hook(self, group_index: int, params: list[Any]) -> None:
+        """Runs on the executor's optimizer stream, concurrently with the device's compute."""
+        if self.cfg.optimizer == "hybrid8bit":
+            for k in self.indices[group_index]:
+                self.optimizers[0].step_group(k, 1.0)
+        else:
+            self.optimizers[group_index].step()
+        for p in params:
+            p.grad = None
 
 
 # =====================================================================================================
@@ -542,7 +608,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         executor = build_executor(model, planned, device, cfg)
         fit_device_cap(cfg, plan, executor, device)
         say(f"device   {device!r}")
-        optimizer = build_optimizer(cfg, model)
+        if cfg.optimizer_mode == "overlap":  # per-layer updates from the executor's optimizer stream
+            optimizer = OverlapStepper(cfg, executor)
+            executor.optimizer_hook = optimizer.hook
+        else:
+            optimizer = build_optimizer(cfg, model)
         eval_before = evaluate(model, eval_set, cfg.dtype)
         if eval_set:
             say(f"eval     held-out loss before training: {eval_before:.4f}")
@@ -596,18 +666,23 @@ def train_loop(cfg: TrainConfig, data: Any, executor: Any, optimizer: Any, model
                 group["lr"] = lr
             t0 = time.perf_counter()
             micro_losses, stalls, peak = [], {}, 0
-            for _ in range(cfg.grad_accum):
+            overlap = cfg.optimizer_mode == "overlap"
+            if overlap:
+                optimizer.begin_step()
+            for micro in range(cfg.grad_accum):
                 input_ids, labels = next(batches)  # (B, T) each, on the host
                 # streams the layers through the device; returns when every gradient is in p.grad (host
-                # sync); gradients accumulate, scaled so the step sees the micro-batch mean
-                loss = executor.forward_backward(input_ids, labels, loss_scale=1.0 / cfg.grad_accum)
+                # sync); gradients accumulate, scaled so the step sees the micro-batch mean. In overlap
+                # mode the last micro-batch also runs every layer's update (and waits for them all).
+                loss = executor.forward_backward(input_ids, labels, loss_scale=1.0 / cfg.grad_accum,
+                                                 run_optimizer_hook=micro == cfg.grad_accum - 1)
                 micro_losses.append(float(loss))
                 measured = executor.last_step
                 for stream, seconds in measured.stall_s.items():
                     stalls[stream] = stalls.get(stream, 0.0) + seconds
                 peak = max(peak, measured.peak_device_bytes)
             t_opt = time.perf_counter()
-            grad_norm = optimizer_step(cfg, optimizer, model)  # on the host, after the whole backward (serial)
+            grad_norm = None if overlap else optimizer_step(cfg, optimizer, model)  # serial: after the backward
             weights_updated(executor)
             step_s = time.perf_counter() - t0
             optimizer_s = step_s - (t_opt - t0)
@@ -716,6 +791,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW weight decay (default {d.weight_decay})")
     a("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clip norm; 0 = off (default 1.0)")
     a("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="host optimizer (default adamw)")
+    a("--optimizer-mode", choices=OPTIMIZER_MODES, default=d.optimizer_mode,
+      help="serial: step after the backward (default); overlap: each layer as its gradients land "
+      "(needs --max-grad-norm 0)")
     a("--dtype", choices=DTYPES, default=d.dtype, help="device compute precision (default bf16)")
     a("--device", choices=DEVICES, default=d.device,
       help="auto: CUDA when available, else the emulated device (cpu)")

@@ -59,6 +59,7 @@ class Evaluation:
     recompute_s: float
     exposed_s: dict[str, float]  # activation exposure added per link (baseline subtracted)
     violations: tuple[str, ...] = ()
+    gpu_act_peak_bytes: float = 0.0  # device bytes beyond the static ones at the worst moment (vs M_G)
 
 
 def _segments(tiers: Sequence[str]) -> list[tuple[int, int]]:
@@ -99,6 +100,7 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
         violations.append(f"nvme activations {format_bytes(nvme_bytes)} > {format_bytes(inst.nvme_act_bytes)}")
     tol = 1e-9 * max(1.0, inst.gpu_act_bytes)
     fwd_peak = sum(A[i] for i in range(L - 1) if g[i]) + A[L - 1] + A[L] + inst.fwd_transient_bytes
+    gpu_act_peak = fwd_peak - inst.fwd_unallocated_bytes
     if fwd_peak > inst.gpu_act_bytes + inst.fwd_unallocated_bytes + tol:
         violations.append(f"forward needs {format_bytes(fwd_peak)} > "
                           f"{format_bytes(inst.gpu_act_bytes + inst.fwd_unallocated_bytes)} on the device")
@@ -106,6 +108,7 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
         # the previous segment's start is being reloaded while this one runs backward
         reload_buffer = A[segments[k - 1][0]] if k > 0 and off[segments[k - 1][0]] else 0.0
         peak = sum(A[i] for i in range(s) if g[i]) + sum(A[s:e + 1]) + reload_buffer + inst.bwd_transient_bytes
+        gpu_act_peak = max(gpu_act_peak, peak)
         if peak > inst.gpu_act_bytes + tol:
             violations.append(f"backward of segment ({s}, {e}) needs {format_bytes(peak)} > "
                               f"{format_bytes(inst.gpu_act_bytes)} on the device")
@@ -161,7 +164,7 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
     objective = (recompute_s + inst.lambda_z * sum(z) + inst.lambda_c * tiers.count("cpu")
                  + inst.lambda_n * tiers.count("nvme") + sum(exposed_s.values()))
     return Evaluation(feasible=not violations, objective=objective, recompute_s=recompute_s, exposed_s=exposed_s,
-                      violations=tuple(violations))
+                      violations=tuple(violations), gpu_act_peak_bytes=gpu_act_peak)
 
 
 def _head_d2h_baseline_s(inst: PlanningInstance) -> float:

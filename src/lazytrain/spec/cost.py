@@ -276,12 +276,14 @@ def mean_keys_per_query(seq: int, window: int) -> float:
 
 # ---- measured layer times (CPU emulated device) -----------------------------------------------------
 def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
-                        head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> dict[str, Any]:
+                        head_chunk_tokens: int = HEAD_CHUNK_TOKENS, warmup_s: float = 0.5) -> dict[str, Any]:
     """Measure forward / autograd forward+backward seconds of each layer shape and of the chunked loss head.
 
     Uses the executor's own layer and head functions (`lazytrain.runtime.hf`, weights bound to copies as in
     the slots, weight gradients copied into a flat slot) when they accept the model, else the model's modules
     directly. Layers with the same type and parameter count share one measurement (fastest of `repeats`).
+    First the first layer and the head run for `warmup_s` untimed: a fresh process's first second of CPU
+    compute is 2-3x slow (thread pool start-up, allocator growth), which a per-call warm-up does not absorb.
     Returns {"forward_s": [...L], "backward_s": [...L], "head_s": float}.
     """
     import torch
@@ -303,7 +305,7 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
     except Exception:  # noqa: BLE001 - any model the executor cannot take: time its modules directly
         hf = parts = None
 
-    def timed_layer(j: int, layer: Any) -> tuple[float, float]:
+    def timed_layer(j: int, layer: Any, repeats: int = repeats) -> tuple[float, float]:
         if parts is not None:
             weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
             slot = torch.empty(sum(w.numel() for w in weights.values()), dtype=dtype)
@@ -339,6 +341,7 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
         return times
 
     layers = parts.layers if parts is not None else (model.model if hasattr(model, "model") else model).layers
+    _warm_up(lambda: timed_layer(0, layers[0], repeats=1), warmup_s)
     measured: dict[tuple[str, int], tuple[float, float]] = {}
     forward_s, backward_s = [], []
     for j, layer in enumerate(layers):
@@ -366,9 +369,18 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
                 torch.nn.functional.cross_entropy(logits, labels[start:start + head_chunk_tokens],
                                                   reduction="sum").backward()
 
+    _warm_up(head, warmup_s / 2)
     head_s = _fastest_s(head, repeats)
     model.zero_grad(set_to_none=True)
     return {"forward_s": forward_s, "backward_s": backward_s, "head_s": head_s}
+
+
+def _warm_up(fn: Any, seconds: float) -> None:
+    start = time.perf_counter()
+    while True:
+        fn()
+        if time.perf_counter() - start >= seconds:
+            return
 
 
 def _fastest_s(fn: Any, repeats: int) -> float:
