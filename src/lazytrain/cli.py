@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import import_module
+from typing import NoReturn
 
 from lazytrain.errors import LazyTrainError
 
@@ -18,9 +19,17 @@ SUBCOMMANDS = {
 }
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Usage errors as one `error:` line and exit 2, like every other bad input (argparse prints usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lazytrain", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    parser = _OneLineErrors(prog="lazytrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}",
+                                parser_class=_OneLineErrors)
     modules = {}
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in SUBCOMMANDS.items():

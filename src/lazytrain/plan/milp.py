@@ -869,17 +869,5 @@ def to_plan(solution: MilpSolution, spec: Any, workload: Any = None, budgets: An
     budgets_bytes = {k: int(v) for k, v in (budgets.to_dict() if budgets is not None else {}).items()
                      if v is not None}
     plan = Plan.from_tiers(spec, solution.tiers, workload=workload)
-    transfers = _accepted_transfers(solution.transfers, spec.num_layers)
     return Plan(tiers=plan.tiers, model_fingerprint=plan.model_fingerprint, model_name=plan.model_name,
-                workload=workload, transfers=transfers, budgets_bytes=budgets_bytes, report=solution.report)
-
-
-def _accepted_transfers(transfers: tuple[Transfer, ...], num_layers: int) -> tuple[Transfer, ...]:
-    """Window L is the loss head. Until plan.py accepts window == L, transfers in it are left out of the plan
-    file (the solve report's objective still counts them)."""
-    try:
-        Plan(tiers=("gpu",) * (num_layers + 1), model_fingerprint="-",
-             transfers=(Transfer(boundary=0, window=num_layers, link="h2d", num_bytes=0),))
-        return transfers
-    except LazyTrainError:
-        return tuple(t for t in transfers if t.window < num_layers)
+                workload=workload, transfers=solution.transfers, budgets_bytes=budgets_bytes, report=solution.report)

@@ -31,8 +31,8 @@ LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
 class Transfer:
     """`num_bytes` of boundary `boundary` move over `link` while compute window `window` runs.
 
-    Window w is the forward of layer w for offload links (d2h, nvme_write) and the backward of
-    layer w for reload links (h2d, nvme_read), as in the MILP.
+    Windows are 0..L: window w < L is the forward of layer w for offload links (d2h, nvme_write) and
+    the backward of layer w for reload links (h2d, nvme_read); window L is the loss head (see plan/milp.py).
     """
 
     boundary: int
@@ -91,7 +91,7 @@ class Plan:
                 f"boundaries 0 and {self.num_layers} must be 'gpu', got {self.tiers[0]!r} and {self.tiers[-1]!r}"
             )
         for t in self.transfers:
-            if t.link not in LINKS or not 0 <= t.boundary <= self.num_layers or not 0 <= t.window < self.num_layers:
+            if t.link not in LINKS or not 0 <= t.boundary <= self.num_layers or not 0 <= t.window <= self.num_layers:
                 raise LazyTrainError(f"plan transfer {t} is out of range for {self.num_layers} layers")
 
     # ---- queries ----------------------------------------------------------------------------
