@@ -310,7 +310,7 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
 
     Three steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
     forward and backward and the loss head exactly as the executor runs them (the first step warms up);
-    three steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
+    five steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
     afterwards). On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
     estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
     """
@@ -339,7 +339,7 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
     snapshot = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(cfg, model)
     samples = []
-    for _ in range(3):  # the first steps allocate and first-touch the states: take the best of the later two
+    for _ in range(5):  # the first steps allocate and first-touch the states: take the best of the later four
         t0 = time.perf_counter()
         optimizer_step(cfg, optimizer, model, zero_grad=False)
         samples.append(time.perf_counter() - t0)

@@ -25,9 +25,9 @@ Usage, executor (one param group per layer, norms accumulated as gradients reach
 while the gradients are on the host. `step_group` updates one group with that scale and does not
 look at other groups. `opt.step(grad_norm=...)` is `begin_step` then `step_group` for every group.
 
-Which parameters get 8-bit states is fixed at construction, in parameter order: a tensor with at
-least `min_8bit_size` elements is 8-bit while the 8-bit volume stays within `eightbit_fraction` of
-all parameters. The choice is in `state[p]["eightbit"]` (saved by state_dict).
+Which parameters get 8-bit states is fixed at construction, in parameter order: a contiguous CPU
+tensor with at least `min_8bit_size` elements is 8-bit while the 8-bit volume stays within
+`eightbit_fraction` of all parameters. The choice is in `state[p]["eightbit"]` (saved by state_dict).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
                 self.eightbit_fraction > 0
                 and p.numel() >= self.min_8bit_size
                 and p.is_contiguous()
+                and p.device.type == "cpu"  # the 8-bit kernel runs on the host
                 and self._eightbit_numel + p.numel() <= budget * (1 + 1e-12)
             )
             self._init_state(p, eightbit)
