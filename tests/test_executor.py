@@ -188,6 +188,24 @@ def test_bf16_compute_tracks_fp32() -> None:
     assert abs(float(ex.forward_backward(ids, labels)) - torch.log(torch.tensor(float(VOCAB)))) < 1e-2
 
 
+def test_bf16_streams_weights_updated_in_place_by_fused_adamw() -> None:
+    """Fused AdamW writes the fp32 master in place without bumping version counters; the next step
+    must still stream the updated weights, not the stale bf16 copy."""
+    model = make_model("llama")
+    ids, labels = make_batch()
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * (NUM_LAYERS + 1)), EmulatedDevice(),
+                  compute_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ex.forward_backward(ids, labels)
+    opt.step()
+    opt.zero_grad()
+    ex.forward_backward(ids, labels)
+    for group in ex.layer_groups:
+        for slot, p in zip(group.slots, group.params, strict=True):
+            streamed = group.buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            assert torch.equal(streamed, p.detach().to(torch.bfloat16)), f"{group.name}.{slot.name} is stale"
+
+
 def test_over_the_cap_raises_out_of_memory() -> None:
     model = make_model("llama")
     ids, labels = make_batch()

@@ -683,7 +683,6 @@ def train_loop(cfg: TrainConfig, data: Any, executor: Any, optimizer: Any, model
                 peak = max(peak, measured.peak_device_bytes)
             t_opt = time.perf_counter()
             grad_norm = None if overlap else optimizer_step(cfg, optimizer, model)  # serial: after the backward
-            weights_updated(executor)
             step_s = time.perf_counter() - t0
             optimizer_s = step_s - (t_opt - t0)
 
@@ -731,18 +730,6 @@ def build_executor(model: Any, planned: Planned, device: Any, cfg: TrainConfig) 
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     # cost: the arena reserves the cost model's working sets, so the plan's predicted peak is what is counted
     return Executor(model, planned.plan, device, compute_dtype=dtype, cost=planned.cost)
-
-
-def weights_updated(executor: Any) -> None:
-    """Re-pack the executor's streamed (compute-dtype) weight copies from the updated fp32 master weights.
-
-    The executor re-packs a layer when a parameter's version counter moved, but fused AdamW (and the
-    fused kernels in Hybrid8bitAdamW) update parameters in place without bumping it, so in bf16 the
-    device would keep streaming the initial weights. Until the executor offers this itself, re-pack every
-    group after each optimizer step (one fp32 -> bf16 copy of the weights; a no-op copy in fp32).
-    """
-    for group in [*executor.layer_groups, executor.head_group]:
-        group.pack(force=True)
 
 
 def save_checkpoint(model: Any, path: Path) -> None:

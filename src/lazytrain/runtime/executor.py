@@ -388,7 +388,7 @@ class _Step:
     def run(self) -> torch.Tensor:
         ex, dev = self.ex, self.dev
         for group in [*ex.layer_groups, ex.head_group]:
-            group.pack()  # bf16: re-pack layers whose fp32 master changed since the last step
+            group.pack()  # bf16: refresh the streamed copy from the fp32 master weights
         dev.reset_peak()
         self.links_before = dev.link_stats()
         t_start = time.perf_counter()

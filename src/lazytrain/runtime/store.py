@@ -4,7 +4,8 @@
   one host buffer that starts on a 4 KiB boundary, so a layer crosses the link as one copy.
   In fp32 the model's parameters are re-pointed at views of the buffer (no second copy; the optimizer
   updates the buffer in place). In bf16 the buffer is a compute-dtype copy of the fp32 master
-  parameters, re-packed when a parameter changed (tracked by tensor version counters).
+  parameters, re-packed before every step: fused optimizers (torch's fused AdamW, our 8-bit kernel) write
+  parameters in place without bumping tensor version counters, so no cheaper staleness test is reliable.
 - `ActivationStore`: host buffers for `cpu` boundaries and files for `nvme` boundaries, with a CRC32
   checked on read and every file removed when the step ends.
 """
@@ -50,7 +51,6 @@ class WeightGroup:
         self.numel = offset
         self.buffer = aligned_empty(offset, dtype, host_empty)
         self.aliased = all(p.dtype == dtype for p in self.params)
-        self._versions: list[int] = []
         self._ptrs: list[int] = []
         self.pack(force=True)
 
@@ -65,7 +65,7 @@ class WeightGroup:
     def _stale(self) -> bool:
         if self.aliased:  # parameters are views of the buffer unless someone replaced p.data
             return [p.data_ptr() for p in self.params] != self._ptrs
-        return [p._version for p in self.params] != self._versions
+        return True  # a compute-dtype copy of the fp32 master: always refresh (see the module docstring)
 
     def pack(self, force: bool = False) -> bool:
         """Bring the buffer up to date with the parameters; returns whether it copied anything."""
@@ -78,7 +78,6 @@ class WeightGroup:
                 if self.aliased:
                     p.data = view  # fp32: the parameter *is* the streamed buffer
         self._ptrs = [p.data_ptr() for p in self.params]
-        self._versions = [p._version for p in self.params]
         return True
 
     def accumulate_grads(self, flat_grad: torch.Tensor, scale: float = 1.0) -> None:
