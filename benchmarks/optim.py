@@ -4,6 +4,7 @@ bitsandbytes AdamW8bit, side by side in one run.
     python benchmarks/optim.py              # ~19 M params, 15 rounds, < 2 minutes on 2 cores
     python benchmarks/optim.py --rounds 5   # quicker
     python benchmarks/optim.py --threads 1  # one core each (less sensitive to other processes)
+    GOMP_SPINCOUNT=0 python benchmarks/optim.py  # torch's OpenMP workers sleep at once after each op
 
 Every round times one step of every optimizer in turn (interleaved, so load from other processes
 hits all of them alike) and the table reports the median over rounds. All optimizers update the
@@ -138,9 +139,11 @@ def main() -> None:
     # ---------------------------------------------------------------- report
     med = [statistics.median(t) for t in times]
     ref = med[0]
+    spin = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ} or "libgomp default"
+    print(f"\nOpenMP wait: {spin} (torch's OpenMP workers spin after each parallel op; see docs)")
     load_1min = os.getloadavg()[0]
     print(
-        f"\nload average (1 min) at the end: {load_1min:.2f} on {os.cpu_count()} cores (other processes skew timings)"
+        f"load average (1 min) at the end: {load_1min:.2f} on {os.cpu_count()} cores (other processes skew timings)"
     )
     print(
         f"{n / 1e6:.1f} M params in {len(SHAPES)} tensors; {_cpu_name()}, {torch.get_num_threads()} torch threads, "

@@ -257,7 +257,9 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, *, grad_norm: float | None = None) -> Any:
+    def step(
+        self, closure: Callable[[], float] | None = None, *, grad_norm: float | torch.Tensor | None = None
+    ) -> Any:
         """One optimizer step over all groups; grad_norm as in `begin_step`. Returns closure's loss."""
         loss = None
         if closure is not None:
