@@ -4,6 +4,7 @@ bitsandbytes AdamW8bit, side by side in one run.
     python benchmarks/optim.py              # ~19 M params, 15 rounds, < 2 minutes on 2 cores
     python benchmarks/optim.py --rounds 5   # quicker
     python benchmarks/optim.py --threads 1  # one core each (less sensitive to other processes)
+    python benchmarks/optim.py --shapes qwen2.5-7b-layer --rounds 7   # one real 7B layer, 233 M params, ~13 GB RAM
     GOMP_SPINCOUNT=0 python benchmarks/optim.py  # torch's OpenMP workers sleep at once after each op
 
 Every round times one step of every optimizer in turn (interleaved, so load from other processes
@@ -31,7 +32,11 @@ from lazytrain.optim import Hybrid8bitAdamW, per_tensor_sq_norms
 
 # Realistic shapes: attention/MLP projections, odd sizes, biases and norms; 19.5 M params.
 # (384, 1000) + (4096,) are the 2% slice that eightbit_fraction=0.02 picks.
-SHAPES = [(4096, 1024)] * 4 + [(1000, 1001), (4097, 333), (384, 1000), (4096,), (1024,), (1024,), (333,)]
+MIXED_SHAPES = [(4096, 1024)] * 4 + [(1000, 1001), (4097, 333), (384, 1000), (4096,), (1024,), (1024,), (333,)]
+# One Qwen2.5-7B decoder layer (233 M params): the tensor sizes the executor's per-layer step really sees.
+H, FF, KV = 3584, 18944, 512
+QWEN7B_LAYER_SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (FF, H), (FF, H), (H, FF), (H,), (KV,), (KV,), (H,), (H,)]
+SHAPE_SETS = {"mixed": MIXED_SHAPES, "qwen2.5-7b-layer": QWEN7B_LAYER_SHAPES}
 
 
 def _cpu_name() -> str:
@@ -60,14 +65,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per optimizer (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
     ap.add_argument("--threads", type=int, default=0, help="torch (and 8-bit kernel) threads; 0 = torch default")
+    ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="mixed",
+                    help="parameter tensors: 'mixed' (19.5 M, odd sizes) or one Qwen2.5-7B layer (233 M)")
     args = ap.parse_args()
+    shapes = SHAPE_SETS[args.shapes]
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # also the 8-bit kernel's thread count
 
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
     n = sum(p.numel() for p in params)
-    pristine = [torch.randn(s) * 0.01 for s in SHAPES]  # N(0, 0.01): global norm ~44, so clip 1.0 acts
+    pristine = [torch.randn(s) * 0.01 for s in shapes]  # N(0, 0.01): global norm ~44, so clip 1.0 acts
     for p, g in zip(params, pristine, strict=True):
         p.grad = g.clone()
 
@@ -146,7 +154,7 @@ def main() -> None:
         f"load average (1 min) at the end: {load_1min:.2f} on {os.cpu_count()} cores (other processes skew timings)"
     )
     print(
-        f"{n / 1e6:.1f} M params in {len(SHAPES)} tensors; {_cpu_name()}, {torch.get_num_threads()} torch threads, "
+        f"{n / 1e6:.1f} M params in {len(shapes)} tensors; {_cpu_name()}, {torch.get_num_threads()} torch threads, "
         f"8-bit kernel on {torch.get_num_threads()} threads; torch {torch.__version__}, numba {numba.__version__}, "
         f"bitsandbytes {bnb_version}; median of {args.rounds} steps\n"
     )

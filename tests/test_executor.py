@@ -206,6 +206,17 @@ def test_bf16_streams_weights_updated_in_place_by_fused_adamw() -> None:
             assert torch.equal(streamed, p.detach().to(torch.bfloat16)), f"{group.name}.{slot.name} is stale"
 
 
+def test_grad_norm_is_taken_as_gradients_land() -> None:
+    model = make_model("qwen2")  # tied embeddings: the head group completes at the embedding backward
+    ids, labels = make_batch()
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice())
+    ex.forward_backward(ids, labels, loss_scale=0.5, run_optimizer_hook=False)
+    assert ex.last_step.grad_norm is None  # gradients not final on an accumulating micro-batch
+    ex.forward_backward(ids, labels, loss_scale=0.5)
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert abs(ex.last_step.grad_norm - float(expected)) <= 1e-5 * float(expected)
+
+
 def test_over_the_cap_raises_out_of_memory() -> None:
     model = make_model("llama")
     ids, labels = make_batch()

@@ -40,10 +40,9 @@ def test_bf16_group_repacks_when_master_changes() -> None:
     layer = small_layer()
     group = WeightGroup("layer.0", list(layer.named_parameters()), torch.bfloat16, host_empty)
     assert layer[0].weight.dtype == torch.float32  # fp32 master stays
-    assert not group.pack()
     with torch.no_grad():
         layer[2].weight.mul_(2)
-    assert group.pack()
+    assert group.pack()  # a bf16 copy is always refreshed: in-place fused updates leave no trace to test
     torch.testing.assert_close(group.views(group.buffer)["2.weight"].float(), layer[2].weight.detach(),
                                rtol=1e-2, atol=1e-2)
 

@@ -439,14 +439,20 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def optimizer_step(cfg: TrainConfig, optimizer: Any, model: Any, zero_grad: bool = True) -> float:
-    """Clip (adamw) and step on the host; returns the global gradient norm before clipping."""
+def optimizer_step(cfg: TrainConfig, optimizer: Any, model: Any, zero_grad: bool = True,
+                   grad_norm: float | None = None) -> float:
+    """Clip and step on the host; returns the global gradient norm before clipping.
+
+    `grad_norm`: the norm the executor already took as gradients landed (`last_step.grad_norm`);
+    Hybrid8bitAdamW then fuses the clip scale into its update with no extra pass over the gradients.
+    """
     import torch
 
     from lazytrain.optim import global_grad_norm
 
-    if cfg.optimizer == "hybrid8bit":  # computes the norm and fuses the clip scale into its update
-        grad_norm = global_grad_norm([p.grad for p in model.parameters() if p.grad is not None])
+    if cfg.optimizer == "hybrid8bit":
+        if grad_norm is None:
+            grad_norm = global_grad_norm([p.grad for p in model.parameters() if p.grad is not None])
         optimizer.step(grad_norm=grad_norm)
     elif cfg.max_grad_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True))
@@ -682,7 +688,8 @@ def train_loop(cfg: TrainConfig, data: Any, executor: Any, optimizer: Any, model
                     stalls[stream] = stalls.get(stream, 0.0) + seconds
                 peak = max(peak, measured.peak_device_bytes)
             t_opt = time.perf_counter()
-            grad_norm = None if overlap else optimizer_step(cfg, optimizer, model)  # serial: after the backward
+            # serial: after the backward, with the norm the executor took as the gradients landed
+            grad_norm = None if overlap else optimizer_step(cfg, optimizer, model, grad_norm=measured.grad_norm)
             step_s = time.perf_counter() - t0
             optimizer_s = step_s - (t_opt - t0)
 

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.optim.clip import per_tensor_sq_norms
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.device import Device, EmulatedDevice, Event, check_nvme_dir
 from lazytrain.runtime.hf import (
@@ -100,6 +101,10 @@ class StepStats:
     link_bytes: dict[str, int] = field(default_factory=dict)
     peak_host_activation_bytes: int = 0
     peak_nvme_bytes: int = 0
+    # Global L2 norm of every `.grad` after this step, from fp32 per-tensor norms taken on the optimizer
+    # link as each group's gradients land (off the critical path; hand it to the optimizer's clipping).
+    # None on micro-batches run with run_optimizer_hook=False (their gradients are not final yet).
+    grad_norm: float | None = None
 
     @property
     def exposed_s(self) -> float:
@@ -352,7 +357,9 @@ class _Step:
         self.input_ids = input_ids.cpu()
         self.labels = labels.cpu()
         self.loss_scale = loss_scale
+        self.final_micro_batch = run_hook  # gradients are final after this step: take their norm
         self.run_hook = run_hook and ex.optimizer_hook is not None
+        self.grad_sq_norm = 0.0
         self.batch, self.seq_len = input_ids.shape
         self.sizes = ex.memory_sizes(self.batch, self.seq_len)
         self.stall: dict[str, float] = defaultdict(float)
@@ -498,6 +505,7 @@ class _Step:
         dev.synchronize()
         self.stats.wall_s = time.perf_counter() - t_start
         self.stats.loss = float(loss)
+        self.stats.grad_norm = self.grad_sq_norm ** 0.5 if self.final_micro_batch else None
         return loss.detach().cpu()
 
     # ---- weights --------------------------------------------------------------------------------
@@ -558,6 +566,9 @@ class _Step:
     def _arrived(self, index: int, parts: int) -> None:
         """A part of group `index`'s gradient is in `.grad`; run the hook when the group is complete."""
         self.arrivals[index] += 1
+        if self.arrivals[index] == parts and self.final_micro_batch:
+            grads = [p.grad for p in self.ex.param_groups()[index] if p.grad is not None]
+            self.grad_sq_norm += float(per_tensor_sq_norms(grads).sum())  # before the hook may step and drop them
         if self.arrivals[index] == parts and self.run_hook:
             params = self.ex.param_groups()[index]
             self.ex.optimizer_hook(index, params)
