@@ -450,3 +450,86 @@ def test_bad_arguments_raise_value_error(kwargs: dict, match: str) -> None:
 def test_non_fp32_params_rejected() -> None:
     with pytest.raises(ValueError, match="fp32"):
         Hybrid8bitAdamW([torch.nn.Parameter(torch.randn(8, dtype=torch.float64))])
+
+
+# ---------------------------------------------------------------- clip norm kernel (numba, no torch OpenMP)
+NORM_SHAPES = [(333, 77), (4097,), (700, 301), (13,), (1000, 1001), (1,)]  # > PARALLEL_MIN_NUMEL in all
+
+
+def _no_foreach_norm(*args, **kwargs):
+    raise AssertionError("torch._foreach_norm called: the numba sum-of-squares path was not taken")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", [11, 12])
+def test_norm_kernel_equals_vector_norm(threads: int, seed: int, monkeypatch) -> None:
+    """Contiguous fp32 CPU gradients: global and per-tensor norms from the pool kernel, 1e-6 relative."""
+    from lazytrain.optim import global_grad_norm
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        grads = [torch.randn(s, generator=gen) * torch.rand((), generator=gen).item() * 10 for s in NORM_SHAPES]
+        want = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
+        want_each = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square()
+        monkeypatch.setattr(torch, "_foreach_norm", _no_foreach_norm)
+        assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
+        torch.testing.assert_close(per_tensor_sq_norms(grads), want_each, rtol=1e-6, atol=0)
+    finally:
+        torch.set_num_threads(saved)
+    assert len(q._sq_sum.signatures) == 1  # one compiled specialisation for all sizes
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_norm_kernel_reports_nonfinite(bad: float, two_threads, monkeypatch) -> None:
+    """inf/nan anywhere (here inside a chunk of a split tensor) makes the norm non-finite; the step skips."""
+    from lazytrain.optim import global_grad_norm
+
+    gen = torch.Generator().manual_seed(13)
+    grads = [torch.randn(s, generator=gen) for s in NORM_SHAPES]
+    grads[4].view(-1)[654_321] = bad
+    monkeypatch.setattr(torch, "_foreach_norm", _no_foreach_norm)
+    sums = q.sq_sums_f64([g.view(-1).numpy() for g in grads])
+    assert not math.isfinite(sums[4]) and np.isfinite(np.delete(sums, 4)).all()
+    assert not math.isfinite(global_grad_norm(grads))
+    assert not torch.isfinite(per_tensor_sq_norms(grads)[4])
+    ps = _params(NORM_SHAPES)
+    opt = Hybrid8bitAdamW(ps, min_8bit_size=0)
+    _set_grads(ps, grads)
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    assert opt.skipped_steps == 1 and all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))
+
+
+def test_norm_fp32_overflow_is_finite_on_kernel_path() -> None:
+    """Finite fp32 gradients whose squared sum overflows fp32: float64 accumulation gives the exact norm."""
+    from lazytrain.optim import global_grad_norm
+
+    gen = torch.Generator().manual_seed(14)
+    grads = [torch.randn(s, generator=gen) * 1e30 for s in [(64, 64), (300,)]]
+    want = math.sqrt(sum(float(torch.linalg.vector_norm(g.double()) ** 2) for g in grads))
+    assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["transposed", "fp64"])
+def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) -> None:
+    """A non-contiguous or non-fp32 gradient takes torch's foreach norm; the kernel is not called."""
+    from lazytrain.optim import clip, global_grad_norm
+
+    gen = torch.Generator().manual_seed(15)
+    grads = [torch.randn(s, generator=gen) for s in [(333, 77), (4097,), (61, 129)]]
+    if kind == "transposed":
+        grads[2] = grads[2].t()
+        assert not grads[2].is_contiguous()
+    else:
+        grads[1] = grads[1].double()
+
+    def no_kernel(arrays):
+        raise AssertionError("numba kernel called for a gradient it cannot read")
+
+    monkeypatch.setattr(clip, "sq_sums_f64", no_kernel)
+    want = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])))
+    assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
+    want_each = torch.stack([torch.linalg.vector_norm(g.double()) ** 2 for g in grads]).float()
+    torch.testing.assert_close(per_tensor_sq_norms(grads), want_each, rtol=1e-6, atol=0)

@@ -1,4 +1,9 @@
-"""Fast gradient clipping (paper section 3): per-tensor norms with foreach kernels, global norm in fp32.
+"""Fast gradient clipping (paper section 3): per-tensor norms, global norm.
+
+Contiguous fp32 CPU gradients (the usual case) go through a numba sum-of-squares kernel (float64
+accumulation) on the 8-bit update's own thread pool: a torch parallel op here would leave torch's
+OpenMP workers spin-waiting on the cores the 8-bit update needs next (docs/benchmarks.md). Any
+other gradient (non-contiguous, not fp32, not on the host) takes torch's foreach norm in fp32.
 
 The clip coefficient is not applied here: the optimizer fuses it into its update, so clipping costs
 one read of the gradients (the norms) instead of a read and a write. When the fast fp32 norm is not
@@ -11,7 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
+
+from lazytrain.optim.quant import sq_sums_f64
 
 
 def per_tensor_sq_norms(grads: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -23,8 +31,19 @@ def per_tensor_sq_norms(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     grads = [g for g in grads]
     if not grads:
         return torch.zeros(0)
+    arrays = _host_fp32_arrays(grads)
+    if arrays is not None:
+        return torch.from_numpy(sq_sums_f64(arrays)).to(torch.float32)  # overflow -> inf, as fp32
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     return torch.stack(norms).square()
+
+
+def _host_fp32_arrays(grads: list[torch.Tensor]) -> list[np.ndarray] | None:
+    """Flat numpy views of the gradients when all are dense contiguous fp32 CPU tensors, else None."""
+    for g in grads:
+        if g.device.type != "cpu" or g.dtype != torch.float32 or g.layout != torch.strided or not g.is_contiguous():
+            return None
+    return [g.detach().view(-1).numpy() for g in grads]
 
 
 def _exact_norm(grads: list[torch.Tensor]) -> float:
@@ -38,12 +57,17 @@ def _exact_norm(grads: list[torch.Tensor]) -> float:
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> float:
-    """Global L2 norm of all gradients: foreach per-tensor norms in fp32, exact fallback if not finite."""
+    """Global L2 norm of all gradients (numba float64 sums of squares for contiguous fp32 host
+    gradients, else foreach per-tensor norms in fp32); the exact path decides when not finite."""
     grads = [g for g in grads]
     if not grads:
         return 0.0
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-    total = float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+    arrays = _host_fp32_arrays(grads)
+    if arrays is not None:
+        total = math.sqrt(float(sq_sums_f64(arrays).sum()))
+    else:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        total = float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
     if math.isfinite(total):
         return total
     return _exact_norm(grads)

@@ -379,3 +379,57 @@ def _call_with_wide_vectors(kernel: object, args: tuple) -> None:
             other = [ln for ln in err.read().decode(errors="replace").splitlines() if not ln.startswith("remark:")]
             if other:
                 print("\n".join(other), file=sys.stderr)
+
+
+# ---------------------------------------------------------------- sum of squares (clip norm)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+def _sq_sum(x, start, end):  # pragma: no cover - compiled
+    """Sum of x[start:end]**2 accumulated in float64: exact to ~1e-12 relative for fp32 input, cannot
+    overflow for finite fp32 input, and inf/nan propagate (no nnan/ninf flags)."""
+    acc = 0.0
+    for j in range(start, end):
+        v = np.float64(x[j])
+        acc += v * v
+    return acc
+
+
+def sq_sums_f64(arrays: list[np.ndarray]) -> np.ndarray:
+    """Sum of squares of each flat fp32 array (float64, shape (len(arrays),)) on the 8-bit kernel's pool.
+
+    Why not torch._foreach_norm: it is a torch OpenMP region, after which torch's libgomp workers
+    spin-wait and steal cores from the 8-bit kernel's pool for milliseconds (docs/benchmarks.md).
+    Tensors >= PARALLEL_MIN_NUMEL are split into chunks spread over the pool; small ones are packed
+    together so that one work item covers about the same number of elements.
+    """
+    out = np.zeros(len(arrays), dtype=np.float64)
+    if not arrays:
+        return out
+    _first_call_wide(_sq_sum, (arrays[0], 0, 0))  # compile or load from cache, once
+    total = sum(a.size for a in arrays)
+    n_threads = _num_threads()
+    if total < PARALLEL_MIN_NUMEL or n_threads == 1:
+        for i, a in enumerate(arrays):
+            out[i] = _sq_sum(a, 0, a.size)
+        return out
+    chunk = max(PARALLEL_MIN_NUMEL, -(-total // (_ITEMS_PER_THREAD * n_threads)))
+    items: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    cur_n = 0
+    for i, a in enumerate(arrays):
+        for start in range(0, a.size, chunk):
+            end = min(a.size, start + chunk)
+            cur.append((i, start, end))
+            cur_n += end - start
+            if cur_n >= chunk:
+                items.append(cur)
+                cur, cur_n = [], 0
+    if cur:
+        items.append(cur)
+
+    def run(item: list[tuple[int, int, int]]) -> list[tuple[int, float]]:
+        return [(i, _sq_sum(arrays[i], s, e)) for i, s, e in item]
+
+    for part in _pool(n_threads).map(run, items):
+        for i, val in part:
+            out[i] += val
+    return out
