@@ -416,15 +416,7 @@ class _Step:
         # ---- forward: layer j turns boundary j into boundary j+1, no autograd ----
         k = 0
         for j in range(self.L):
-            self._begin_use(k)
-            t0 = time.perf_counter()
-            self._reserve(self.sizes.working_bytes[j], f"layer {j} working set")
-            with torch.no_grad():
-                out = layer_forward(ex.parts.layers[j], self._weights(k), self.on_device[j], self.consts,
-                                    ex.parts.mask_kinds[j])
-            self.on_device[j + 1] = self._adopt(out, f"boundary {j + 1}")
-            self._unreserve(self.sizes.working_bytes[j])
-            self.stats.forward_s[j] = time.perf_counter() - t0
+            self.stats.forward_s[j] = self._forward_no_grad(j, k, f"boundary {j + 1}")
             if j > 0 and self.tiers[j] != "gpu":
                 self._drop_boundary(j)  # consumed by layer j: offloaded copy done or recomputed later
             if self.tiers[j + 1] in OFFLOADED:
@@ -460,15 +452,7 @@ class _Step:
                 self._reload(segments[idx - 1][0])  # one segment ahead
             self._wait_reload(s)
             for j in range(s, e - 1):  # regenerate s+1..e-1
-                self._begin_use(k)
-                t0 = time.perf_counter()
-                self._reserve(self.sizes.working_bytes[j], f"layer {j} working set")
-                with torch.no_grad():
-                    out = layer_forward(ex.parts.layers[j], self._weights(k), self.on_device[j], self.consts,
-                                        ex.parts.mask_kinds[j])
-                self.on_device[j + 1] = self._adopt(out, f"boundary {j + 1} (recomputed)")
-                self._unreserve(self.sizes.working_bytes[j])
-                self.stats.recompute_s[j] += time.perf_counter() - t0
+                self.stats.recompute_s[j] += self._forward_no_grad(j, k, f"boundary {j + 1} (recomputed)")
                 k += 1
             for j in range(e - 1, s - 1, -1):
                 self._begin_use(k)
@@ -507,6 +491,18 @@ class _Step:
         self.stats.loss = float(loss)
         self.stats.grad_norm = self.grad_sq_norm ** 0.5 if self.final_micro_batch else None
         return loss.detach().cpu()
+
+    def _forward_no_grad(self, j: int, k: int, what: str) -> float:
+        """Layer j on weight use k without autograd: boundary j -> boundary j+1 on the device. Returns seconds."""
+        self._begin_use(k)
+        t0 = time.perf_counter()
+        self._reserve(self.sizes.working_bytes[j], f"layer {j} working set")
+        with torch.no_grad():
+            out = layer_forward(self.ex.parts.layers[j], self._weights(k), self.on_device[j], self.consts,
+                                self.ex.parts.mask_kinds[j])
+        self.on_device[j + 1] = self._adopt(out, what)
+        self._unreserve(self.sizes.working_bytes[j])
+        return time.perf_counter() - t0
 
     # ---- weights --------------------------------------------------------------------------------
     def _group_of_use(self, k: int) -> WeightGroup:
