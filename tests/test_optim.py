@@ -463,7 +463,8 @@ def _no_foreach_norm(*args, **kwargs):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed", [11, 12])
 def test_norm_kernel_equals_vector_norm(threads: int, seed: int, monkeypatch) -> None:
-    """Contiguous fp32 CPU gradients: global and per-tensor norms from the pool kernel, 1e-6 relative."""
+    """Contiguous fp32 CPU gradients: global and per-tensor norms from the pool kernel, 1e-6 relative
+    (float64 accumulation is exact to ~1e-12; the tolerance allows the per-tensor cast to fp32)."""
     from lazytrain.optim import global_grad_norm
 
     saved = torch.get_num_threads()
@@ -471,8 +472,9 @@ def test_norm_kernel_equals_vector_norm(threads: int, seed: int, monkeypatch) ->
     try:
         gen = torch.Generator().manual_seed(seed)
         grads = [torch.randn(s, generator=gen) * torch.rand((), generator=gen).item() * 10 for s in NORM_SHAPES]
-        want = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
-        want_each = torch.stack([torch.linalg.vector_norm(g) for g in grads]).square()
+        # reference in float64: torch's own fp32 norm is off by up to ~1e-4 relative on 1 thread here
+        want = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])))
+        want_each = torch.stack([torch.linalg.vector_norm(g.double()) ** 2 for g in grads]).float()
         monkeypatch.setattr(torch, "_foreach_norm", _no_foreach_norm)
         assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
         torch.testing.assert_close(per_tensor_sq_norms(grads), want_each, rtol=1e-6, atol=0)
@@ -512,7 +514,7 @@ def test_norm_fp32_overflow_is_finite_on_kernel_path() -> None:
     assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["transposed", "fp64"])
+@pytest.mark.parametrize("kind", ["transposed", "bf16"])
 def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) -> None:
     """A non-contiguous or non-fp32 gradient takes torch's foreach norm; the kernel is not called."""
     from lazytrain.optim import clip, global_grad_norm
@@ -523,13 +525,13 @@ def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) ->
         grads[2] = grads[2].t()
         assert not grads[2].is_contiguous()
     else:
-        grads[1] = grads[1].double()
+        grads[1] = grads[1].bfloat16()
 
     def no_kernel(arrays):
         raise AssertionError("numba kernel called for a gradient it cannot read")
 
     monkeypatch.setattr(clip, "sq_sums_f64", no_kernel)
     want = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in grads])))
-    assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
+    assert global_grad_norm(grads) == pytest.approx(want, rel=1e-5)  # torch's fp32 accumulation
     want_each = torch.stack([torch.linalg.vector_norm(g.double()) ** 2 for g in grads]).float()
-    torch.testing.assert_close(per_tensor_sq_norms(grads), want_each, rtol=1e-6, atol=0)
+    torch.testing.assert_close(per_tensor_sq_norms(grads), want_each, rtol=1e-5, atol=0)

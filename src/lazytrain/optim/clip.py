@@ -6,7 +6,7 @@ OpenMP workers spin-waiting on the cores the 8-bit update needs next (docs/bench
 other gradient (non-contiguous, not fp32, not on the host) takes torch's foreach norm in fp32.
 
 The clip coefficient is not applied here: the optimizer fuses it into its update, so clipping costs
-one read of the gradients (the norms) instead of a read and a write. When the fast fp32 norm is not
+one read of the gradients (the norms) instead of a read and a write. When the fast norm is not
 finite, `global_grad_norm` takes the slow exact path: it tells overflow of the fp32 sum (all
 gradients finite, recompute in fp64) apart from a truly non-finite gradient (returns inf/nan).
 """
@@ -23,7 +23,7 @@ from lazytrain.optim.quant import sq_sums_f64
 
 
 def per_tensor_sq_norms(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of each gradient, fp32 accumulation, shape (n_tensors,).
+    """Squared L2 norm of each gradient as fp32, shape (n_tensors,) (float64 or fp32 accumulation, see above).
 
     The executor can call this on each layer's gradients as they reach the host and pass
     `sqrt(sum of all)` to the optimizer later.

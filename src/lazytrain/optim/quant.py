@@ -386,9 +386,10 @@ def _call_with_wide_vectors(kernel: object, args: tuple) -> None:
 def _sq_sum(x, start, end):  # pragma: no cover - compiled
     """Sum of x[start:end]**2 accumulated in float64: exact to ~1e-12 relative for fp32 input, cannot
     overflow for finite fp32 input, and inf/nan propagate (no nnan/ninf flags)."""
+    xs = x[start:end]  # indexing with the nonnegative loop variable lets LLVM vectorize
     acc = 0.0
-    for j in range(start, end):
-        v = np.float64(x[j])
+    for j in range(xs.size):
+        v = np.float64(xs[j])
         acc += v * v
     return acc
 
