@@ -78,6 +78,7 @@ BAD = {
     "no model": [],
     "unknown hardware": ["--model", "tiny-llama", "--hardware", "tpu-v9"],
     "negative size": ["--model", "tiny-llama", "--gpu-mem-cap=-5GB"],
+    "negative size, space-separated": ["--model", "tiny-llama", "--gpu-mem-cap", "-5GB"],
     "unparseable size": ["--model", "tiny-llama", "--cpu-act-budget", "lots"],
     "negative batch": ["--model", "tiny-llama", "--batch-size", "-1"],
     "unparseable batch": ["--model", "tiny-llama", "--batch-size", "many"],
@@ -100,6 +101,8 @@ def test_bad_input_is_one_error_line_and_exit_2(case: str, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+    if case.startswith("negative size"):
+        assert "negative" in err, err
 
 
 def test_malformed_config_file(tmp_path, capsys) -> None:

@@ -7,9 +7,10 @@ Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from importlib import import_module
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lazytrain.errors import LazyTrainError
 
@@ -21,6 +22,12 @@ SUBCOMMANDS = {
 
 class _OneLineErrors(argparse.ArgumentParser):
     """Usage errors as one `error:` line and exit 2, like every other bad input (argparse prints usage too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Read "-5GB" as a (negative, then refused) size, not as an unknown flag: argparse's own
+        # matcher only knows plain numbers.
+        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+(e\d+)?[A-Za-z]*$")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
