@@ -22,3 +22,4 @@ def test_format_bytes_uses_binary_units():
     assert format_bytes(3 * 2**30) == "3 GiB"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(12) == "12 B"
+    assert format_bytes(1010 * 2**20) == "1010 MiB"  # 1000-1023 of a unit: no scientific notation

@@ -35,6 +35,7 @@ def format_bytes(num_bytes: float) -> str:
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            digits = f"{value:.0f}" if unit == "B" or abs(value) >= 1000 else f"{value:.3g}"  # never 1.01e+03
+            return f"{digits} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
