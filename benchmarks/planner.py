@@ -21,6 +21,7 @@ import time
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.command import admitted_budgets, largest_feasible_batch
 from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
+from lazytrain.plan.plan import TIERS
 from lazytrain.plan.rules import make_rule_plan
 from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
@@ -32,6 +33,12 @@ GB = 10**9
 PAPER_BUDGETS = Budgets(gpu_mem_cap_bytes=70 * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=32 * GB)
 PAPER_BATCH = {"qwen2.5-3b": 192, "qwen2.5-7b": 144, "qwen2.5-14b": 96, "qwen3.6-27b": 72}
 PAPER_MEGATRAIN_TFLOPS = {"qwen2.5-3b": 142.80, "qwen2.5-7b": 161.35, "qwen2.5-14b": 171.92, "qwen3.6-27b": 176.90}
+
+
+
+def tier_counts(tiers: tuple[str, ...]) -> str:
+    """G/C/N/R counts as the tables print them."""
+    return "/".join(str(tiers.count(t)) for t in TIERS)
 
 
 def qwen36_with_layers(num_layers: int) -> ModelSpec:
@@ -57,7 +64,7 @@ def bench_solve(time_limit_s: float = 120.0) -> None:
                 runs = [solve_instance(inst, time_limit_s=time_limit_s, solver=solver, formulation=formulation)
                         for _ in range(repeats)]
                 r, tiers = runs[-1].report, runs[-1].tiers
-                counts = "/".join(str(tiers.count(t)) for t in ("gpu", "cpu", "nvme", "recompute"))
+                counts = tier_counts(tiers)
                 seconds = statistics.median(x.report.seconds for x in runs)
                 print(f"| {L} | {formulation} | {solver} | {r.options['num_binaries']} | {r.num_variables} | "
                       f"{r.num_constraints} | {seconds:.2f}{'' if repeats == 3 else ' (1 run)'} | {r.status} | "
@@ -78,7 +85,7 @@ def bench_solve_tight(time_limit_s: float = 120.0) -> None:
         for formulation in ("paper", "segment"):
             runs = [solve_instance(inst, time_limit_s=time_limit_s, formulation=formulation) for _ in range(3)]
             r, tiers = runs[-1].report, runs[-1].tiers
-            counts = "/".join(str(tiers.count(t)) for t in ("gpu", "cpu", "nvme", "recompute"))
+            counts = tier_counts(tiers)
             seconds = statistics.median(x.report.seconds for x in runs)
             print(f"| {cap_gb} GB | {nvme_gb} GB | {formulation} | highs | {seconds:.2f} | "
                   f"{r.status} | {r.gap:.2g} | {r.objective:.4f} | {counts} |")
@@ -100,7 +107,7 @@ def bench_tflops() -> None:
         sim = {(name, mode): simulate(p, cost, optimizer_mode=mode)
                for name, p in (("rule", rule), ("milp", plan)) for mode in ("serial", "overlap")}
         t = {k: v.tflops for k, v in sim.items()}
-        counts = "/".join(str(plan.tiers.count(x)) for x in ("gpu", "cpu", "nvme", "recompute"))
+        counts = tier_counts(plan.tiers)
         print(f"| {preset} | {batch} | {PAPER_MEGATRAIN_TFLOPS[preset]:.1f} | {t['rule', 'serial']:.1f} | "
               f"{t['rule', 'overlap']:.1f} | {t['milp', 'serial']:.1f} | {t['milp', 'overlap']:.1f} | "
               f"{t['milp', 'serial'] / t['rule', 'serial']:.3f} | {t['milp', 'overlap'] / t['rule', 'serial']:.3f} | "
