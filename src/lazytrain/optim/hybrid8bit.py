@@ -32,16 +32,15 @@ tensor with at least `min_8bit_size` elements is 8-bit while the 8-bit volume st
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import _exact_norm, clip_coefficient, global_grad_norm
-from lazytrain.optim.quant import M_ZERO_CODE, PARALLEL_MIN_NUMEL, adamw8bit_reference_, adamw8bit_step_
+from lazytrain.optim.quant import M_ZERO_CODE, adamw8bit_reference_, adamw8bit_step_
 
 
 class NonFiniteGradientsError(LazyTrainError):
@@ -238,10 +237,8 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             )
         if fp32_p:
             grad_scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
-            small = sum(p.numel() for p in fp32_p) < PARALLEL_MIN_NUMEL
-            with _torch_threads(1) if small else contextlib.nullcontext():
-                torch._foreach_add_(fp32_steps, 1)
-                _fused_adamw(fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps, group, beta1, beta2, grad_scale)
+            torch._foreach_add_(fp32_steps, 1)
+            _fused_adamw(fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps, group, beta1, beta2, grad_scale)
 
     @torch.no_grad()
     def step(
@@ -330,17 +327,3 @@ def _fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, s
         grad_scale=grad_scale,
         found_inf=None,
     )
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """Run torch ops on `n` threads. For the few small fp32-state tensors (norms, biases): even a tiny
-    parallel torch op wakes torch's OpenMP worker, which then spin-waits for milliseconds on a core the
-    8-bit kernel's pool needs (measured: 2.9 -> 2.0 G params/s for the next 8-bit step on 2 cores).
-    omp_set_num_threads is per calling thread, so this does not touch other threads' compute."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -26,18 +26,16 @@ stored m is set to 0. V_TINY_ABSMAX keeps every nonzero decoded v a normal float
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 
-import llvmlite.binding as llvm_binding
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
-from numba import njit, types
+from numba import carray, cfunc, njit, types
+from numba.core.ccallback import CFunc
 from numba.extending import intrinsic
+
+from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel, wide_vectors
 
 # ---------------------------------------------------------------- maps
 M_LEVELS = 127  # magnitude steps of the signed map
@@ -157,9 +155,15 @@ def adamw8bit_reference_(
 # branch (it blocks vectorization); every division here has a nonzero divisor.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 PARALLEL_MIN_NUMEL = 1 << 16  # smaller tensors run on the calling thread only
+_ITEMS_PER_THREAD = 8  # work items per thread: small enough to even out a preempted thread
 
+# Constants typed float32/int32: numba widens Python numbers (and int32 arithmetic) to 64 bits,
+# which doubles the vector instructions in the loops.
 _F0 = np.float32(0.0)
 _HALF = np.float32(0.5)
+_M_MID = np.float32(127.5)  # signed code c holds k = |c - 127.5| - 0.5, negative below the middle
+_M_NEG = np.float32(127.0)
+_M_POS = np.float32(128.0)
 _M_SQ = np.float32(M_LEVELS**2)
 _INV_M_SQ = np.float32(1.0 / M_LEVELS**2)
 _V_SQ = np.float32(V_LEVELS**2)
@@ -167,21 +171,20 @@ _INV_V_4 = np.float32(1.0 / V_LEVELS**4)
 _V_TINY32 = np.float32(V_TINY_ABSMAX)
 _I0 = np.int32(0)
 _I1 = np.int32(1)
-_I127 = np.int32(127)
 _I128 = np.int32(128)
 _IM = np.int32(M_LEVELS)
 _IV = np.int32(V_LEVELS)
-_ABS = np.int32(2**31 - 1)
 
 
 @intrinsic
-def _f2i(typingctx, x):  # pragma: no cover - compiled
-    """Reinterpret float32 bits as int32: max over the bits of floats >= 0 is their max, and an
-    integer max reduction vectorizes without the no-NaN fastmath flag."""
+def _abs_bits(typingctx, x):  # pragma: no cover - compiled
+    """The bits of |x| (float32) as int32: for floats >= 0 the max of the bits is the bits of the max,
+    and an integer max reduction vectorizes without the no-NaN fastmath flag."""
     sig = types.int32(types.float32)
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_ir.IntType(32))
+        bits = builder.bitcast(args[0], llvm_ir.IntType(32))
+        return builder.and_(bits, llvm_ir.Constant(llvm_ir.IntType(32), 0x7FFFFFFF))
 
     return sig, codegen
 
@@ -214,15 +217,15 @@ def _update_blocks(
         pb, gb, qmb, qvb = p[start:end], g[start:end], qm[start:end], qv[start:end]
         scale_m = absmax_m[b] * _INV_M_SQ
         scale_v = absmax_v[b] * _INV_V_4
-        # -- decode, AdamW update with the fp32 moments, clip coefficient fused into g
+        # -- decode, AdamW update with the fp32 moments, clip coefficient fused into g (g * clip first:
+        #    folding clip into (1 - beta2) * clip^2 would square unclipped gradients, which overflows fp32)
         amax_m_bits = _I0
         amax_s_bits = _I0
         for j in range(cnt):
-            cm = np.int32(qmb[j])
-            neg = cm < _I128
-            k = np.float32((_I127 - cm) if neg else (cm - _I128))
+            t = np.float32(qmb[j]) - _M_MID
+            k = abs(t) - _HALF
             mag = k * k * scale_m
-            m_old = -mag if neg else mag
+            m_old = np.copysign(mag, t)
             cv = np.float32(qvb[j])
             c2 = cv * cv
             v_old = c2 * c2 * scale_v
@@ -233,8 +236,8 @@ def _update_blocks(
             pb[j] = pb[j] * decay - step_size * mj / (sj * inv_bc2_sqrt + eps)
             fm[j] = mj
             fs[j] = sj
-            amax_m_bits = max(amax_m_bits, _f2i(mj) & _ABS)
-            amax_s_bits = max(amax_s_bits, _f2i(sj))
+            amax_m_bits = max(amax_m_bits, _abs_bits(mj))
+            amax_s_bits = max(amax_s_bits, _abs_bits(sj))
         amax_m = _i2f(amax_m_bits)
         amax_s = _i2f(amax_s_bits)
         amax_v = amax_s * amax_s
@@ -248,24 +251,47 @@ def _update_blocks(
         for j in range(cnt):
             mj = fm[j]
             sj = fs[j]
-            km = min(np.int32(np.sqrt(abs(mj) * inv_m) + _HALF), _IM)
+            km = np.float32(min(np.int32(np.sqrt(abs(mj) * inv_m) + _HALF), _IM))
             kv = min(np.int32(np.sqrt(sj * inv_s) + _HALF), _IV)
             kv = max(kv, _I1) if (sj > _F0 and inv_s > _F0) else _I0  # nonzero v never rounds to 0
-            codem = (_I127 - km) if mj < _F0 else (_I128 + km)
-            qmb[j] = np.uint8(codem if kv != _I0 else _I128)  # v decodes to 0 -> m := 0
+            codem = (_M_NEG - km) if mj < _F0 else (_M_POS + km)
+            qmb[j] = np.uint8(np.int32(codem) if kv != _I0 else _I128)  # v decodes to 0 -> m := 0
             qvb[j] = np.uint8(kv)
 
 
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
-def _adamw8bit_blocks(
-    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2, eps,
-    decay, step_size, inv_bc2_sqrt,
-):  # pragma: no cover - compiled
-    """Blocks [b_first, b_last) on the calling thread; nogil, so pool threads run it side by side."""
-    _update_blocks(
-        b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2,
-        eps, decay, step_size, inv_bc2_sqrt,
-    )
+#: The 8-bit step's arguments, one record shared by all threads (addresses from ndarray.ctypes.data).
+_STEP_ARGS = np.dtype(
+    [
+        ("next_item", np.int64),  # work counter: first block of the next item (run_parallel)
+        ("p", np.int64), ("g", np.int64), ("qm", np.int64), ("qv", np.int64),
+        ("absmax_m", np.int64), ("absmax_v", np.int64),
+        ("numel", np.int64), ("block_size", np.int64), ("blocks_per_item", np.int64),
+        ("clip", np.float32), ("beta1", np.float32), ("beta2", np.float32),
+        ("one_m_b1", np.float32), ("one_m_b2", np.float32), ("eps", np.float32),
+        ("decay", np.float32), ("step_size", np.float32), ("inv_bc2_sqrt", np.float32),
+    ],
+    align=True,
+)  # fmt: skip
+
+
+def _adamw8bit_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernels)
+    a = carray(data, 1, _STEP_ARGS)[0]
+    n, bs, per_item = a.numel, a.block_size, a.blocks_per_item
+    nblocks = (n + bs - 1) // bs
+    p = carray(address(a.p), n, np.float32)
+    g = carray(address(a.g), n, np.float32)
+    qm = carray(address(a.qm), n, np.uint8)
+    qv = carray(address(a.qv), n, np.uint8)
+    absmax_m = carray(address(a.absmax_m), nblocks, np.float32)
+    absmax_v = carray(address(a.absmax_v), nblocks, np.float32)
+    while True:
+        first = fetch_add(data, per_item)
+        if first >= nblocks:
+            return
+        _update_blocks(
+            first, min(nblocks, first + per_item), p, g, qm, qv, absmax_m, absmax_v, bs, a.clip, a.beta1, a.beta2,
+            a.one_m_b1, a.one_m_b2, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
+        )
 
 
 def adamw8bit_step_(
@@ -287,102 +313,36 @@ def adamw8bit_step_(
 ) -> None:
     """One fused AdamW step on a contiguous fp32 tensor with 8-bit states, in place.
 
-    Runs on torch.get_num_threads() threads (both cores by default) for tensors >= PARALLEL_MIN_NUMEL.
-    `step` is the 1-based step count after increment (bias correction as torch.optim.AdamW).
+    Runs on torch.get_num_threads() threads (torch's OpenMP team, see parallel.py) for tensors >=
+    PARALLEL_MIN_NUMEL. `step` is the 1-based step count after increment (bias correction as
+    torch.optim.AdamW).
     """
-    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-    f32 = np.float32
-    args = (
-        p.detach().view(-1).numpy(),
-        g.detach().reshape(-1).to(torch.float32).contiguous().numpy(),  # no copy when fp32 and contiguous
-        qm.view(-1).numpy(),
-        qv.view(-1).numpy(),
-        absmax_m.numpy(),
-        absmax_v.numpy(),
-        int(block_size),
-        f32(clip_coef),
-        f32(beta1),
-        f32(beta2),
-        f32(1.0 - beta1),  # from float64: float32(1) - float32(0.999) is off by 1e-5 relative
-        f32(1.0 - beta2),
-        f32(eps),
-        f32(1.0 - lr * weight_decay),
-        f32(lr / bc1),
-        f32(1.0 / bc2**0.5),
-    )
+    g = g.detach().reshape(-1).to(torch.float32).contiguous()  # no copy when fp32 and contiguous
+    n = p.numel()
     nblocks = absmax_m.numel()
-    n_threads = _num_threads()
-    if p.numel() < PARALLEL_MIN_NUMEL or n_threads == 1:
-        _first_call_wide(_adamw8bit_blocks, (0, nblocks, *args))
-        return
-    # Work items of whole blocks, handed out dynamically: a thread preempted by another process
-    # delays only its current item. Own pool (not numba's parallel=True): numba's OpenMP pool and
-    # torch's bundled libgomp both spin-wait and steal the two cores from each other between calls.
-    # _ITEMS_PER_THREAD items per thread: few enough that handing them out (GIL, futures) stays cheap.
-    _first_call_wide(_adamw8bit_blocks, (0, 1, *args))  # compile or load from cache, once
-    step_blocks = max(1, -(-(nblocks - 1) // (_ITEMS_PER_THREAD * n_threads)))
-    items = [(b, min(nblocks, b + step_blocks)) for b in range(1, nblocks, step_blocks)]
-    list(_pool(n_threads).map(lambda item: _adamw8bit_blocks(item[0], item[1], *args), items))
-
-
-_ITEMS_PER_THREAD = 4
-_pools: dict[int, ThreadPoolExecutor] = {}
-_lock = threading.Lock()
-
-
-def _num_threads() -> int:
-    """Threads for the 8-bit update: torch's intra-op thread count (one knob for all host compute)."""
-    return max(1, torch.get_num_threads())
-
-
-def _pool(n_threads: int) -> ThreadPoolExecutor:
-    with _lock:
-        if n_threads not in _pools:
-            _pools[n_threads] = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="lazytrain-adamw8bit")
-        return _pools[n_threads]
-
-
-# LLVM's cost model picks 256-bit vectors, interleave 4 for these loops on Zen 4/5; 512-bit vectors,
-# interleave 2 take ~20% less CPU per element. The options are global to LLVM, so they are set only
-# around the call that compiles (or loads from the on-disk cache) each kernel, then reset to default.
-_WIDE_VECTORS = "+avx512f" in llvm_binding.get_host_cpu_features().flatten()
-_loaded: set[object] = set()
-
-
-def _first_call_wide(kernel: object, args: tuple) -> None:
-    if kernel in _loaded or not _WIDE_VECTORS:
-        kernel(*args)
-        return
-    with _lock:  # LLVM options are process-wide: one compiling call at a time
-        if kernel in _loaded:
-            kernel(*args)
-            return
-        _call_with_wide_vectors(kernel, args)
-        _loaded.add(kernel)
-
-
-def _call_with_wide_vectors(kernel: object, args: tuple) -> None:
-    llvm_binding.set_option("", "-force-vector-width=16")
-    llvm_binding.set_option("", "-force-vector-interleave=2")
-    sys.stderr.flush()
-    saved_fd = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as err:
-        os.dup2(err.fileno(), 2)  # forced width makes LLVM print "remark:" lines for numba's own loops
-        try:
-            kernel(*args)
-        finally:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
-            llvm_binding.set_option("", "-force-vector-width=0")  # 0 = LLVM's default (cost model decides)
-            llvm_binding.set_option("", "-force-vector-interleave=0")
-            err.seek(0)
-            other = [ln for ln in err.read().decode(errors="replace").splitlines() if not ln.startswith("remark:")]
-            if other:
-                print("\n".join(other), file=sys.stderr)
+    # the kernel reads and writes through raw addresses: check what it will assume
+    tensors = [(p, torch.float32, n), (g, torch.float32, n), (qm, torch.uint8, n), (qv, torch.uint8, n),
+               (absmax_m, torch.float32, -(-n // block_size)), (absmax_v, torch.float32, -(-n // block_size))]
+    if not all(t.is_contiguous() and t.dtype == dtype and t.numel() == numel for t, dtype, numel in tensors):
+        raise ValueError(f"adamw8bit_step_: inconsistent tensors for {n} params in blocks of {block_size}")
+    n_threads = 1 if n < PARALLEL_MIN_NUMEL else num_threads()
+    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+    args = np.array(
+        [(
+            0,
+            p.data_ptr(), g.data_ptr(), qm.data_ptr(), qv.data_ptr(), absmax_m.data_ptr(), absmax_v.data_ptr(),
+            n, block_size, -(-nblocks // (_ITEMS_PER_THREAD * n_threads)),
+            clip_coef, beta1, beta2,
+            1.0 - beta1, 1.0 - beta2,  # from float64: float32(1) - float32(0.999) is off by 1e-5 relative
+            eps, 1.0 - lr * weight_decay, lr / bc1, 1.0 / bc2**0.5,
+        )],
+        dtype=_STEP_ARGS,
+    )  # fmt: skip
+    run_parallel(_kernels()[0], args, n_threads)
 
 
 # ---------------------------------------------------------------- sum of squares (clip norm)
-@njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+@njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _sq_sum(x, start, end):  # pragma: no cover - compiled
     """Sum of x[start:end]**2 accumulated in float64: exact to ~1e-12 relative for fp32 input, cannot
     overflow for finite fp32 input, and inf/nan propagate (no nnan/ninf flags)."""
@@ -394,43 +354,57 @@ def _sq_sum(x, start, end):  # pragma: no cover - compiled
     return acc
 
 
+#: Arguments of the sum-of-squares kernel: chunks (address, start, end) of fp32 arrays, one sum each.
+_NORM_ARGS = np.dtype(
+    [("next_item", np.int64), ("chunks", np.int64), ("n_chunks", np.int64), ("sums", np.int64)], align=True
+)
+
+
+def _sq_sum_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernels)
+    a = carray(data, 1, _NORM_ARGS)[0]
+    chunks = carray(address(a.chunks), (a.n_chunks, 3), np.int64)
+    sums = carray(address(a.sums), a.n_chunks, np.float64)
+    while True:
+        i = fetch_add(data, 1)
+        if i >= a.n_chunks:
+            return
+        x = carray(address(chunks[i, 0]), chunks[i, 2], np.float32)
+        sums[i] = _sq_sum(x, chunks[i, 1], chunks[i, 2])
+
+
 def sq_sums_f64(arrays: list[np.ndarray]) -> np.ndarray:
-    """Sum of squares of each flat fp32 array (float64, shape (len(arrays),)) on the 8-bit kernel's pool.
+    """Sum of squares of each flat fp32 array (float64, shape (len(arrays),)), on torch's OpenMP threads.
 
-    Why not torch._foreach_norm: it is a torch OpenMP region, after which torch's libgomp workers
-    spin-wait and steal cores from the 8-bit kernel's pool for milliseconds (docs/benchmarks.md).
-    Tensors >= PARALLEL_MIN_NUMEL are split into chunks spread over the pool; small ones are packed
-    together so that one work item covers about the same number of elements.
+    Why not torch._foreach_norm: float64 accumulation (no fp32 overflow, no ~1e-4 rounding on long
+    sums), and one pass with the same launch as the 8-bit step. Arrays >= PARALLEL_MIN_NUMEL are
+    split into chunks spread over the threads.
     """
-    out = np.zeros(len(arrays), dtype=np.float64)
-    if not arrays:
-        return out
-    _first_call_wide(_sq_sum, (arrays[0], 0, 0))  # compile or load from cache, once
+    if not all(a.dtype == np.float32 and a.ndim == 1 and a.flags.c_contiguous for a in arrays):
+        raise ValueError("sq_sums_f64 reads flat contiguous float32 arrays only")  # the kernel trusts addresses
     total = sum(a.size for a in arrays)
-    n_threads = _num_threads()
-    if total < PARALLEL_MIN_NUMEL or n_threads == 1:
-        for i, a in enumerate(arrays):
-            out[i] = _sq_sum(a, 0, a.size)
-        return out
+    n_threads = 1 if total < PARALLEL_MIN_NUMEL else num_threads()
     chunk = max(PARALLEL_MIN_NUMEL, -(-total // (_ITEMS_PER_THREAD * n_threads)))
-    items: list[list[tuple[int, int, int]]] = []
-    cur: list[tuple[int, int, int]] = []
-    cur_n = 0
-    for i, a in enumerate(arrays):
-        for start in range(0, a.size, chunk):
-            end = min(a.size, start + chunk)
-            cur.append((i, start, end))
-            cur_n += end - start
-            if cur_n >= chunk:
-                items.append(cur)
-                cur, cur_n = [], 0
-    if cur:
-        items.append(cur)
+    rows = [
+        (i, a.ctypes.data, start, min(a.size, start + chunk))
+        for i, a in enumerate(arrays)
+        for start in range(0, a.size, chunk)
+    ]
+    owner = np.array([r[0] for r in rows], dtype=np.int64)
+    chunks = np.array([r[1:] for r in rows], dtype=np.int64).reshape(-1, 3)
+    sums = np.zeros(len(rows), dtype=np.float64)
+    if rows:
+        args = np.array([(0, chunks.ctypes.data, len(rows), sums.ctypes.data)], dtype=_NORM_ARGS)
+        run_parallel(_kernels()[1], args, n_threads)
+    return np.bincount(owner, weights=sums, minlength=len(arrays))
 
-    def run(item: list[tuple[int, int, int]]) -> list[tuple[int, float]]:
-        return [(i, _sq_sum(arrays[i], s, e)) for i, s, e in item]
 
-    for part in _pool(n_threads).map(run, items):
-        for i, val in part:
-            out[i] += val
-    return out
+# ---------------------------------------------------------------- compile once
+_VOID_PTR_SIG = types.void(types.voidptr)
+
+
+@cache
+def _kernels() -> tuple[CFunc, CFunc]:
+    """(8-bit step, sum of squares) as C callbacks; compiled once, later loaded from numba's disk cache."""
+    with wide_vectors():
+        options = dict(cache=True, fastmath=_FASTMATH, error_model="numpy")
+        return cfunc(_VOID_PTR_SIG, **options)(_adamw8bit_kernel), cfunc(_VOID_PTR_SIG, **options)(_sq_sum_kernel)
