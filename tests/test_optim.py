@@ -529,9 +529,9 @@ def test_norm_fp32_overflow_is_finite_on_kernel_path() -> None:
     assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["transposed", "bf16"])
+@pytest.mark.parametrize("kind", ["transposed", "bf16", "fp64"])
 def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) -> None:
-    """A non-contiguous or non-fp32 gradient takes torch's foreach norm; the kernel is not called."""
+    """A non-contiguous or non-fp32 gradient takes torch's norm; the kernel is not called."""
     from lazytrain.optim import clip, global_grad_norm
 
     gen = torch.Generator().manual_seed(15)
@@ -539,8 +539,10 @@ def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) ->
     if kind == "transposed":
         grads[2] = grads[2].t()
         assert not grads[2].is_contiguous()
-    else:
+    elif kind == "bf16":
         grads[1] = grads[1].bfloat16()
+    else:
+        grads[0] = grads[0].double()  # torch refuses an fp32 accumulator for it
 
     def no_kernel(arrays):
         raise AssertionError("numba kernel called for a gradient it cannot read")

@@ -1,9 +1,9 @@
 """Fast gradient clipping (paper section 3): per-tensor norms, global norm.
 
 Contiguous fp32 CPU gradients (the usual case) go through a numba sum-of-squares kernel (float64
-accumulation) on the 8-bit update's own thread pool: a torch parallel op here would leave torch's
-OpenMP workers spin-waiting on the cores the 8-bit update needs next (docs/benchmarks.md). Any
-other gradient (non-contiguous, not fp32, not on the host) takes torch's foreach norm in fp32.
+accumulation: no fp32 overflow, no rounding drift on long sums) on torch's OpenMP threads, like the
+8-bit update (parallel.py). Any other gradient (non-contiguous, not fp32, not on the host) takes
+torch's foreach norm in fp32.
 
 The clip coefficient is not applied here: the optimizer fuses it into its update, so clipping costs
 one read of the gradients (the norms) instead of a read and a write. When the fast norm is not
@@ -34,8 +34,7 @@ def per_tensor_sq_norms(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     arrays = _host_fp32_arrays(grads)
     if arrays is not None:
         return torch.from_numpy(sq_sums_f64(arrays)).to(torch.float32)  # overflow -> inf, as fp32
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-    return torch.stack(norms).square()
+    return _torch_norms(grads).square()
 
 
 def _host_fp32_arrays(grads: list[torch.Tensor]) -> list[np.ndarray] | None:
@@ -44,6 +43,15 @@ def _host_fp32_arrays(grads: list[torch.Tensor]) -> list[np.ndarray] | None:
         if g.device.type != "cpu" or g.dtype != torch.float32 or g.layout != torch.strided or not g.is_contiguous():
             return None
     return [g.detach().view(-1).numpy() for g in grads]
+
+
+def _torch_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each gradient as fp32 by torch's foreach kernel, accumulated in fp32 (fp64 gradients in
+    fp64: torch refuses to narrow them inside the norm)."""
+    if any(g.dtype == torch.float64 for g in grads):
+        acc = [None if g.dtype == torch.float64 else torch.float32 for g in grads]
+        return torch.stack([torch.linalg.vector_norm(g, dtype=d).float() for g, d in zip(grads, acc, strict=True)])
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
 
 
 def _exact_norm(grads: list[torch.Tensor]) -> float:
@@ -66,8 +74,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor]) -> float:
     if arrays is not None:
         total = math.sqrt(float(sq_sums_f64(arrays).sum()))
     else:
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        total = float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+        total = float(torch.linalg.vector_norm(_torch_norms(grads), 2.0))
     if math.isfinite(total):
         return total
     return _exact_norm(grads)
