@@ -4,7 +4,7 @@ bitsandbytes AdamW8bit, side by side in one run.
     python benchmarks/optim.py              # ~19 M params, 15 rounds, < 2 minutes on 2 cores
     python benchmarks/optim.py --rounds 5   # quicker
     python benchmarks/optim.py --threads 1  # one core each (less sensitive to other processes)
-    python benchmarks/optim.py --shapes qwen2.5-7b-layer --rounds 7   # one real 7B layer, 233 M params, ~20 GB RAM
+    python benchmarks/optim.py --shapes qwen2.5-7b-layer --fractions 1 --rounds 9   # one 7B layer: 233 M params, 11 GB
     GOMP_SPINCOUNT=0 python benchmarks/optim.py  # torch's OpenMP workers sleep at once after each op
 
 Every round times one step of every optimizer in turn, in a shuffled order (interleaved, so load from
@@ -62,11 +62,24 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {text!r}") from None
+    if not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"eightbit_fraction values must be in [0, 1], got {text!r}")
+    return values
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per optimizer (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
     ap.add_argument("--threads", type=int, default=0, help="torch (and 8-bit kernel) threads; 0 = torch default")
+    ap.add_argument("--fractions", type=_fractions, default=(0.0, 0.02, 1.0),
+                    help="eightbit_fraction values of the Hybrid8bitAdamW rows, comma-separated (default 0,0.02,1; "
+                    "each fp32-state row holds 8 bytes/param, so '1' keeps the 233 M layer within 24 GB)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="mixed",
                     help="parameter tensors: 'mixed' (19.5 M, odd sizes) or one Qwen2.5-7B layer (233 M)")
     args = ap.parse_args()
@@ -107,7 +120,7 @@ def main() -> None:
         return math.sqrt(float(sum(per_tensor_sq_norms([p.grad]).sum() for p in params)))
 
     precomputed_norm = norm_now()
-    for frac in (0.0, 0.02, 1.0):
+    for frac in args.fractions:
         share = f"{frac:.0%}"
         o_clip = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=1.0)
         add("Hybrid8bitAdamW", share, "fused, norm inside", o_clip, o_clip.step)
