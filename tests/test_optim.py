@@ -138,7 +138,7 @@ def test_outlier_then_silence_keeps_steps_bounded(use_reference: bool) -> None:
 # ---------------------------------------------------------------- kernel == reference
 @pytest.fixture
 def two_threads():
-    """The thread-pool path needs torch.get_num_threads() > 1 (it is 1 on a one-core CI runner)."""
+    """The multi-thread path needs torch.get_num_threads() > 1 (it is 1 on a one-core CI runner)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -147,7 +147,7 @@ def two_threads():
 
 def test_kernel_matches_torch_reference_step_by_step(two_threads) -> None:
     gen = torch.Generator().manual_seed(3)
-    shapes = [(333, 77), (4097,), (256 * 40,), (300, 257)]  # the last one takes the thread-pool path
+    shapes = [(333, 77), (4097,), (256 * 40,), (300, 257)]  # the last one runs on several threads
     assert math.prod(shapes[-1]) >= q.PARALLEL_MIN_NUMEL > math.prod(shapes[0])
     pa, pb = _params(shapes, 3), _params(shapes, 3)
     kw = dict(lr=2e-3, weight_decay=0.1, max_grad_norm=0.3, min_8bit_size=0)
@@ -479,7 +479,7 @@ def _no_foreach_norm(*args, **kwargs):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed", [11, 12])
 def test_norm_kernel_equals_vector_norm(threads: int, seed: int, monkeypatch) -> None:
-    """Contiguous fp32 CPU gradients: global and per-tensor norms from the pool kernel, 1e-6 relative
+    """Contiguous fp32 CPU gradients: global and per-tensor norms from the numba kernel, 1e-6 relative
     (float64 accumulation is exact to ~1e-12; the tolerance allows the per-tensor cast to fp32)."""
     from lazytrain.optim import global_grad_norm
 
