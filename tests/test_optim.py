@@ -552,3 +552,18 @@ def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) ->
     assert global_grad_norm(grads) == pytest.approx(want, rel=1e-5)  # torch's fp32 accumulation
     want_each = torch.stack([torch.linalg.vector_norm(g.double()) ** 2 for g in grads]).float()
     torch.testing.assert_close(per_tensor_sq_norms(grads), want_each, rtol=1e-5, atol=0)
+
+
+def test_kernel_refuses_inconsistent_tensors() -> None:
+    """The kernel trusts raw addresses: a short gradient or wrong absmax size is a ValueError, nothing written."""
+    gen = torch.Generator().manual_seed(16)
+    p = torch.randn(5000, generator=gen)
+    before = p.clone()
+    states = dict(qm=torch.full((5000,), 128, dtype=torch.uint8), qv=torch.zeros(5000, dtype=torch.uint8))
+    kw = dict(block_size=256, clip_coef=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    for g, nblocks in [(torch.randn(4999, generator=gen), 20), (torch.randn(5000, generator=gen), 19)]:
+        with pytest.raises(ValueError, match="inconsistent"):
+            q.adamw8bit_step_(p, g, states["qm"], states["qv"], torch.zeros(nblocks), torch.zeros(nblocks), **kw)
+    assert torch.equal(p, before)
+    with pytest.raises(ValueError, match="float32"):
+        q.sq_sums_f64([np.zeros(10, dtype=np.float64)])

@@ -323,8 +323,9 @@ def adamw8bit_step_(
     # the kernel reads and writes through raw addresses: check what it will assume
     tensors = [(p, torch.float32, n), (g, torch.float32, n), (qm, torch.uint8, n), (qv, torch.uint8, n),
                (absmax_m, torch.float32, -(-n // block_size)), (absmax_v, torch.float32, -(-n // block_size))]
-    if not all(t.is_contiguous() and t.dtype == dtype and t.numel() == numel for t, dtype, numel in tensors):
-        raise ValueError(f"adamw8bit_step_: inconsistent tensors for {n} params in blocks of {block_size}")
+    if not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype and t.numel() == numel
+               for t, dtype, numel in tensors):
+        raise ValueError(f"adamw8bit_step_: inconsistent host tensors for {n} params in blocks of {block_size}")
     n_threads = 1 if n < PARALLEL_MIN_NUMEL else num_threads()
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     args = np.array(
