@@ -86,9 +86,6 @@ def run_parallel(kernel: CFunc, args: np.ndarray, n_threads: int) -> None:
         h.result()
 
 
-_lock = threading.Lock()
-
-
 @cache
 def _pool(n_workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="lazytrain-optim")
@@ -120,7 +117,7 @@ def _openmp_runtime_paths() -> list[str]:
     except OSError:  # not Linux
         loaded = set()
     loaded = {p for p in loaded if os.path.basename(p).startswith(names)}
-    shipped = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "lib*omp*"))
+    shipped = glob.glob(os.path.join(torch_dir, "lib", "lib*omp*"))
     return sorted(loaded, key=lambda p: not p.startswith((torch_dir + "/", torch_dir + ".libs/"))) + sorted(shipped)
 
 
@@ -129,6 +126,7 @@ def _openmp_runtime_paths() -> list[str]:
 # interleave 2 take ~20% less CPU per element. The options are global to LLVM, so they are set only
 # around the calls that compile (or load from numba's on-disk cache) the kernels, then reset.
 _WIDE_VECTORS = "+avx512f" in llvm_binding.get_host_cpu_features().flatten()
+_lock = threading.Lock()
 
 
 @contextlib.contextmanager
