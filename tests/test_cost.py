@@ -111,8 +111,10 @@ def test_optimizer_modes_change_states_and_time() -> None:
     assert fp32.total_optimizer_s == pytest.approx(n / 6e9)
     assert q8.total_optimizer_s == pytest.approx(n / 2e9)
     assert fp32.static_host_bytes() - q8.static_host_bytes() == 8 * n - q8.optimizer_state_bytes()
-    master = CostModel(spec, hw, Workload(1, 16, "bf16"), master_weights=True)
-    assert master.static_host_bytes() - fp32.static_host_bytes() == 6 * n  # fp32 master + fp32 (not bf16) grads
+    executor = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True)
+    streamed = n - (0 if spec.tie_word_embeddings else spec.embedding_params)
+    # fp32 weights and grads, then a bf16 copy and a bf16 landing buffer of every streamed group
+    assert executor.static_host_bytes() == 8 * n + 4 * streamed + fp32.optimizer_state_bytes()
 
 
 def test_throughput_conventions() -> None:

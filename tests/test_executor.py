@@ -327,3 +327,31 @@ def test_device_peak_equals_the_simulators() -> None:
             predicted = simulate(plan, cost).peak_bytes["gpu"]
             assert ex.last_step.peak_device_bytes <= predicted, (kind, name)
             assert ex.last_step.peak_device_bytes >= 0.9 * predicted, (kind, name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied (embedding not streamed) and tied
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_host_bytes_are_the_cost_models_executor_layout(kind: str, dtype: torch.dtype) -> None:
+    """What `lazytrain train` checks against the machine's memory is what the executor and AdamW allocate."""
+    from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
+
+    model = make_model(kind)
+    ids, labels = make_batch()
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(), compute_dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ex.forward_backward(ids, labels)
+    opt.step()
+    params = list(model.parameters())
+    groups = [*ex.layer_groups, ex.head_group]
+    allocated = {
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params),
+        "streamed_copy": sum(g.num_bytes for g in groups if not g.aliased),
+        "optimizer_states": sum(s[k].numel() * s[k].element_size() for s in opt.state.values()
+                                for k in ("exp_avg", "exp_avg_sq")),
+        "grad_landing": sum(t.numel() * t.element_size() for t in ex._grad_host.values()),
+    }
+    workload = Workload(3, 11, "bf16" if dtype == torch.bfloat16 else "fp32")
+    cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload,
+                     executor_layout=True)
+    assert cost.host_breakdown() == allocated

@@ -100,6 +100,33 @@ def test_unwritable_output_dir_fails_before_training(tmp_path, capsys):
     assert "model" not in captured.out  # nothing was built
 
 
+def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
+    import lazytrain.spec.hardware as hardware
+    from lazytrain.train import COST_OPTIMIZER, check_host_fits
+
+    cfg = TrainConfig(**{**GOLDEN_CONFIG, "dtype": "bf16", "optimizer": RNG.choice(["adamw", "hybrid8bit"])})
+    config = transformers.AutoConfig.for_model("llama", vocab_size=259, hidden_size=64, intermediate_size=160,
+                                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
+
+    need = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), Workload(4, 32, "bf16"),
+                     COST_OPTIMIZER[cfg.optimizer], executor_layout=True).static_host_bytes()
+    monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need)
+    check_host_fits(cfg, config)  # exactly enough
+    short = RNG.randint(1, need // 2)
+    monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need - short)
+    with pytest.raises(LazyTrainError, match=r"^host memory: needs .* grad landing .*short by"):
+        check_host_fits(cfg, config)
+
+    built = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda *a, **k: built.append(a))
+    out = tmp_path / "run"
+    assert main(["train", "--output-dir", str(out), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: host memory: ") and "\n" not in err and "available memory" in err
+    assert not built and not (out / "metrics.jsonl").exists()
+
+
 def test_a_plan_for_another_model_is_refused(tmp_path, capsys):
     from lazytrain.plan.plan import Plan
     from lazytrain.spec.model import ModelSpec

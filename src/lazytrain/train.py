@@ -28,6 +28,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.units import format_bytes, parse_bytes
 
 OPTIMIZERS = ("adamw", "hybrid8bit")
+COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid"}  # the CostModel's name for each --optimizer
 OPTIMIZER_MODES = ("serial", "overlap")
 DEVICES = ("auto", "cpu", "cuda")
 PLANNERS = ("auto", "milp", "megatrain", "keep-all", "recompute-all", "offload-all")
@@ -203,10 +204,30 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> Any:
         if limit is not None and cfg.seq_len > limit:
             raise LazyTrainError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}; "
                                  "lower --seq-len")
+    check_host_fits(cfg, config)
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     return model.train()
+
+
+def check_host_fits(cfg: TrainConfig, config: Any) -> None:
+    """Refuse, before allocating anything, a model whose host layout (CostModel's `executor_layout`)
+    exceeds the memory this machine has available now, instead of dying in the middle of an allocation."""
+    from lazytrain.plan.admission import check_host_memory
+    from lazytrain.spec.cost import CostModel
+    from lazytrain.spec.hardware import HardwareSpec, available_host_memory_bytes
+    from lazytrain.spec.model import ModelSpec
+    from lazytrain.spec.workload import Workload
+
+    available = available_host_memory_bytes()
+    if available is None:
+        return
+    workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype)
+    cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), workload,
+                     COST_OPTIMIZER[cfg.optimizer], executor_layout=True)
+    check_host_memory(cost, available, "this machine's available memory",
+                      "use a smaller --model or a machine with more memory")
 
 
 # =====================================================================================================
@@ -352,7 +373,7 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
 
     rate = sum(p.numel() for p in model.parameters()) / optimizer_s / 1e9  # Gparams/s, this optimizer
     hardware = hardware.with_overrides(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
-    cost = CostModel(spec_of(model), hardware, workload, "hybrid" if cfg.optimizer == "hybrid8bit" else "fp32")
+    cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[cfg.optimizer], executor_layout=True)
     if kind == "cuda":
         flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
         k = wall_s / flop_step_s

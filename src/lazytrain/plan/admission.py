@@ -54,21 +54,27 @@ def _short(what: str, need: int, need_detail: str, limit: int, knob: str, advice
     )
 
 
+def check_host_memory(cost: CostModel, limit: int, knob: str, advice: str) -> None:
+    """Raise when the static host bytes (weights, grads, optimizer states, staging) exceed `limit`."""
+    host = cost.host_breakdown()
+    need = sum(host.values())
+    if need > limit:
+        detail = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
+        raise _short("host memory", need, detail, limit, knob, advice)
+
+
 def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     """Check the budgets against what every plan needs; raise LazyTrainError naming the first short one."""
     budgets = budgets or Budgets()
     hw = cost.hardware
 
     # ---- host memory: weights, grads, optimizer states, staging ------------------------------------
-    host = cost.host_breakdown()
-    static_host = sum(host.values())
+    static_host = cost.static_host_bytes()
     host_limit = budgets.host_mem_bytes if budgets.host_mem_bytes is not None else hw.host_mem_bytes
     host_knob = "--cpu-mem" if budgets.host_mem_bytes is not None else f"the {hw.name} host memory"
-    if host_limit is not None and static_host > host_limit:
-        detail = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
-        advice = ("use --optimizer 8bit, a smaller model or more host memory" if cost.optimizer != "8bit"
-                  else "use a smaller model or more host memory")
-        raise _short("host memory", static_host, detail, host_limit, host_knob, advice)
+    if host_limit is not None:
+        check_host_memory(cost, host_limit, host_knob, "use a smaller model or more host memory"
+                          if cost.optimizer == "8bit" else "use --optimizer 8bit, a smaller model or more host memory")
 
     # ---- device memory: slots, working sets, loss head, constants ----------------------------------
     cap = budgets.gpu_mem_cap_bytes if budgets.gpu_mem_cap_bytes is not None else hw.gpu_mem_bytes

@@ -20,9 +20,11 @@ Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_m
     host:   weights + gradients in the compute dtype (the packed per-layer store the DMA reads and the
             p.grad the d2h writes), optimizer states (fp32 Adam 8 B/param; 8-bit 2 B/param + fp32 absmax
             per 256-element block per state; hybrid = 2% of the parameters in 8 bits), and pinned staging =
-            2 gradient landing slots. `master_weights=True` adds an fp32 master copy and keeps the gradients
-            in fp32 (+6 B/param in bf16) — the paper's accounting has neither. Without it this reproduces the
-            paper's GPT-OSS-120B admission figures (CPU base 1321 GiB hybrid vs 683 GiB all 8-bit) within 2.5%.
+            2 gradient landing slots: the paper's accounting, which reproduces its GPT-OSS-120B admission
+            figures (CPU base 1321 GiB hybrid vs 683 GiB all 8-bit) within 2.5%. `executor_layout=True`
+            counts what `lazytrain train`'s executor allocates instead: the model's fp32 parameters and
+            fp32 gradients, a packed compute-dtype copy of every streamed group in bf16, and one gradient
+            landing buffer per streamed group (bf16: 12 B/param + states instead of 4).
     device: 2 weight slots + 2 gradient slots (each the largest of a layer and the head), the largest
             working set, 2 boundary-gradient buffers (static part); boundary activations come and go.
 """
@@ -56,11 +58,11 @@ class CostModel:
     """Per-layer seconds and bytes of one training step (see the module docstring for the formulas)."""
 
     def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
-                 *, master_weights: bool = False, head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> None:
+                 *, executor_layout: bool = False, head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> None:
         if optimizer not in OPTIMIZERS:
             raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
         self.spec, self.hardware, self.workload, self.optimizer = spec, hardware, workload, optimizer
-        self.master_weights = master_weights
+        self.executor_layout = executor_layout
         self.num_layers = L = spec.num_layers
         tokens, dtype_bytes = workload.tokens, workload.dtype_bytes
         self.dtype_bytes = dtype_bytes
@@ -180,17 +182,22 @@ class CostModel:
 
     def host_breakdown(self) -> dict[str, int]:
         """Static host bytes by kind (see static_host_bytes)."""
-        n = self.spec.num_params
+        n, dtype_bytes = self.spec.num_params, self.dtype_bytes
+        if not self.executor_layout:
+            return {"weights": n * dtype_bytes, "grads": n * dtype_bytes,
+                    "optimizer_states": self.optimizer_state_bytes(), "pinned_staging": 2 * self.slot_bytes}
+        # the executor streams layers and the head; an untied embedding stays on the host, unpacked
+        streamed = n - (0 if self.spec.tie_word_embeddings else self.spec.embedding_params)
         return {
-            "weights": n * self.dtype_bytes,
-            "grads": n * (4 if self.master_weights else self.dtype_bytes),  # fp32 .grad beside an fp32 master
-            "master_weights": 4 * n if self.master_weights and self.dtype_bytes < 4 else 0,
+            "weights": 4 * n,  # the model's fp32 parameters, which the optimizer updates
+            "grads": 4 * n,
+            "streamed_copy": streamed * dtype_bytes if dtype_bytes < 4 else 0,  # fp32: the parameters are views
             "optimizer_states": self.optimizer_state_bytes(),
-            "pinned_staging": 2 * self.slot_bytes,
+            "grad_landing": streamed * dtype_bytes,
         }
 
     def static_host_bytes(self) -> int:
-        """Weights + grads in the compute dtype, optimizer states by mode, 2 gradient landing slots [+ fp32 master]."""
+        """What lives on the host for the whole run (host_breakdown): weights, grads, states, staging."""
         return sum(self.host_breakdown().values())
 
     def device_breakdown(self) -> dict[str, int]:

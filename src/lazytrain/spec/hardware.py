@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -140,6 +141,22 @@ class HardwareSpec:
             for link in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
                 measured[link] = min(PRESETS["emulated"][link], copy_gbps)
         return cls.load(base).with_overrides(**{**measured, **overrides})
+
+
+def available_host_memory_bytes() -> int | None:
+    """Host memory this process can still allocate without swapping: Linux's MemAvailable, else the free
+    physical pages, else None (unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _time_it(fn: Any, seconds: float) -> float:
