@@ -398,14 +398,8 @@ def _solve(planner: str, cost: Any, spec: Any, workload: Any, budgets: dict[str,
             gap = f", gap {r.gap:.2%}" if r.gap is not None else ""
             return plan, f"MILP ({r.solver}, {r.status}{gap}, {r.seconds:.2f} s)"
         planner = "megatrain"
-    try:
-        from lazytrain.plan.rules import make_rule_plan
-    except ImportError:  # TEMPORARY (until plan/rules.py lands)
-        from lazytrain.plan.plan import Plan
+    from lazytrain.plan.rules import make_rule_plan
 
-        L = spec.num_layers
-        tiers = ["gpu" if i % 4 == 0 or i == L else "recompute" for i in range(L + 1)]
-        return Plan.from_tiers(spec, tiers, workload), "MegaTrain rule (TEMPORARY stand-in)"
     if planner == "megatrain":
         return make_rule_plan("megatrain", spec, interval=4, workload=workload), "MegaTrain rule (every 4th boundary)"
     return make_rule_plan(planner, spec, workload=workload), f"{planner} rule"
