@@ -184,7 +184,7 @@ def test_bf16_streaming_tracks_the_fp32_golden_curve(tmp_path):
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(golden["losses"]), rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit"])
+@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit", "8bit"])
 def test_overlap_mode_updates_like_serial(tmp_path, optimizer):
     """Each layer stepped from the executor's optimizer stream as its gradients land = one step after the backward."""
     base = {**GOLDEN_CONFIG, "steps": 4, "max_grad_norm": 0.0, "optimizer": optimizer, "planner": "auto"}
@@ -194,6 +194,26 @@ def test_overlap_mode_updates_like_serial(tmp_path, optimizer):
     for (name, a), b in zip(serial.model.named_parameters(), overlap.model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert overlap.losses[-1] < overlap.losses[0]
+
+
+@pytest.mark.parametrize("optimizer, lo, hi", [("adamw", 8.0, 8.0), ("hybrid8bit", 7.5, 8.0), ("8bit", 2.0, 3.5)])
+def test_optimizer_choice_sets_the_state_bytes(optimizer, lo, hi):
+    """--optimizer 8bit keeps the states of every tensor of 4096+ elements in 8 bits; hybrid8bit the paper's 2%."""
+    from lazytrain.train import build_model, build_optimizer
+
+    cfg = TrainConfig(**{**GOLDEN_CONFIG, "optimizer": optimizer})
+    model = build_model(cfg, 259)
+    opt = build_optimizer(cfg, model)
+    n = sum(p.numel() for p in model.parameters())
+    if optimizer == "adamw":
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()  # torch allocates AdamW's states at the first step
+        state_bytes = sum(s[k].numel() * s[k].element_size() for s in opt.state.values()
+                          for k in ("exp_avg", "exp_avg_sq"))
+    else:
+        state_bytes = opt.state_bytes()
+    assert lo <= state_bytes / n <= hi
 
 
 @pytest.mark.cuda

@@ -27,8 +27,9 @@ from typing import Any
 from lazytrain.errors import LazyTrainError
 from lazytrain.units import format_bytes, parse_bytes
 
-OPTIMIZERS = ("adamw", "hybrid8bit")
-COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid"}  # the CostModel's name for each --optimizer
+OPTIMIZERS = ("adamw", "hybrid8bit", "8bit")
+BETAS = (0.9, 0.95)  # Adam betas of every --optimizer (the usual choice for language models)
+COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid", "8bit": "8bit"}  # the CostModel's name for each
 OPTIMIZER_MODES = ("serial", "overlap")
 DEVICES = ("auto", "cpu", "cuda")
 PLANNERS = ("auto", "milp", "megatrain", "keep-all", "recompute-all", "offload-all")
@@ -77,7 +78,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Global gradient-norm clip threshold; 0 = no clipping."""
     optimizer: str = "adamw"
-    """`adamw` (torch AdamW, fp32 states, fused) or `hybrid8bit` (Hybrid 8-bit AdamW, clipping fused)."""
+    """`adamw` (torch AdamW, fp32 states, fused), `hybrid8bit` (Hybrid8bitAdamW with the paper's 2% of the
+    parameters in 8-bit states) or `8bit` (Hybrid8bitAdamW, every tensor of 4096+ elements in 8 bits:
+    ~2 instead of 8 bytes of state per parameter). Both Hybrid8bitAdamW modes fuse the clip."""
     optimizer_mode: str = "serial"
     """`serial`: the host optimizer steps after the whole backward (MegaTrain's code). `overlap`: each
     layer's update runs on the optimizer stream as soon as its gradients land, while the device works on
@@ -226,8 +229,10 @@ def check_host_fits(cfg: TrainConfig, config: Any) -> None:
     workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype)
     cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), workload,
                      COST_OPTIMIZER[cfg.optimizer], executor_layout=True)
-    check_host_memory(cost, available, "this machine's available memory",
-                      "use a smaller --model or a machine with more memory")
+    advice = "use a smaller --model or a machine with more memory"
+    if cfg.optimizer != "8bit":
+        advice = "use --optimizer 8bit (2 instead of 8 bytes of state per parameter), a smaller --model or more memory"
+    check_host_memory(cost, available, "this machine's available memory", advice)
 
 
 # =====================================================================================================
@@ -436,13 +441,19 @@ def build_optimizer(cfg: TrainConfig, model: Any) -> Any:
         groups += [{"params": decay, "weight_decay": cfg.weight_decay, "name": name},
                    {"params": no_decay, "weight_decay": 0.0, "name": name}]
     groups = [g for g in groups if g["params"]]
-    betas = (0.9, 0.95)
-    if cfg.optimizer == "hybrid8bit":
-        from lazytrain.optim import Hybrid8bitAdamW
+    if cfg.optimizer != "adamw":
+        return hybrid8bit(cfg, groups, max_grad_norm=cfg.max_grad_norm or None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, fused=True)
 
-        return Hybrid8bitAdamW(groups, lr=cfg.lr, betas=betas, max_grad_norm=cfg.max_grad_norm or None,
-                               eightbit_fraction=0.02)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
+
+def hybrid8bit(cfg: TrainConfig, groups: list[dict[str, Any]], max_grad_norm: float | None) -> Any:
+    """Hybrid8bitAdamW with the 8-bit share of `--optimizer`: the paper's slice or every large tensor."""
+    from lazytrain.optim import Hybrid8bitAdamW
+    from lazytrain.spec.cost import HYBRID_8BIT_FRACTION
+
+    fraction = HYBRID_8BIT_FRACTION if cfg.optimizer == "hybrid8bit" else 1.0
+    return Hybrid8bitAdamW(groups, lr=cfg.lr, betas=BETAS, max_grad_norm=max_grad_norm,
+                           eightbit_fraction=fraction)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -465,7 +476,7 @@ def optimizer_step(cfg: TrainConfig, optimizer: Any, model: Any, zero_grad: bool
 
     from lazytrain.optim import global_grad_norm
 
-    if cfg.optimizer == "hybrid8bit":
+    if cfg.optimizer != "adamw":
         if grad_norm is None:
             grad_norm = global_grad_norm([p.grad for p in model.parameters() if p.grad is not None])
         optimizer.step(grad_norm=grad_norm)
@@ -485,14 +496,13 @@ class OverlapStepper:
     group's (a layer's) gradients are all in `.grad`; the hook updates that group and drops its gradients.
 
     adamw: one fused AdamW per executor group (elementwise, so the same update as one AdamW over all);
-    hybrid8bit: one Hybrid8bitAdamW whose `step_group` updates the param groups of that executor group.
+    hybrid8bit, 8bit: one Hybrid8bitAdamW whose `step_group` updates the param groups of that executor group.
     No clipping (TrainConfig refuses --max-grad-norm > 0 in this mode).
     """
 
     def __init__(self, cfg: TrainConfig, executor: Any) -> None:
         import torch
 
-        betas = (0.9, 0.95)
         self.cfg = cfg
         self.groups: list[list[dict[str, Any]]] = []
         for params in executor.param_groups():  # [embedding (untied)], layer 0..L-1, head
@@ -500,18 +510,14 @@ class OverlapStepper:
             no_decay = [p for p in params if p.dim() < 2]
             self.groups.append([g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}) if g["params"]])
-        if cfg.optimizer == "hybrid8bit":
-            from lazytrain.optim import Hybrid8bitAdamW
-
-            flat = [g for groups in self.groups for g in groups]
-            self.optimizers = [Hybrid8bitAdamW(flat, lr=cfg.lr, betas=betas, max_grad_norm=None,
-                                               eightbit_fraction=0.02)]
+        if cfg.optimizer != "adamw":
+            self.optimizers = [hybrid8bit(cfg, [g for groups in self.groups for g in groups], max_grad_norm=None)]
             first = [0]
             for groups in self.groups:
                 first.append(first[-1] + len(groups))
             self.indices = [range(first[i], first[i + 1]) for i in range(len(self.groups))]
         else:
-            self.optimizers = [torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True) for groups in self.groups]
+            self.optimizers = [torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, fused=True) for groups in self.groups]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -519,12 +525,12 @@ class OverlapStepper:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     def begin_step(self) -> None:
-        if self.cfg.optimizer == "hybrid8bit":
+        if self.cfg.optimizer != "adamw":
             self.optimizers[0].begin_step(grad_norm=0.0)  # no clipping: scale 1 for every group
 
     def hook(self, group_index: int, params: list[Any]) -> None:
         """Runs on the executor's optimizer stream, concurrently with the device's compute."""
-        if self.cfg.optimizer == "hybrid8bit":
+        if self.cfg.optimizer != "adamw":
             for k in self.indices[group_index]:
                 self.optimizers[0].step_group(k, 1.0)
         else:
