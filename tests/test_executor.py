@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,6 +289,41 @@ def test_nvme_files_are_removed_after_the_step(tmp_path) -> None:
     ex.forward_backward(ids, labels)
     assert list(tmp_path.iterdir()) == []
     assert ex.last_step.peak_nvme_bytes == 2 * 3 * 11 * 32 * 4
+
+
+def test_a_full_nvme_disk_is_refused_before_the_step(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    import lazytrain.runtime.device as device
+
+    model = make_model("llama")
+    ids, labels = make_batch()
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(nvme_dir=tmp_path))
+    need = 2 * 3 * 11 * 32 * 4  # two nvme boundaries of batch 3 x 11 tokens x hidden 32, fp32
+    free = need - 1 - int(torch.randint(0, need // 2, ()))
+    monkeypatch.setattr(device.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * need, 0, free))
+    from lazytrain.units import format_bytes
+
+    with pytest.raises(LazyTrainError, match=rf"spills {format_bytes(need)} there but the disk has "
+                                             rf"{format_bytes(free)} free \(short by {format_bytes(need - free)}\)"):
+        ex.forward_backward(ids, labels)
+    assert all(p.grad is None for p in model.parameters()) and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(device.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * need, 0, need))
+    ex.forward_backward(ids, labels)  # exactly enough
+
+
+def test_a_disk_full_during_the_step_leaves_no_spill_file(tmp_path) -> None:
+    """The first spill file is a link to /dev/full: the write fails with ENOSPC part-way, like a full disk."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    model = make_model("llama")
+    ids, labels = make_batch()
+    ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(nvme_dir=tmp_path))
+    ex.store.path(1).symlink_to("/dev/full")
+    with pytest.raises(LazyTrainError, match="cannot write NVMe spill file .*: No space left on device; free space"):
+        ex.forward_backward(ids, labels)
+    assert list(tmp_path.iterdir()) == [] and ex.device.used_bytes == 0
+    ex.forward_backward(ids, labels)  # the next step runs: nothing of the failed one is left behind
 
 
 def test_throttled_links_stall_and_are_measured() -> None:

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.units import format_bytes
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 
@@ -347,8 +348,10 @@ class CudaDevice(_ArenaDevice):
         return torch.cuda.max_memory_allocated(self.torch_device)
 
 
-def check_nvme_dir(path: Path) -> None:
-    """Refuse a missing or unwritable NVMe directory before the first step, not in the middle of one."""
+def check_nvme_dir(path: Path, need_bytes: int = 0) -> None:
+    """Refuse a missing, unwritable or too full NVMe directory before a step, not in the middle of one.
+
+    `need_bytes`: what the step will spill there at once (its nvme boundaries)."""
     if not path.is_dir():
         raise LazyTrainError(f"NVMe directory {path} does not exist; create it or pass another nvme_dir")
     probe = path / f".lazytrain-probe-{threading.get_ident()}"
@@ -356,8 +359,16 @@ def check_nvme_dir(path: Path) -> None:
         probe.write_bytes(b"x" * 4096)
         probe.unlink()
     except OSError as err:
+        probe.unlink(missing_ok=True)
         raise LazyTrainError(f"NVMe directory {path} is not writable ({err.strerror}); pass a writable nvme_dir"
                              ) from None
+    free = shutil.disk_usage(path).free
+    if need_bytes > free:
+        raise LazyTrainError(
+            f"NVMe directory {path}: the step spills {format_bytes(need_bytes)} there but the disk has "
+            f"{format_bytes(free)} free (short by {format_bytes(need_bytes - free)}); free space, pass another "
+            "nvme_dir, or plan with a smaller NVMe activation budget"
+        )
 
 
 def _bytes_per_s(gbps: float | None) -> float | None:

@@ -336,6 +336,9 @@ class Executor:
         batch, seq_len = input_ids.shape
         if self.plan.workload is not None:
             self.plan.check_matches(self.spec, Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype]))
+        if "nvme" in self.plan.tiers:  # every nvme boundary of the forward waits on disk for the backward
+            boundary_bytes = self.memory_sizes(batch, seq_len).boundary_bytes
+            check_nvme_dir(self.device.nvme_dir, self.plan.tiers.count("nvme") * boundary_bytes)
         step = _Step(self, input_ids, labels, loss_scale, run_optimizer_hook)
         try:
             loss = step.run()

@@ -144,7 +144,9 @@ class ActivationStore:
             with open(path, "wb") as f:
                 f.write(data)
         except OSError as err:
-            raise LazyTrainError(f"cannot write NVMe spill file {path}: {err.strerror}") from None
+            path.unlink(missing_ok=True)  # a partial file (disk full) would outlive the step
+            raise LazyTrainError(f"cannot write NVMe spill file {path}: {err.strerror}; free space under "
+                                 f"{self.nvme_dir} or pass another nvme_dir") from None
         self._crc[boundary] = zlib.crc32(data)
         self._files[boundary] = path
         self.nvme_bytes_in_use += len(data)
