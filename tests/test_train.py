@@ -127,6 +127,30 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
     assert not built and not (out / "metrics.jsonl").exists()
 
 
+def test_eager_attention_masks_are_planned_for(tmp_path):
+    """Eager attention puts batch x seq^2 masks on the device: the cost model the MILP plans with counts
+    them, so the plan fits the cap it was solved under, by the executor's own replay of its allocations."""
+    from lazytrain.train import build_device, build_executor, build_model, make_plan, pick_device_kind
+
+    config = transformers.LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path / "eager")
+    saved = tmp_path / "eager" / "config.json"  # transformers does not save the choice itself
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "attn_implementation": "eager"}))
+    cfg = TrainConfig(**{**GOLDEN_CONFIG, "model": str(tmp_path / "eager"), "dtype": "bf16", "planner": "milp"})
+    model = build_model(cfg, 259)
+    assert model.config._attn_implementation == "eager"
+    generator = torch.Generator().manual_seed(RNG.randrange(2**31))
+    ids = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), generator=generator)
+    kind = pick_device_kind("cpu")
+    planned = make_plan(cfg, model, kind, (ids, ids.clone()))
+    ex = build_executor(model, planned, build_device(cfg, kind, None), cfg)
+    masks = cfg.batch_size * cfg.seq_len**2 * 2  # one causal mask, bf16
+    assert planned.cost.constant_device_bytes == ex.memory_sizes(cfg.batch_size, cfg.seq_len).constant_bytes
+    assert planned.cost.constant_device_bytes > masks
+    assert ex.predicted_peak_bytes(cfg.batch_size, cfg.seq_len) <= planned.budgets["gpu_mem_cap_bytes"]
+
+
 def test_a_plan_for_another_model_is_refused(tmp_path, capsys):
     from lazytrain.plan.plan import Plan
     from lazytrain.spec.model import ModelSpec

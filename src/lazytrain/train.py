@@ -357,6 +357,7 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
         executor.forward_backward(*probe_batch)  # may be shared: the minimum is the least disturbed)
         steps.append(executor.last_step)
     probe_device.close()
+    constant_bytes = executor.memory_sizes(cfg.batch_size, cfg.seq_len).constant_bytes  # + eager masks
     forward_s = [min(a, b) for a, b in zip(steps[1].forward_s, steps[2].forward_s, strict=True)]
     backward_s = [min(a, b) for a, b in zip(steps[1].backward_s, steps[2].backward_s, strict=True)]
     head_s = min(steps[1].head_s, steps[2].head_s)
@@ -378,7 +379,8 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
 
     rate = sum(p.numel() for p in model.parameters()) / optimizer_s / 1e9  # Gparams/s, this optimizer
     hardware = hardware.with_overrides(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
-    cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[cfg.optimizer], executor_layout=True)
+    cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[cfg.optimizer], executor_layout=True
+                     ).with_device_constants(constant_bytes)
     if kind == "cuda":
         flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
         k = wall_s / flop_step_s

@@ -246,6 +246,13 @@ class CostModel:
             out.head_s = float(head_s)
         return out
 
+    def with_device_constants(self, num_bytes: int) -> CostModel:
+        """A copy whose per-step device constants are the executor's own count (`MemorySizes.constant_bytes`:
+        eager attention adds its batch x seq^2 masks, which the shapes alone do not tell)."""
+        out = copy.copy(self)
+        out.constant_device_bytes = int(num_bytes)
+        return out
+
     def with_measured_step(self, stats: Any) -> CostModel:
         """A copy with the compute seconds one executed step measured (`Executor.last_step`: per-layer
         `forward_s`, `backward_s` and `head_s`). On a small shared CPU this is the honest way to predict the
