@@ -19,6 +19,7 @@ optimizer-state bytes per parameter.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import platform
@@ -138,6 +139,8 @@ def main() -> None:
         add("Hybrid8bitAdamW", share, "none", o_none, none_step)
     bnb_version = "not installed"
     try:
+        # its CPU backend warns at import that an optional 4-bit GEMM kernel is missing; not used here
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
         import bitsandbytes as bnb
 
         bnb_version = bnb.__version__

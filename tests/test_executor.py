@@ -57,7 +57,7 @@ def reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -
     ref = copy.deepcopy(model)
     out = ref(input_ids=ids, labels=labels)
     out.loss.backward()
-    return float(out.loss), {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
 def assert_matches(model, loss, ref_loss, ref_grads, tol=1e-5) -> None:
