@@ -86,3 +86,24 @@ def test_profile_measures_positive_rates_and_caps_links_at_memcpy() -> None:
     assert hw.optimizer_gparams_per_s > 0 and hw.grad_accumulate_gbps > 0
     assert hw.h2d_gbps <= PRESETS["emulated"]["h2d_gbps"]
     assert HardwareSpec.profile(seconds=0.01, h2d_gbps=0.5).h2d_gbps == 0.5
+
+
+def test_available_host_memory_is_capped_by_a_cgroup_limit(monkeypatch) -> None:
+    import os
+    from pathlib import Path
+
+    import lazytrain.spec.hardware as hardware
+
+    free = hardware.available_host_memory_bytes()
+    if free is None:
+        pytest.skip("this OS reports no available memory")
+    assert 0 < free <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = int(free * random.uniform(0.1, 0.9))
+    v2 = "/sys/fs/cgroup/memory.max"
+
+    class CgroupPath(type(Path())):  # a container limited to `limit` bytes (cgroup v2)
+        def read_text(self, *args, **kwargs) -> str:
+            return f"{limit}\n" if str(self) == v2 else super().read_text(*args, **kwargs)
+
+    monkeypatch.setattr(hardware, "Path", CgroupPath)
+    assert hardware.available_host_memory_bytes() == limit

@@ -144,19 +144,26 @@ class HardwareSpec:
 
 
 def available_host_memory_bytes() -> int | None:
-    """Host memory this process can still allocate without swapping: Linux's MemAvailable, else the free
-    physical pages, else None (unknown)."""
+    """Host memory this process can still allocate without swapping: Linux's MemAvailable (else the free
+    physical pages), capped by a container's cgroup memory limit; None when neither is known."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            available = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except OSError:
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            pass
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
+        try:
+            limit = int(Path(limit_file).read_text())  # "max" (v2, no limit) does not parse
+        except (OSError, ValueError):
+            continue
+        available = limit if available is None else min(available, limit)
+    return available
 
 
 def _time_it(fn: Any, seconds: float) -> float:
