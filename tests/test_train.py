@@ -71,6 +71,16 @@ def test_checkpoint_gives_the_trained_models_logits(tmp_path):
     assert not torch.equal(fresh.lm_head.weight, loaded.lm_head.weight)
 
 
+def test_a_checkpoint_as_model_continues_from_its_weights(tmp_path, capsys):
+    first = train(TrainConfig(**{**GOLDEN_CONFIG, "steps": 2, "eval_batches": 1, "output_dir": str(tmp_path / "a")}))
+    checkpoint = first.output_dir / "checkpoint"
+    second = train(TrainConfig(**{**GOLDEN_CONFIG, "steps": 1, "eval_batches": 1, "model": str(checkpoint),
+                                  "output_dir": str(tmp_path / "b")}))
+    assert f"weights from {checkpoint}" in capsys.readouterr().out
+    assert second.summary["eval_loss_before"] == pytest.approx(first.summary["eval_loss_after"], rel=1e-6)
+    assert second.summary["eval_loss_before"] < first.summary["eval_loss_before"] - 0.1  # not a fresh init
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--steps", "0"], "--steps 0"),
     (["--batch-size", "-2"], "--batch-size -2"),

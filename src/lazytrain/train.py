@@ -55,7 +55,8 @@ class TrainConfig:
 
     model: str = "small"
     """Model shapes: a preset (`small` = 12.8 M params, `debug` = 0.2 M) or a path to a `config.json` /
-    model directory of a Llama, Mistral, Qwen2 or Qwen3 causal LM (random init; its vocab must hold 259 ids)."""
+    model directory of a Llama, Mistral, Qwen2 or Qwen3 causal LM (its vocab must hold 259 ids): random init,
+    or the directory's safetensors weights when it has them (a run's `checkpoint/` continues training)."""
     corpus: str = "stdlib"
     """Training text: `stdlib` (docstrings of Python's standard library, ~0.8 MB), `zen` (the Zen of Python)
     or a path to a UTF-8 text file."""
@@ -176,8 +177,18 @@ def _flag(knob: str) -> str:
 # =====================================================================================================
 # model
 # =====================================================================================================
+def pretrained_dir(cfg: TrainConfig) -> Path | None:
+    """The --model directory when it holds safetensors weights (training starts from them), else None."""
+    if cfg.model in MODEL_PRESETS:
+        return None
+    path = Path(cfg.model)
+    path = path.parent if path.name == "config.json" else path
+    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> Any:
-    """A randomly initialised causal LM (fp32, on the host) from a preset or a config.json, seeded."""
+    """A causal LM (fp32, on the host) from a preset or a config.json, randomly initialised (seeded); a model
+    directory that also holds safetensors weights (e.g. a run's `checkpoint/`) starts from those weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
@@ -209,7 +220,14 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> Any:
                                  "lower --seq-len")
     check_host_fits(cfg, config)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights_dir = pretrained_dir(cfg)
+    if weights_dir is not None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(weights_dir, config=config, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise LazyTrainError(f"--model {cfg.model}: cannot load its weights ({err})") from None
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     return model.train()
 
@@ -612,8 +630,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     # ---- model ------------------------------------------------------------------------------------
     model = build_model(cfg, tokenizer.vocab_size)
     num_params = sum(p.numel() for p in model.parameters())
+    weights_dir = pretrained_dir(cfg)
+    init = f"weights from {weights_dir}" if weights_dir is not None else f"random init, seed {cfg.seed}"
     say(f"model    {model.config._name_or_path or cfg.model}: {num_params / 1e6:.1f} M params, "
-        f"{model.config.num_hidden_layers} layers; corpus {cfg.corpus}: {len(data.train):,} train / "
+        f"{model.config.num_hidden_layers} layers, {init}; corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.val):,} held-out tokens (bytes)")
 
     # ---- plan -------------------------------------------------------------------------------------
