@@ -462,11 +462,11 @@ def build_optimizer(cfg: TrainConfig, model: Any) -> Any:
                    {"params": no_decay, "weight_decay": 0.0, "name": name}]
     groups = [g for g in groups if g["params"]]
     if cfg.optimizer != "adamw":
-        return hybrid8bit(cfg, groups, max_grad_norm=cfg.max_grad_norm or None)
+        return hybrid8bit_optimizer(cfg, groups, max_grad_norm=cfg.max_grad_norm or None)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, fused=True)
 
 
-def hybrid8bit(cfg: TrainConfig, groups: list[dict[str, Any]], max_grad_norm: float | None) -> Any:
+def hybrid8bit_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]], max_grad_norm: float | None) -> Any:
     """Hybrid8bitAdamW with the 8-bit share of `--optimizer`: the paper's slice or every large tensor."""
     from lazytrain.optim import Hybrid8bitAdamW
     from lazytrain.spec.cost import HYBRID_8BIT_FRACTION
@@ -531,7 +531,8 @@ class OverlapStepper:
             self.groups.append([g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                                             {"params": no_decay, "weight_decay": 0.0}) if g["params"]])
         if cfg.optimizer != "adamw":
-            self.optimizers = [hybrid8bit(cfg, [g for groups in self.groups for g in groups], max_grad_norm=None)]
+            flat = [g for groups in self.groups for g in groups]
+            self.optimizers = [hybrid8bit_optimizer(cfg, flat, max_grad_norm=None)]
             first = [0]
             for groups in self.groups:
                 first.append(first[-1] + len(groups))
