@@ -348,10 +348,8 @@ class CudaDevice(_ArenaDevice):
         return torch.cuda.max_memory_allocated(self.torch_device)
 
 
-def check_nvme_dir(path: Path, need_bytes: int = 0) -> None:
-    """Refuse a missing, unwritable or too full NVMe directory before a step, not in the middle of one.
-
-    `need_bytes`: what the step will spill there at once (its nvme boundaries)."""
+def check_nvme_dir(path: Path) -> None:
+    """Refuse a missing or unwritable NVMe directory before the first step, not in the middle of one."""
     if not path.is_dir():
         raise LazyTrainError(f"NVMe directory {path} does not exist; create it or pass another nvme_dir")
     probe = path / f".lazytrain-probe-{threading.get_ident()}"
@@ -362,6 +360,10 @@ def check_nvme_dir(path: Path, need_bytes: int = 0) -> None:
         probe.unlink(missing_ok=True)
         raise LazyTrainError(f"NVMe directory {path} is not writable ({err.strerror}); pass a writable nvme_dir"
                              ) from None
+
+
+def check_nvme_space(path: Path, need_bytes: int) -> None:
+    """Refuse a step whose spill files (`need_bytes` at once) do not fit the disk's free space, before it starts."""
     free = shutil.disk_usage(path).free
     if need_bytes > free:
         raise LazyTrainError(

@@ -46,7 +46,7 @@ from torch import nn
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms
 from lazytrain.plan.plan import Plan
-from lazytrain.runtime.device import Device, EmulatedDevice, Event, check_nvme_dir
+from lazytrain.runtime.device import Device, EmulatedDevice, Event, check_nvme_dir, check_nvme_space
 from lazytrain.runtime.hf import (
     DecoderParts,
     Rotary,
@@ -338,7 +338,7 @@ class Executor:
             self.plan.check_matches(self.spec, Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype]))
         if "nvme" in self.plan.tiers:  # every nvme boundary of the forward waits on disk for the backward
             boundary_bytes = self.memory_sizes(batch, seq_len).boundary_bytes
-            check_nvme_dir(self.device.nvme_dir, self.plan.tiers.count("nvme") * boundary_bytes)
+            check_nvme_space(self.device.nvme_dir, self.plan.tiers.count("nvme") * boundary_bytes)
         step = _Step(self, input_ids, labels, loss_scale, run_optimizer_hook)
         try:
             loss = step.run()
