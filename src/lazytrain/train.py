@@ -177,12 +177,17 @@ def _flag(knob: str) -> str:
 # =====================================================================================================
 # model
 # =====================================================================================================
+def model_dir(cfg: TrainConfig) -> Path:
+    """The model directory --model names (itself, or the folder of its config.json)."""
+    path = Path(cfg.model)
+    return path.parent if path.name == "config.json" else path
+
+
 def pretrained_dir(cfg: TrainConfig) -> Path | None:
     """The --model directory when it holds safetensors weights (training starts from them), else None."""
     if cfg.model in MODEL_PRESETS:
         return None
-    path = Path(cfg.model)
-    path = path.parent if path.name == "config.json" else path
+    path = model_dir(cfg)
     return path if path.is_dir() and any(path.glob("*.safetensors")) else None
 
 
@@ -206,7 +211,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> Any:
                 f"--model {cfg.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json path"
             )
         try:
-            config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+            config = AutoConfig.from_pretrained(model_dir(cfg))
         except (OSError, ValueError) as err:
             raise LazyTrainError(f"--model {cfg.model}: cannot read the config ({err})") from None
         if config.vocab_size < vocab_size:
