@@ -1,0 +1,604 @@
+"""JobConfig: the one configuration schema of `lazytrain plan` and `lazytrain train`.
+
+Eight sections of kw-only dataclasses (model, data, plan, runtime, optim, checkpoint, metrics, parallel). Each
+field is written once, here: its type (the value's check and conversion), its default (shared by both commands),
+and the docstring below it (the `--help` text and the table in docs/config.md). Key names follow the HF Trainer
+and LLaMA-Factory where one exists (`learning_rate`, `per_device_train_batch_size`, `cutoff_len`, ...).
+
+A job is filled, in this order (later wins), from
+  - the defaults below (`lazytrain train` with no arguments is the default job),
+  - YAML files, flat (LLaMA-Factory style: `learning_rate: 1e-5`) or nested by section (`optim: {...}`),
+  - `key=value` words on the command line (`learning_rate=1e-5`, `optim.learning_rate=1e-5`),
+  - flags (`--learning-rate 1e-5`, and the older spellings in ALIASES such as `--lr`).
+Every value passes through the same conversion (strings from the command line or YAML 1.1 quirks such as
+`1e-5` become numbers; sizes such as `70GB` become bytes) and the same range checks in `__post_init__`.
+An unknown key, a value of the wrong type and a value out of range are each a one-line LazyTrainError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.units import parse_bytes
+
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["bf16", "fp32", "fp16"]
+Planner = Literal["auto", "milp", "megatrain", "keep-all", "recompute-all", "offload-all"]
+RULES = ("megatrain", "keep-all", "recompute-all", "offload-all")
+Optimizer = Literal["adamw", "hybrid8bit", "8bit"]
+COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid", "8bit": "8bit"}  # the CostModel's name for each
+DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
+
+
+# =====================================================================================================
+# sections
+# =====================================================================================================
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """The model to plan for or train."""
+
+    model: str = "small"
+    """A built-in shape (`small` = 12.8 M params, the default job; `debug` = 0.2 M), a planner preset
+    (`qwen2.5-7b`, `qwen3.6-27b`, ... see `lazytrain/spec/presets`), or a path to a `config.json` / HF model
+    directory (its safetensors weights, when present, are where training starts)."""
+    init: Literal["auto", "random"] = "auto"
+    """`auto`: a model directory's weights when it has them, else random (seeded); `random`: random even when
+    the directory holds weights."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(bool(self.model.strip()), "model", self.model, "a preset name or a path")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """What the model is trained on, and the shape of every batch."""
+
+    dataset: str = "stdlib"
+    """Training data: `stdlib` (docstrings of Python's standard library), `zen` (the Zen of Python) or a path
+    to a UTF-8 text file (later: json/jsonl/parquet/arrow SFT files, see `dataset_format`)."""
+    dataset_format: DatasetFormat = "auto"
+    """How rows of an SFT file are read: auto (detected from the columns), alpaca, sharegpt, messages,
+    prompt_completion or text."""
+    template: str | None = None
+    """Chat template name for a tokenizer that has none (None = the tokenizer's own)."""
+    train_on_prompt: bool = False
+    """Compute the loss on prompt tokens too (default: only on the assistant's response tokens)."""
+    cutoff_len: int = 256
+    """Tokens per sequence (>= 2): examples are truncated to it and every batch row is exactly this long,
+    since the plan and the device arena are sized for it. Also `seq_len`."""
+    packing: bool = False
+    """Pack several short examples into one row (positions restart per example, no attention across them)."""
+    val_size: float | None = None
+    """Held-out fraction of the dataset in (0, 1); None = the dataset's own split."""
+    eval_dataset: str | None = None
+    """A separate evaluation file (None = split off the training data)."""
+    per_device_train_batch_size: int | Literal["auto"] = 8
+    """Sequences per micro-batch (>= 1), or `auto`: the largest batch the planner admits under the caps (needs
+    `gpu_mem_cap_bytes` on the emulated device, whose default cap grows with the batch)."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(self.cutoff_len >= 2, "cutoff_len", self.cutoff_len, "an integer >= 2")
+        _need(self.val_size is None or 0 < self.val_size < 1, "val_size", self.val_size, "in (0, 1)")
+        batch = self.per_device_train_batch_size
+        _need(batch == "auto" or batch >= 1, "per_device_train_batch_size", batch, "an integer >= 1 or auto")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanConfig:
+    """How boundary activations are placed: the planner and the memory it may use."""
+
+    planner: Planner = "auto"
+    """`auto` or `milp` (the MILP), or a rule: `megatrain` (every `interval`-th boundary kept, the rest
+    recomputed), `keep-all`, `recompute-all`, `offload-all`. Also `--rule`."""
+    plan_file: str | None = None
+    """A saved plan (`lazytrain plan --json`) to run instead of planning; refused when made for another model
+    or workload. Also `plan`."""
+    interval: int = 4
+    """MegaTrain rule: keep every K-th boundary on the device (>= 1)."""
+    solver: Literal["highs", "scip"] = "highs"
+    """MILP solver: highs, or scip (needs PySCIPOpt)."""
+    formulation: Literal["paper", "segment"] = "paper"
+    """MILP reload rows: paper (per window, as the paper) or segment (per segment: same optimum, faster)."""
+    max_segment: int = 8
+    """Longest recompute segment the MILP considers, in layers (>= 1)."""
+    time_limit_s: float = 60.0
+    """Wall-time bound on the whole planning (model and cost building included), seconds; the best plan found
+    by then is used, with its gap. Also `time_limit`."""
+    mip_rel_gap: float = 0.0
+    """Relative MIP gap at which the solver stops, in [0, 1); 0 = optimal. Also `mip_gap`."""
+    gpu_mem_cap_bytes: int | None = None
+    """Peak device memory cap, e.g. 70GB. None = the device's memory; on the emulated device the static device
+    bytes plus 5 boundary activations (too small to keep every boundary: the plan mixes tiers)."""
+    cpu_act_bytes: int | None = None
+    """Host bytes for offloaded boundary activations. None = the host room left after weights, gradients and
+    optimizer states; on the emulated device 2 boundary activations. Also `cpu_act_budget`."""
+    nvme_act_bytes: int | None = None
+    """NVMe bytes for spilled boundary activations; 0 = no NVMe tier. None = 0; on the emulated device 2
+    boundary activations. Also `nvme_act_budget`."""
+    cpu_mem_bytes: int | None = None
+    """Total host memory the plan may assume, e.g. 2TB. None = the hardware's (or unchecked). Also `cpu_mem`."""
+    replan: bool = False
+    """Re-plan during training when measured times disagree with the cost model."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(self.interval >= 1, "interval", self.interval, "an integer >= 1")
+        _need(self.max_segment >= 1, "max_segment", self.max_segment, "an integer >= 1")
+        _need(self.time_limit_s > 0, "time_limit_s", self.time_limit_s, "a number of seconds > 0")
+        _need(0 <= self.mip_rel_gap < 1, "mip_rel_gap", self.mip_rel_gap, "in [0, 1)")
+        _need(self.gpu_mem_cap_bytes != 0, "gpu_mem_cap_bytes", self.gpu_mem_cap_bytes, "> 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RuntimeConfig:
+    """Where and how the job runs: device, precision, emulated link rates, NVMe directory, seed."""
+
+    device: Device = "auto"
+    """`auto` (CUDA when available, else the emulated device), `cpu` (the emulated device) or `cuda`."""
+    hardware: str = "auto"
+    """The machine the plan is made for: `auto` = the one this job runs on (the CUDA GPU's preset, else the
+    emulated device with the `*_gbps` rates below), a preset (h800, rtx3090, h100, h200, emulated) or a
+    YAML/JSON hardware file."""
+    dtype: Dtype = "bf16"
+    """Compute / activation precision on the device: bf16 (fp32 master weights and gradients on the host),
+    fp32, or fp16 (planning only)."""
+    h2d_gbps: float = 1.0
+    """Emulated host -> device link rate, GB/s (> 0; `inf` = unthrottled). CUDA uses the real link."""
+    d2h_gbps: float = 1.0
+    """Emulated device -> host link rate, GB/s."""
+    nvme_read_gbps: float = 0.5
+    """Emulated NVMe read rate, GB/s."""
+    nvme_write_gbps: float = 0.5
+    """Emulated NVMe write rate, GB/s."""
+    nvme_dir: str | None = None
+    """Directory for `nvme` boundary files; None = a temporary directory removed at the end."""
+    seed: int = 0
+    """Seeds the model init, the batch order and the eval batches."""
+    progress: bool = True
+    """Show the progress bar on stderr (`--no-progress` turns it off; report lines stay on stdout)."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(bool(self.hardware.strip()), "hardware", self.hardware, "auto, a preset name or a file")
+        for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
+            _need(getattr(self, knob) > 0, knob, getattr(self, knob), "a rate > 0 in GB/s (inf = unthrottled)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    """The optimizer, its schedule and the length of the run."""
+
+    optimizer: Optimizer = "adamw"
+    """`adamw` (torch AdamW, fp32 states), `hybrid8bit` (Hybrid8bitAdamW: the paper's 2% of the parameters in
+    8-bit states) or `8bit` (every tensor of 4096+ elements in 8 bits: ~2 instead of 8 bytes of state per
+    parameter). The older names `fp32` and `hybrid` are read as adamw and hybrid8bit."""
+    optimizer_mode: Literal["serial", "overlap"] = "serial"
+    """`serial`: the host optimizer steps after the whole backward (MegaTrain's code). `overlap`: each layer's
+    update runs as soon as its gradients land, under the device's work on the layers below (LazyTrain);
+    training needs max_grad_norm 0 for it today."""
+    learning_rate: float = 3e-3
+    """Peak learning rate (> 0), reached after the warm-up. Also `lr`."""
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after the warm-up: cosine (to learning_rate * min_lr_ratio), linear, or constant."""
+    warmup_steps: int = 10
+    """Linear warm-up steps (>= 0; capped at max_steps - 1)."""
+    warmup_ratio: float | None = None
+    """Warm-up as a fraction of max_steps, in [0, 1]; when set it replaces warmup_steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of learning_rate, in [0, 1]."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (norm gains and biases get none), >= 0."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay, in [0, 1)."""
+    adam_beta2: float = 0.95
+    """Adam's second-moment decay, in [0, 1)."""
+    adam_epsilon: float = 1e-8
+    """Adam's denominator epsilon (> 0)."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip threshold (>= 0); 0 = no clipping."""
+    max_steps: int = 120
+    """Optimizer steps to run (>= 1). Also `steps`."""
+    num_train_epochs: float | None = None
+    """Passes over the training data (> 0); None = max_steps decides."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (>= 1). Also `grad_accum`."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        if self.optimizer in ("fp32", "hybrid"):  # `lazytrain plan`'s names before the schema
+            object.__setattr__(self, "optimizer", {"fp32": "adamw", "hybrid": "hybrid8bit"}[self.optimizer])
+        _need(math.isfinite(self.learning_rate) and self.learning_rate > 0, "learning_rate", self.learning_rate,
+              "a number > 0")
+        _need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        _need(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio,
+              "in [0, 1]")
+        _need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        _need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay,
+              "a number >= 0")
+        for knob in ("adam_beta1", "adam_beta2"):
+            _need(0 <= getattr(self, knob) < 1, knob, getattr(self, knob), "in [0, 1)")
+        _need(0 < self.adam_epsilon < 1, "adam_epsilon", self.adam_epsilon, "in (0, 1)")
+        _need(math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm,
+              "a number >= 0 (0 = no clipping)")
+        _need(self.max_steps >= 1, "max_steps", self.max_steps, "an integer >= 1")
+        _need(self.num_train_epochs is None or self.num_train_epochs > 0, "num_train_epochs", self.num_train_epochs,
+              "a number > 0")
+        _need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", self.gradient_accumulation_steps,
+              "an integer >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """Where the run writes, how often it saves, and what it resumes from."""
+
+    output_dir: str | None = None
+    """Where metrics, the plan, the summary and checkpoints go; None = runs/<UTC timestamp>."""
+    overwrite_output_dir: bool = False
+    """Write into an existing non-empty output_dir."""
+    save_steps: int = 0
+    """Save a checkpoint every N optimizer steps (>= 0); 0 = only at the end."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints (>= 1); None = keep all."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint directory to continue from, or `auto` (the newest complete one in output_dir)."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(self.save_steps >= 0, "save_steps", self.save_steps, "an integer >= 0")
+        _need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", self.save_total_limit,
+              "an integer >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MetricsConfig:
+    """What the run reports, and how often it evaluates."""
+
+    logging_steps: int = 1
+    """Write a metrics row every N optimizer steps (>= 1)."""
+    report_to: Literal["none", "tensorboard"] = "none"
+    """Also write the scalars to: none, or tensorboard (under output_dir)."""
+    eval_steps: int | None = None
+    """Evaluate the held-out loss every N steps (>= 1); None = before and after training only."""
+    eval_batches: int = 2
+    """Held-out batches per evaluation (>= 0); 0 = no evaluation."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(self.logging_steps >= 1, "logging_steps", self.logging_steps, "an integer >= 1")
+        _need(self.eval_steps is None or self.eval_steps >= 1, "eval_steps", self.eval_steps, "an integer >= 1")
+        _need(self.eval_batches >= 0, "eval_batches", self.eval_batches, "an integer >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """Room for data parallelism (one executor per GPU); a single process today."""
+
+    world_size: int = 1
+    """Processes (GPUs) training together (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _convert(self)
+        _need(self.world_size >= 1, "world_size", self.world_size, "an integer >= 1")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "plan": PlanConfig, "runtime": RuntimeConfig, "optim": OptimConfig,
+    "checkpoint": CheckpointConfig, "metrics": MetricsConfig, "parallel": ParallelConfig,
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobConfig:
+    """One job of `lazytrain plan` or `lazytrain train`: every section, with one set of defaults."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> JobConfig:
+        """From a flat (`learning_rate: 1e-5`) or nested (`optim: {learning_rate: 1e-5}`) mapping, or a mix."""
+        return cls.build(_flatten(values, source))
+
+    @classmethod
+    def build(cls, flat: Mapping[str, Any]) -> JobConfig:
+        """From canonical flat keys (`learning_rate`, not `lr`); every section is checked."""
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in flat.items():
+            per_section[SECTION_OF[key]][key] = value
+        return cls(**{name: SECTIONS[name](**values) for name, values in per_section.items()})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested by section (what `train_config.json` holds; `from_dict` reads it back)."""
+        return asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Every key at the top level, as in a flat YAML file."""
+        return {k: v for section in self.to_dict().values() for k, v in section.items()}
+
+    def changed(self) -> dict[str, Any]:
+        """The keys whose value differs from the default (for refusing what a command does not support yet)."""
+        default = JobConfig().flat()
+        return {k: v for k, v in self.flat().items() if v != default[k]}
+
+    def refuse(self, keys: Iterable[str], command: str) -> None:
+        """One-line refusal of the first key in `keys` set away from its default: a set value is never ignored."""
+        changed = self.changed()
+        for key in keys:
+            if key in changed:
+                raise LazyTrainError(f"{key} = {changed[key]!r}: not supported by `lazytrain {command}` yet; "
+                                     f"remove it (default {JobConfig().flat()[key]!r})")
+
+
+SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
+KEYS: tuple[str, ...] = tuple(SECTION_OF)
+
+# Older and alternative spellings of keys (the flags before the schema, torchtitan/LLaMA-Factory names).
+ALIASES: dict[str, str] = {
+    "model_name_or_path": "model", "corpus": "dataset", "seq_len": "cutoff_len",
+    "batch_size": "per_device_train_batch_size", "lr": "learning_rate", "steps": "max_steps",
+    "grad_accum": "gradient_accumulation_steps", "rule": "planner", "plan": "plan_file",
+    "time_limit": "time_limit_s", "mip_gap": "mip_rel_gap", "gpu_mem_cap": "gpu_mem_cap_bytes",
+    "cpu_act_budget": "cpu_act_bytes", "nvme_act_budget": "nvme_act_bytes", "cpu_mem": "cpu_mem_bytes",
+}
+
+
+# =====================================================================================================
+# reading keys and values
+# =====================================================================================================
+def canonical_key(key: str, source: str = "config") -> str:
+    """`lr` -> `learning_rate`, `optim.lr` -> `learning_rate`; an unknown key is refused naming the nearest."""
+    name = key.strip().replace("-", "_")
+    section, _, rest = name.rpartition(".")
+    if section and section not in SECTIONS:
+        raise _unknown(section, list(SECTIONS), source, "section")
+    name = ALIASES.get(rest, rest)
+    if name not in SECTION_OF:
+        raise _unknown(key, [*KEYS, *ALIASES], source, "key")
+    if section and SECTION_OF[name] != section:
+        raise LazyTrainError(f"{source}: {key!r}: {name} belongs to section {SECTION_OF[name]!r}, not {section!r}")
+    return name
+
+
+def _unknown(key: str, valid: Sequence[str], source: str, what: str) -> LazyTrainError:
+    near = difflib.get_close_matches(key.replace("-", "_"), valid, n=1, cutoff=0.5)
+    hint = f"did you mean {near[0]!r}?" if near else "see `lazytrain train --help` or docs/config.md"
+    return LazyTrainError(f"{source}: unknown {what} {key!r}; {hint}")
+
+
+def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Flat canonical keys from a flat or nested mapping; a key given twice (e.g. `lr` and `learning_rate`) is
+    refused."""
+    if not isinstance(values, Mapping):
+        raise LazyTrainError(f"{source}: expected a mapping of keys to values, got {type(values).__name__}")
+    flat: dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        name = canonical_key(str(key), source)
+        if name in flat:
+            raise LazyTrainError(f"{source}: {name} is given twice ({key!r} and an earlier spelling); keep one")
+        flat[name] = value
+
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, Mapping):  # nested by section (`model` is also a key)
+            for inner, inner_value in value.items():
+                put(f"{key}.{inner}", inner_value)
+        else:
+            put(str(key), value)
+    return flat
+
+
+def _need(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise LazyTrainError(f"{key} = {value!r} is invalid: it must be {rule}")
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _convert(section: Any) -> None:
+    """Turn each field's value into its declared type (in place), or raise one line naming key, value, type."""
+    hints = _hints(type(section))
+    for f in fields(section):
+        value = getattr(section, f.name)
+        object.__setattr__(section, f.name, _value(f.name, value, hints[f.name]))
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _value(key: str, value: Any, hint: Any) -> Any:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):
+        if type(None) in options:
+            return None
+    for option in options:
+        if option is type(None):
+            continue
+        converted = _as(key, value, option)
+        if converted is not _NO:
+            return converted
+    raise LazyTrainError(f"{key} = {value!r}: expected {_type_name(hint)}")
+
+
+_NO = object()
+
+
+def _as(key: str, value: Any, option: Any) -> Any:
+    """`value` as `option` (a type or a Literal), or _NO when it is not one."""
+    if typing.get_origin(option) is Literal:
+        choices = typing.get_args(option)
+        if isinstance(value, str) and value.strip() in choices:
+            return value.strip()
+        if key == "optimizer" and value in ("fp32", "hybrid"):  # older names, mapped in OptimConfig
+            return value
+        return _NO
+    if option is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        return True if text in _TRUE else False if text in _FALSE else _NO
+    if isinstance(value, bool):  # never read True as 1
+        return _NO
+    if option is int:
+        if key.endswith("_bytes") and isinstance(value, int | float | str):
+            return parse_bytes(value, what=key)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).strip().replace("_", ""))
+        except ValueError:
+            return _NO
+    if option is float:
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return float(str(value).strip())
+        except ValueError:
+            return _NO
+    if option is str:
+        return value if isinstance(value, str) else _NO
+    raise AssertionError(f"no conversion for {option!r}")
+
+
+def _type_name(hint: Any) -> str:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    names = []
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            names.append("one of " + ", ".join(map(str, typing.get_args(option))))
+        elif option is type(None):
+            names.append("none")
+        else:
+            names.append({int: "an integer", float: "a number", bool: "true/false", str: "a string"}[option])
+    return " or ".join(names)
+
+
+# =====================================================================================================
+# help text: the docstring under each field
+# =====================================================================================================
+@cache
+def field_docs() -> dict[str, str]:
+    """{key: its docstring, on one line}, read from this file's source (the text people see in --help)."""
+    tree = ast.parse(Path(__file__).read_text())
+    docs: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in {c.__name__ for c in SECTIONS.values()}:
+            body = node.body
+            for stmt, nxt in zip(body, body[1:], strict=False):
+                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                        and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                    docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def default_of(key: str) -> Any:
+    f = next(f for f in fields(SECTIONS[SECTION_OF[key]]) if f.name == key)
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
+# =====================================================================================================
+# loading: YAML files, key=value words, flags
+# =====================================================================================================
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML (or JSON) config file as a mapping; an unreadable or malformed one is a one-line error."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise LazyTrainError(f"config file {path}: cannot read it ({err.strerror or err})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise LazyTrainError(f"config file {path}: not valid YAML{where}; fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise LazyTrainError(f"config file {path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def parse_override(word: str) -> tuple[str, Any]:
+    """`learning_rate=1e-5` -> ("learning_rate", "1e-5"); the value stays text (the schema converts it)."""
+    key, sep, value = word.partition("=")
+    if not sep or not key.strip():
+        raise LazyTrainError(f"{word!r}: expected key=value (e.g. learning_rate=1e-5) or a .yaml config file")
+    return canonical_key(key, "override"), value.strip()
+
+
+def load_job_config(*sources: str | Path | Mapping[str, Any], overrides: Sequence[str] = (),
+                    flags: Mapping[str, Any] | None = None) -> JobConfig:
+    """The JobConfig from YAML files or mappings (in order), then `key=value` overrides, then flag values."""
+    flat: dict[str, Any] = {}
+    for source in sources:
+        if isinstance(source, Mapping):
+            flat.update(_flatten(source, "config"))
+        else:
+            flat.update(_flatten(read_yaml(source), f"config file {source}"))
+    for word in overrides:
+        key, value = parse_override(word)
+        flat[key] = value
+    flat.update(flags or {})
+    return JobConfig.build(flat)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) -> None:
+    """`[CONFIG.yaml] [key=value ...]` and one flag per key (`--learning-rate`), plus the older spellings
+    (`--lr`); help text from the field docstrings. Flags default to "not given" so a YAML value stands."""
+    parser.add_argument("config", nargs="*", metavar="CONFIG.yaml | key=value",
+                        help="YAML config files (flat or nested by section), then key=value overrides")
+    docs = field_docs()
+    spellings: dict[str, list[str]] = {key: [key] for key in KEYS}
+    for alias, key in ALIASES.items():
+        spellings[key].append(alias)
+    skipped = set(skip)
+    for name, section in SECTIONS.items():
+        group = parser.add_argument_group(f"{name} ({section.__doc__.strip().rstrip('.')})")
+        for f in fields(section):
+            if f.name in skipped:
+                continue
+            flags = [f"--{s.replace('_', '-')}" for s in spellings[f.name]]
+            hint = _hints(section)[f.name]
+            is_bool = hint is bool
+            help_text = f"{docs.get(f.name, '')} (default: {default_of(f.name)!r})".replace("%", "%%")
+            group.add_argument(*flags, dest=f"job.{f.name}", default=argparse.SUPPRESS, metavar="VALUE",
+                               nargs="?" if is_bool else None, const="true" if is_bool else None,
+                               help=help_text)
+    parser.add_argument("--no-progress", dest="job.progress", action="store_const", const=False,
+                        default=argparse.SUPPRESS, help="no progress bar (progress=false)")
+
+
+def job_config_from_args(args: argparse.Namespace) -> JobConfig:
+    """The JobConfig of a command line parsed with `add_job_arguments`."""
+    files, words = [], []
+    for word in getattr(args, "config", []):
+        (words if "=" in word else files).append(word)
+    flags = {k.removeprefix("job."): v for k, v in vars(args).items() if k.startswith("job.")}
+    return load_job_config(*files, overrides=words, flags=flags)
