@@ -52,7 +52,9 @@ from lazytrain.runtime.hf import (
     Rotary,
     find_parts,
     head_forward_backward,
+    head_loss_sum,
     head_named_params,
+    is_packed,
     layer_backward,
     layer_forward,
     shift_labels,
@@ -269,8 +271,12 @@ class Executor:
         return names + [g.name for g in self.layer_groups] + ["head"]
 
     # ---- accounting ---------------------------------------------------------------------------
-    def memory_sizes(self, batch: int, seq_len: int) -> MemorySizes:
-        """The byte sizes of one step at this batch and sequence length (what the arena will count)."""
+    def memory_sizes(self, batch: int, seq_len: int, *, masked: bool = False) -> MemorySizes:
+        """The byte sizes of one step at this batch and sequence length (what the arena will count).
+
+        masked: the steps pass an attention_mask or position_ids (padding, packing), which makes the positions,
+        cos/sin and every attention mask per row (see `Rotary.constant_bytes`).
+        """
         dtype_bytes = torch.empty((), dtype=self.compute_dtype).element_size()
         config = self.model.config
         cost = self.cost
@@ -288,7 +294,7 @@ class Executor:
             slot_bytes=self.slot_numel * dtype_bytes,
             working_bytes=working,
             head_working_bytes=head_working,
-            constant_bytes=self._constant_bytes(batch, seq_len),
+            constant_bytes=self.rotary.constant_bytes(batch, seq_len, dtype_bytes, masked),
         )
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
@@ -306,40 +312,37 @@ class Executor:
                                                      head_chunk_tokens=self.head_chunk_tokens)
         return self._default_costs[key]
 
-    def _constant_bytes(self, batch: int, seq_len: int) -> int:
-        """Rotary cos/sin, positions and (eager attention only) the additive masks, sized from their shapes."""
-        dtype_bytes = torch.empty((), dtype=self.compute_dtype).element_size()
-        head_dim = getattr(self.model.config, "head_dim", None) or (
-            self.model.config.hidden_size // self.model.config.num_attention_heads)
-        cos_sin = 2 * seq_len * head_dim * dtype_bytes
-        positions = seq_len * 8
-        masks = 0
-        if self.model.config._attn_implementation == "eager":
-            masks = len(set(self.parts.mask_kinds)) * batch * seq_len * seq_len * dtype_bytes
-        return cos_sin + positions + masks
-
-    def predicted_peak_bytes(self, batch: int, seq_len: int) -> int:
-        return predict_device_peak(self.plan.tiers, self.memory_sizes(batch, seq_len))
+    def predicted_peak_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> int:
+        return predict_device_peak(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked))
 
     # ---- one step -----------------------------------------------------------------------------
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_scale: float = 1.0,
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                         attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                         num_tokens: int | None = None, loss_scale: float = 1.0,
                          run_optimizer_hook: bool = True) -> torch.Tensor:
-        """Forward and backward of one micro-batch under the plan; returns the loss (fp32, 0-dim, host).
+        """Forward and backward of one micro-batch under the plan; returns its loss (fp32, 0-dim, host).
 
+        input_ids, labels: (B, S) int64, labels aligned with input_ids (shifted inside), -100 = ignored.
+        attention_mask: (B, S) 1/0, right padding. position_ids: (B, S), restarting at 0 at each packed
+        example; attention never crosses examples. num_tokens: the step's count of non-ignored shifted labels
+        over all its micro-batches; the return is this micro-batch's summed token loss / num_tokens, so the
+        returns of a step's micro-batches add up to its true mean loss (None = this micro-batch's own count).
         Gradients *accumulate* into every parameter's `.grad` exactly like `(loss * loss_scale).backward()`
-        (zero them between optimizer steps). For gradient accumulation over n micro-batches pass
-        `loss_scale=1/n` and `run_optimizer_hook=False` on all but the last.
+        (zero them between optimizer steps); pass `run_optimizer_hook=False` on all but a step's last
+        micro-batch.
         """
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise LazyTrainError(f"input_ids and labels must both be (batch, seq_len); got "
-                                 f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
-        batch, seq_len = input_ids.shape
+        batch, seq_len = self._check_inputs(input_ids, labels, attention_mask, position_ids)
+        if num_tokens is not None and (isinstance(num_tokens, bool) or int(num_tokens) != num_tokens
+                                       or num_tokens <= 0):
+            raise LazyTrainError(f"num_tokens must be a positive int (the step's non-ignored label count), "
+                                 f"got {num_tokens!r}")
         if self.plan.workload is not None:
             self.plan.check_matches(self.spec, Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype]))
         if "nvme" in self.plan.tiers:  # every nvme boundary of the forward waits on disk for the backward
             boundary_bytes = self.memory_sizes(batch, seq_len).boundary_bytes
             check_nvme_space(self.device.nvme_dir, self.plan.tiers.count("nvme") * boundary_bytes)
-        step = _Step(self, input_ids, labels, loss_scale, run_optimizer_hook)
+        step = _Step(self, input_ids, labels, attention_mask, position_ids, loss_scale, run_optimizer_hook,
+                     None if num_tokens is None else int(num_tokens))
         try:
             loss = step.run()
         finally:
@@ -347,24 +350,61 @@ class Executor:
         self.last_step = step.stats
         return loss
 
+    def forward_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                     attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> tuple[float, int]:
+        """Evaluation: (summed token loss, count of non-ignored shifted labels), forward only.
+
+        Streams the layers through the device like a training step, but keeps no boundary (there is no
+        backward), so its device peak stays below the plan's; gradients and `last_step` are untouched.
+        """
+        self._check_inputs(input_ids, labels, attention_mask, position_ids)
+        step = _Step(self, input_ids, labels, attention_mask, position_ids, 1.0, False, None, forward_only=True)
+        try:
+            loss_sum, count = step.evaluate()
+        finally:
+            step.cleanup()
+        return loss_sum, count
+
+    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None) -> tuple[int, int]:
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+            raise LazyTrainError(f"input_ids and labels must both be (batch, seq_len); got "
+                                 f"{tuple(input_ids.shape)} and {tuple(labels.shape)}")
+        for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+            if t is not None and t.shape != input_ids.shape:
+                raise LazyTrainError(f"{name} must be (batch, seq_len) like input_ids {tuple(input_ids.shape)}, "
+                                     f"got {tuple(t.shape)}")
+        if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise LazyTrainError("attention_mask must hold only 1 (token) and 0 (padding)")
+        if position_ids is not None and "linear_attention" in self.parts.mask_kinds and is_packed(position_ids.cpu()):
+            raise LazyTrainError(f"model_type {self.model.config.model_type!r} has linear-attention layers, whose "
+                                 "recurrence cannot restart at packed example boundaries here; set packing: false")
+        return tuple(input_ids.shape)
+
 
 class _Step:
     """The state of one forward_backward: what is on the device, pending events, measured stalls."""
 
-    def __init__(self, ex: Executor, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-                 run_hook: bool) -> None:
+    def __init__(self, ex: Executor, input_ids: torch.Tensor, labels: torch.Tensor,
+                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, loss_scale: float,
+                 run_hook: bool, num_tokens: int | None, *, forward_only: bool = False) -> None:
         self.ex = ex
         self.dev = ex.device
         self.tiers = ex.plan.tiers
         self.L = len(self.tiers) - 1
         self.input_ids = input_ids.cpu()
         self.labels = labels.cpu()
+        self.attention_mask = attention_mask.cpu() if attention_mask is not None else None
+        self.position_ids = position_ids.cpu() if position_ids is not None else None
+        self.num_tokens = num_tokens
         self.loss_scale = loss_scale
         self.final_micro_batch = run_hook  # gradients are final after this step: take their norm
         self.run_hook = run_hook and ex.optimizer_hook is not None
         self.grad_sq_norm = 0.0
         self.batch, self.seq_len = input_ids.shape
-        self.sizes = ex.memory_sizes(self.batch, self.seq_len)
+        masked = attention_mask is not None or position_ids is not None
+        self.sizes = ex.memory_sizes(self.batch, self.seq_len, masked=masked)
         self.stall: dict[str, float] = defaultdict(float)
         self.on_device: dict[int, torch.Tensor] = {}  # boundary -> device activation
         self.grads: dict[int, torch.Tensor] = {}  # boundary -> device gradient
@@ -376,7 +416,7 @@ class _Step:
         self.pending: list[Event] = []  # everything to wait for before the step ends
         self.reserved = 0
         self.allocated: list[torch.Tensor] = []
-        self.uses = self._weight_uses()
+        self.uses = self._weight_uses(forward_only)
         self.slots: list[torch.Tensor] = []
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
@@ -388,22 +428,24 @@ class _Step:
                                forward_s=[0.0] * L, backward_s=[0.0] * L, recompute_s=[0.0] * L)
 
     # ---- the schedule ---------------------------------------------------------------------------
-    def _weight_uses(self) -> list[tuple[str, int]]:
+    def _weight_uses(self, forward_only: bool = False) -> list[tuple[str, int]]:
         uses = [("forward", j) for j in range(self.L)] + [("head", self.L)]
+        if forward_only:
+            return uses
         for s, e in reversed(_segments(self.tiers)):
             uses += [("recompute", j) for j in range(s, e - 1)]
             uses += [("backward", j) for j in range(e - 1, s - 1, -1)]
         return uses
 
-    def run(self) -> torch.Tensor:
+    def _start(self) -> None:
+        """Weight slots, boundary 0 (embedding rows gathered on the host, sent h2d), the step's constants."""
         ex, dev = self.ex, self.dev
         for group in [*ex.layer_groups, ex.head_group]:
             group.pack()  # bf16: refresh the streamed copy from the fp32 master weights
         dev.reset_peak()
         self.links_before = dev.link_stats()
-        t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
         dtype = ex.compute_dtype
-        # ---- step start: weight slots, boundary 0 (embedding rows gathered on the host), constants ----
         self.slots = [self._alloc((ex.slot_numel,), dtype, "weight slot") for _ in range(2)]
         rows = ex.parts.embedding.weight.detach()[self.input_ids].to(dtype)  # (B, S, H) on the host
         if dev.torch_device.type == "cuda":
@@ -413,8 +455,29 @@ class _Step:
         self._issue_weights(0)
         self._wait(ev0)
         self.on_device[0] = boundary0
-        self.consts = ex.rotary.constants(boundary0)
+        self.consts = ex.rotary.constants(boundary0, self.attention_mask, self.position_ids)
         self._reserve(self.sizes.constant_bytes, "rotary tables and masks")
+
+    def evaluate(self) -> tuple[float, int]:
+        """Forward only: each boundary is dropped once the next exists; the chunked head sums the token losses."""
+        self._start()
+        for j in range(self.L):
+            self._forward_no_grad(j, j, f"boundary {j + 1}")
+            self._free(self.on_device.pop(j))
+        self._begin_use(self.L)
+        self._reserve(self.sizes.head_working_bytes, "loss head working set")
+        targets = shift_labels(self.labels).to(self.dev.torch_device)
+        loss_sum, count = head_loss_sum(self.ex.parts.norm, self._weights(self.L), self.on_device[self.L], targets,
+                                        self.ex.head_chunk_tokens)
+        self._unreserve(self.sizes.head_working_bytes)
+        self._free(self.on_device.pop(self.L))
+        self.dev.synchronize()
+        return float(loss_sum), count
+
+    def run(self) -> torch.Tensor:
+        ex, dev = self.ex, self.dev
+        dtype = ex.compute_dtype
+        self._start()
 
         # ---- forward: layer j turns boundary j into boundary j+1, no autograd ----
         k = 0
@@ -441,7 +504,7 @@ class _Step:
             g.zero_()
         targets = shift_labels(self.labels).to(dev.torch_device)
         loss = head_forward_backward(ex.parts.norm, self._weights(k), hidden, targets, grad_hidden, head_grads,
-                                     ex.head_chunk_tokens, self.loss_scale)
+                                     ex.head_chunk_tokens, self.loss_scale, self.num_tokens)
         self._unreserve(self.sizes.head_working_bytes)
         self.stats.head_s = time.perf_counter() - t0
         self.grads[self.L] = grad_hidden
@@ -490,7 +553,7 @@ class _Step:
         for event in self.pending:
             self._wait(event)
         dev.synchronize()
-        self.stats.wall_s = time.perf_counter() - t_start
+        self.stats.wall_s = time.perf_counter() - self.t_start
         self.stats.loss = float(loss)
         self.stats.grad_norm = self.grad_sq_norm ** 0.5 if self.final_micro_batch else None
         return loss.detach().cpu()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, find_packed_sequence_indices
 
 from lazytrain.errors import LazyTrainError
 
@@ -77,7 +78,11 @@ def head_named_params(parts: DecoderParts) -> list[tuple[str, nn.Parameter]]:
 
 @dataclass
 class StepConstants:
-    """Per-step device tensors every layer call needs: positions, rotary cos/sin, attention masks."""
+    """Per-step device tensors every layer call needs: positions, rotary cos/sin, one mask per layer kind.
+
+    `masks[kind]` is what a layer of that kind gets as `attention_mask`: a 4D mask (or None: SDPA's own causal
+    path) for full and sliding attention, the 2D padding mask for linear attention.
+    """
 
     position_ids: torch.Tensor
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
@@ -85,28 +90,80 @@ class StepConstants:
 
     @property
     def num_bytes(self) -> int:
+        """Device bytes held (storage, so a broadcast view counts once)."""
         tensors = [self.position_ids, *self.position_embeddings, *(m for m in self.masks.values() if m is not None)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def is_packed(position_ids: torch.Tensor) -> bool:
+    """Whether some row holds more than one example (its positions restart somewhere after the first token)."""
+    return find_packed_sequence_indices(position_ids) is not None
 
 
 class Rotary:
-    """A device copy of the model's rotary embedding (buffers only, no parameters)."""
+    """A device copy of the model's rotary embedding (buffers only) and the step's masks, as the model makes them."""
 
     def __init__(self, parts: DecoderParts, device: torch.device) -> None:
         self.module = parts.rotary if device.type == "cpu" else copy.deepcopy(parts.rotary).to(device)
         self.config = parts.model.config
         self.kinds = sorted(set(parts.mask_kinds))
+        with torch.no_grad():  # cos/sin width: head_dim, or less under partial rotary (Qwen3.5)
+            cos, _ = parts.rotary(torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+        self.rotary_dim = int(cos.shape[-1])
 
-    def constants(self, boundary0: torch.Tensor) -> StepConstants:
-        """Positions 0..S-1, cos/sin and masks exactly as the model's own forward makes them."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    def constant_bytes(self, batch: int, seq_len: int, dtype_bytes: int, masked: bool) -> int:
+        """The bytes `constants` allocates, from the shapes alone (the planner's count; a test checks equality).
 
-        seq_len = boundary0.shape[1]
-        position_ids = torch.arange(seq_len, device=boundary0.device).unsqueeze(0)
-        kwargs = dict(config=self.config, inputs_embeds=boundary0, attention_mask=None, cache=None,
-                      position_ids=position_ids)
-        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {kind: makers[kind](**kwargs) for kind in self.kinds}
+        masked: the step has an attention_mask or position_ids (padding, packing): positions and cos/sin per
+        row, and every attention mask materialized per row (B x S x S; bool for SDPA, the dtype for eager).
+        """
+        rows = batch if masked else 1
+        total = rows * seq_len * (8 + 2 * self.rotary_dim * dtype_bytes)
+        eager = self.config._attn_implementation == "eager"
+        window = getattr(self.config, "sliding_window", None)
+        for kind in self.kinds:
+            if kind == "linear_attention":
+                total += batch * seq_len if masked else 0  # the bool padding mask
+            elif eager:
+                total += batch * seq_len * seq_len * dtype_bytes
+            elif masked:
+                total += batch * seq_len * seq_len
+            elif kind == "sliding_attention" and window is not None and seq_len >= window:
+                total += seq_len * seq_len  # SDPA cannot use is_causal past the window: one broadcast row
+        return total
+
+    def constants(self, boundary0: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None) -> StepConstants:
+        """Positions, cos/sin and masks exactly as the model's own forward makes them for these inputs.
+
+        attention_mask: (B, S) 1/0, right padding. position_ids: (B, S) restarting at 0 per packed example;
+        then the masks come from the positions alone (transformers' packed-sequence masks: no attention across
+        examples) -- right padding never reaches a real token under a causal mask, so dropping it is exact.
+        """
+        batch, seq_len = boundary0.shape[:2]
+        device = boundary0.device
+        masked = attention_mask is not None or position_ids is not None
+        packing = position_ids is not None
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+            if masked:
+                position_ids = position_ids.expand(batch, -1).contiguous()
+        else:
+            position_ids = position_ids.to(device=device, dtype=torch.long).expand(batch, -1).contiguous()
+        padding = attention_mask.to(device=device, dtype=torch.bool) if attention_mask is not None else None
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in self.kinds:
+            if kind == "linear_attention":
+                if masked:
+                    masks[kind] = padding if padding is not None else torch.ones(batch, seq_len, dtype=torch.bool,
+                                                                                 device=device)
+                else:
+                    masks[kind] = None
+                continue
+            mask = LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING[kind](
+                config=self.config, inputs_embeds=boundary0, cache=None, position_ids=position_ids,
+                attention_mask=None if packing else padding, allow_is_causal_skip=not masked)
+            masks[kind] = mask.contiguous() if masked and mask is not None else mask
         with torch.no_grad():
             cos, sin = self.module(boundary0, position_ids)
         return StepConstants(position_ids, (cos, sin), masks)
@@ -128,23 +185,25 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def head_forward_backward(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
                           targets: torch.Tensor, grad_hidden: torch.Tensor, grad_weights: dict[str, torch.Tensor],
-                          chunk_tokens: int, loss_scale: float) -> torch.Tensor:
+                          chunk_tokens: int, loss_scale: float, num_tokens: int | None = None) -> torch.Tensor:
     """Final norm + LM head + cross-entropy over token chunks, forward and backward together.
 
     hidden: (B, S, H) boundary L; targets: (B*S,) shifted labels. Writes d(loss*loss_scale)/d(hidden)
     into `grad_hidden` and adds the weight gradients into `grad_weights` (zeroed by the caller).
-    Returns the loss (fp32, 0-dim): the mean over non-ignored tokens, exactly HF's `ForCausalLMLoss`
-    (NaN when every token is ignored, as there). Full logits never exist: at most `chunk_tokens` rows.
+    Returns the loss (fp32, 0-dim): the sum of token losses over `num_tokens` (the step's count over all its
+    micro-batches, so their returns add up to the step's mean); None = this micro-batch's own count, exactly
+    HF's `ForCausalLMLoss` (NaN when every token is ignored, as there). Full logits never exist: at most
+    `chunk_tokens` rows.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])  # (T, H)
     grad_flat = grad_hidden.view(-1, hidden.shape[-1])
-    num_valid = int((targets != IGNORE_INDEX).sum())
+    divisor = int((targets != IGNORE_INDEX).sum()) if num_tokens is None else num_tokens
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     norm_names = [n for n in weights if n.startswith("norm.")]
     for start in range(0, flat.shape[0], chunk_tokens):
         stop = min(start + chunk_tokens, flat.shape[0])
         target = targets[start:stop]
-        if num_valid and not bool((target != IGNORE_INDEX).any()):
+        if divisor and not bool((target != IGNORE_INDEX).any()):
             grad_flat[start:stop].zero_()  # a chunk with no labels adds nothing to loss or gradients
             continue
         leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
@@ -152,7 +211,7 @@ def head_forward_backward(norm: nn.Module, weights: dict[str, torch.Tensor], hid
         with torch.enable_grad():
             normed = functional_call(norm, {n[len("norm."):]: leaves[n] for n in norm_names}, (x,))
             logits = F.linear(normed, leaves["lm_head.weight"]).float()
-            chunk_loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum") / num_valid
+            chunk_loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum") / divisor
             names = list(leaves)
             grads = torch.autograd.grad(chunk_loss * loss_scale, [x] + [leaves[n] for n in names])
         grad_flat[start:stop].copy_(grads[0])
@@ -160,6 +219,23 @@ def head_forward_backward(norm: nn.Module, weights: dict[str, torch.Tensor], hid
             grad_weights[n].add_(g)
         loss += chunk_loss.detach()
     return loss
+
+
+def head_loss_sum(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                  chunk_tokens: int) -> tuple[torch.Tensor, int]:
+    """Forward only (evaluation): the summed fp32 token loss over non-ignored targets, and their count."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    norm_weights = {n[len("norm."):]: w for n, w in weights.items() if n.startswith("norm.")}
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], chunk_tokens):
+            target = targets[start:start + chunk_tokens]
+            if not bool((target != IGNORE_INDEX).any()):
+                continue
+            normed = functional_call(norm, norm_weights, (flat[start:start + chunk_tokens],))
+            logits = F.linear(normed, weights["lm_head.weight"]).float()
+            total += F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total, int((targets != IGNORE_INDEX).sum())
 
 
 def layer_backward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
