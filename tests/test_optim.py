@@ -382,31 +382,84 @@ def test_fp32_norm_overflow_takes_exact_path() -> None:
 
 
 # ---------------------------------------------------------------- checkpoint, per-group stepping
-def test_state_dict_round_trip_is_exact() -> None:
-    gen = torch.Generator().manual_seed(9)
+ROUND_TRIP_SHAPES = [(333, 77), (4097,), (300, 257), (61, 129), (13,)]  # (300, 257) runs on several threads
+
+
+def _round_trip_groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+    """Two groups as the trainer builds them: decayed matrices, undecayed vectors (other lr too)."""
+    return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _resume_equals_uninterrupted(make_opt, clip_outside: bool) -> None:
+    """5 steps, save (params + optimizer state_dict through torch.save), load into fresh params and a fresh
+    optimizer, 5 more steps == 10 uninterrupted steps, bit for bit (params and every state tensor)."""
+    gen = torch.Generator().manual_seed(11)
+    grads = [_grads(ROUND_TRIP_SHAPES, gen, scale=0.05) for _ in range(10)]  # norm ~ 7: clip 1.0 acts
+
+    def run(ps, opt, steps):
+        for i, lr in steps:
+            _set_grads(ps, grads[i])
+            for group in opt.param_groups:  # a schedule, as the trainer's loop sets it
+                group["lr"] = lr * (0.3 if group["weight_decay"] == 0.0 else 1.0)
+            if clip_outside:
+                torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+            opt.step()
+
+    schedule = [(i, 1e-3 * (1 - i / 10)) for i in range(10)]
+    pa = _params(ROUND_TRIP_SHAPES, 11)
+    oa = make_opt(_round_trip_groups(pa))
+    run(pa, oa, schedule)
+
+    pb = _params(ROUND_TRIP_SHAPES, 11)
+    ob = make_opt(_round_trip_groups(pb))
+    run(pb, ob, schedule[:5])
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in pb], "optim": ob.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    pc = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    oc = make_opt(_round_trip_groups(pc))
+    oc.load_state_dict(saved["optim"])
+    run(pc, oc, schedule[5:])
+
+    for a, c in zip(pa, pc, strict=True):
+        assert torch.equal(a, c)
+        assert oa.state[a].keys() == oc.state[c].keys()
+        for key, val in oa.state[a].items():
+            other = oc.state[c][key]
+            if isinstance(val, torch.Tensor):
+                assert val.dtype == other.dtype and torch.equal(val, other), key
+            else:
+                assert val == other, key
+
+
+def test_hybrid8bit_resume_equals_uninterrupted_run() -> None:
+    def make(groups):
+        opt = Hybrid8bitAdamW(groups, eightbit_fraction=0.6, min_8bit_size=1000, max_grad_norm=1.0)
+        assert 0 < opt.eightbit_numel < sum(p.numel() for g in groups for p in g["params"])  # both kinds
+        return opt
+
+    _resume_equals_uninterrupted(make, clip_outside=False)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_torch_adamw_resume_equals_uninterrupted_run(fused: bool) -> None:
+    """The trainer's `--optimizer adamw` (fused; clip_grad_norm_ then step) resumes exactly too."""
+    _resume_equals_uninterrupted(lambda groups: torch.optim.AdamW(groups, fused=fused), clip_outside=True)
+
+
+def test_state_dict_keeps_codes_uint8_and_checks_block_size() -> None:
     pa = _params(ODD_SHAPES)
     oa = Hybrid8bitAdamW(pa, eightbit_fraction=0.6, min_8bit_size=1000)
-    assert 0 < oa.eightbit_numel < sum(p.numel() for p in pa)
-    for _ in range(3):
-        _set_grads(pa, _grads(ODD_SHAPES, gen))
-        oa.step()
-    buf = io.BytesIO()
-    torch.save(oa.state_dict(), buf)
-    buf.seek(0)
-    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    _set_grads(pa, _grads(ODD_SHAPES, torch.Generator().manual_seed(9)))
+    oa.step()
+    sd = oa.state_dict()
+    assert sd["state"][0]["qm"].dtype == torch.uint8 and sd["state"][0]["absmax_m"].dtype == torch.float32
+    pb = _params(ODD_SHAPES)
     ob = Hybrid8bitAdamW(pb, eightbit_fraction=0.6, min_8bit_size=1000)
-    ob.load_state_dict(torch.load(buf, weights_only=True))
+    ob.load_state_dict(sd)
     assert ob.state[pb[0]]["qm"].dtype == torch.uint8
-    for _ in range(2):
-        g = _grads(ODD_SHAPES, gen)
-        _set_grads(pa, g)
-        _set_grads(pb, g)
-        oa.step()
-        ob.step()
-    for a, b in zip(pa, pb, strict=True):
-        assert torch.equal(a, b)
-        for key, val in oa.state[a].items():
-            assert torch.equal(torch.as_tensor(val), torch.as_tensor(ob.state[b][key])), key
     with pytest.raises(ValueError, match="block_size"):
         Hybrid8bitAdamW(_params(ODD_SHAPES), block_size=128).load_state_dict(oa.state_dict())
 
