@@ -87,7 +87,7 @@ def test_a_checkpoint_as_model_continues_from_its_weights(tmp_path, capsys):
     (["--lr", "0"], "--lr 0"),
     (["--gpu-mem-cap", "lots"], "--gpu-mem-cap"),
     (["--corpus", "/nonexistent/corpus.txt"], "--corpus"),
-    (["--model", "/nonexistent/config.json"], "--model"),
+    (["--model", "/nonexistent/config.json"], "'/nonexistent/config.json': no such file"),
     (["--seq-len", "100000"], "--seq-len"),
     (["--nvme-dir", "/nonexistent/nvme"], "/nonexistent/nvme"),
     (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
@@ -119,17 +119,20 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
                                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
     from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
 
-    need = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), Workload(4, 32, "bf16"),
+    spec = ModelSpec.from_config(config)
+    need = CostModel(spec, HardwareSpec.load("emulated"), Workload(4, 32, "bf16"),
                      COST_OPTIMIZER[cfg.optimizer], executor_layout=True).static_host_bytes()
     monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need)
-    check_host_fits(cfg, config)  # exactly enough
+    check_host_fits(cfg, spec)  # exactly enough
     short = RNG.randint(1, need // 2)
     monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need - short)
     with pytest.raises(LazyTrainError, match=r"^host memory: needs .* grad landing .*short by"):
-        check_host_fits(cfg, config)
+        check_host_fits(cfg, spec)
 
     built = []
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda *a, **k: built.append(a))
+    import lazytrain.train as train_module
+
+    monkeypatch.setattr(train_module, "load_model", lambda *a, **k: built.append(a))  # only the meta model is built
     out = tmp_path / "run"
     assert main(["train", "--output-dir", str(out), *TINY]) == 2
     err = capsys.readouterr().err.strip()
@@ -140,15 +143,15 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
 def test_eager_attention_masks_are_planned_for(tmp_path):
     """Eager attention puts batch x seq^2 masks on the device: the cost model the MILP plans with counts
     them, so the plan fits the cap it was solved under, by the executor's own replay of its allocations."""
-    from lazytrain.train import build_device, build_executor, build_model, make_plan, pick_device_kind
+    from lazytrain.train import build_device, build_executor, build_model, make_plan, model_source, pick_device_kind
 
     config = transformers.LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     config.save_pretrained(tmp_path / "eager")
     saved = tmp_path / "eager" / "config.json"  # transformers does not save the choice itself
     saved.write_text(json.dumps({**json.loads(saved.read_text()), "attn_implementation": "eager"}))
-    cfg = TrainConfig(**{**GOLDEN_CONFIG, "model": str(tmp_path / "eager"), "dtype": "bf16", "planner": "milp"})
-    model = build_model(cfg, 259)
+    cfg = TrainConfig(**{**GOLDEN_CONFIG, "model": str(saved), "dtype": "bf16", "planner": "milp"})
+    model = build_model(cfg, model_source(cfg, 259))
     assert model.config._attn_implementation == "eager"
     generator = torch.Generator().manual_seed(RNG.randrange(2**31))
     ids = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), generator=generator)
@@ -233,10 +236,10 @@ def test_overlap_mode_updates_like_serial(tmp_path, optimizer):
 @pytest.mark.parametrize("optimizer, lo, hi", [("adamw", 8.0, 8.0), ("hybrid8bit", 7.5, 8.0), ("8bit", 2.0, 3.5)])
 def test_optimizer_choice_sets_the_state_bytes(optimizer, lo, hi):
     """--optimizer 8bit keeps the states of every tensor of 4096+ elements in 8 bits; hybrid8bit the paper's 2%."""
-    from lazytrain.train import build_model, build_optimizer
+    from lazytrain.train import build_model, build_optimizer, model_source
 
     cfg = TrainConfig(**{**GOLDEN_CONFIG, "optimizer": optimizer})
-    model = build_model(cfg, 259)
+    model = build_model(cfg, model_source(cfg, 259))
     opt = build_optimizer(cfg, model)
     n = sum(p.numel() for p in model.parameters())
     if optimizer == "adamw":

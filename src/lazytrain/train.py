@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.weights import INITS, ModelSource, built_spec, load_model, meta_model, resolve_model
+from lazytrain.spec.model import ModelSpec
 from lazytrain.units import format_bytes, parse_bytes
 
 OPTIMIZERS = ("adamw", "hybrid8bit", "8bit")
@@ -54,9 +56,14 @@ class TrainConfig:
     """Everything one training run needs. Sizes in bytes, rates in GB/s (1e9 bytes/s), times in seconds."""
 
     model: str = "small"
-    """Model shapes: a preset (`small` = 12.8 M params, `debug` = 0.2 M) or a path to a `config.json` /
-    model directory of a Llama, Mistral, Qwen2 or Qwen3 causal LM (its vocab must hold 259 ids): random init,
-    or the directory's safetensors weights when it has them (a run's `checkpoint/` continues training)."""
+    """The model: a preset (`small` = 12.8 M params, `debug` = 0.2 M, or a `lazytrain plan` preset such as
+    `tiny-llama`), a Hugging Face model directory (config.json + model.safetensors or sharded safetensors
+    with their index; a run's `checkpoint/` continues training), a config.json path (its directory's weights
+    when it has them, else random init), or a hub id already in the local HF cache (never downloaded). Its
+    vocab must hold the tokenizer's 259 ids."""
+    init: str = "auto"
+    """`auto`: the model's weights (a directory or hub id without weights is refused); presets and a bare
+    config.json start from a seeded random init. `random`: random init from the config alone, seeded."""
     corpus: str = "stdlib"
     """Training text: `stdlib` (docstrings of Python's standard library, ~0.8 MB), `zen` (the Zen of Python)
     or a path to a UTF-8 text file."""
@@ -153,6 +160,7 @@ class TrainConfig:
                                  "--max-grad-norm 0 or use --optimizer-mode serial")
         need(self.dtype in DTYPES, "--dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         need(self.device in DEVICES, "--device", self.device, f"one of {', '.join(DEVICES)}")
+        need(self.init in INITS, "--init", self.init, f"one of {', '.join(INITS)}")
         need(self.planner in PLANNERS, "--planner", self.planner, f"one of {', '.join(PLANNERS)}")
         for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
             v = getattr(self, knob)
@@ -177,25 +185,10 @@ def _flag(knob: str) -> str:
 # =====================================================================================================
 # model
 # =====================================================================================================
-def model_dir(cfg: TrainConfig) -> Path:
-    """The model directory --model names (itself, or the folder of its config.json)."""
-    path = Path(cfg.model)
-    return path.parent if path.name == "config.json" else path
-
-
-def pretrained_dir(cfg: TrainConfig) -> Path | None:
-    """The --model directory when it holds safetensors weights (training starts from them), else None."""
-    if cfg.model in MODEL_PRESETS:
-        return None
-    path = model_dir(cfg)
-    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
-
-
-def build_model(cfg: TrainConfig, vocab_size: int) -> Any:
-    """A causal LM (fp32, on the host) from a preset or a config.json, randomly initialised (seeded); a model
-    directory that also holds safetensors weights (e.g. a run's `checkpoint/`) starts from those weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+def model_source(cfg: TrainConfig, vocab_size: int) -> ModelSource:
+    """What --model names (runtime/weights.py resolves everything but the built-in presets), checked against
+    the tokenizer and the sequence length."""
+    from transformers import LlamaConfig
 
     if cfg.model in MODEL_PRESETS:
         config = LlamaConfig(
@@ -204,53 +197,44 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> Any:
             **MODEL_PRESETS[cfg.model],
         )
         config._name_or_path = f"lazytrain-{cfg.model}"
-    else:
-        path = Path(cfg.model)
-        if not path.exists():
-            raise LazyTrainError(
-                f"--model {cfg.model!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json path"
-            )
-        try:
-            config = AutoConfig.from_pretrained(model_dir(cfg))
-        except (OSError, ValueError) as err:
-            raise LazyTrainError(f"--model {cfg.model}: cannot read the config ({err})") from None
-        if config.vocab_size < vocab_size:
-            raise LazyTrainError(
-                f"--model {cfg.model}: vocab_size {config.vocab_size} is smaller than the byte tokenizer's "
-                f"{vocab_size} ids; raise vocab_size in its config.json"
-            )
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and cfg.seq_len > limit:
-            raise LazyTrainError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}; "
-                                 "lower --seq-len")
-    check_host_fits(cfg, config)
-    torch.manual_seed(cfg.seed)
-    weights_dir = pretrained_dir(cfg)
-    if weights_dir is not None:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(weights_dir, config=config, dtype=torch.float32)
-        except (OSError, ValueError) as err:
-            raise LazyTrainError(f"--model {cfg.model}: cannot load its weights ({err})") from None
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.use_cache = False
-    return model.train()
+        return ModelSource(name=cfg.model, kind="preset", config=config)
+    source = resolve_model(cfg.model)
+    config = getattr(source.config, "text_config", None) or source.config
+    if config.vocab_size < vocab_size:
+        raise LazyTrainError(
+            f"--model {cfg.model}: vocab_size {config.vocab_size} is smaller than the byte tokenizer's "
+            f"{vocab_size} ids; raise vocab_size in its config.json"
+        )
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise LazyTrainError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}; "
+                             "lower --seq-len")
+    return source
 
 
-def check_host_fits(cfg: TrainConfig, config: Any) -> None:
-    """Refuse, before allocating anything, a model whose host layout (CostModel's `executor_layout`)
-    exceeds the memory this machine has available now, instead of dying in the middle of an allocation."""
+def build_model(cfg: TrainConfig, source: ModelSource) -> Any:
+    """The fp32 host causal LM: built on the meta device first, its parameter count checked against the
+    ModelSpec and the host memory (admission), then its weights loaded tensor by tensor (or a seeded random
+    init: presets, a bare config.json, --init random)."""
+    meta = meta_model(source.config)
+    check_host_fits(cfg, built_spec(source.config, meta))
+    return load_model(source, init=cfg.init, seed=cfg.seed, model=meta)
+
+
+def check_host_fits(cfg: TrainConfig, spec: ModelSpec) -> None:
+    """Refuse, before allocating anything, a model whose host layout (CostModel's `executor_layout`, from the
+    spec `built_spec` checked against the meta-device model) exceeds the memory this machine has available
+    now, instead of dying in the middle of an allocation."""
     from lazytrain.plan.admission import check_host_memory
     from lazytrain.spec.cost import CostModel
     from lazytrain.spec.hardware import HardwareSpec, available_host_memory_bytes
-    from lazytrain.spec.model import ModelSpec
     from lazytrain.spec.workload import Workload
 
     available = available_host_memory_bytes()
     if available is None:
         return
     workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype)
-    cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), workload,
+    cost = CostModel(spec, HardwareSpec.load("emulated"), workload,
                      COST_OPTIMIZER[cfg.optimizer], executor_layout=True)
     advice = "use a smaller --model or a machine with more memory"
     if cfg.optimizer != "8bit":
@@ -634,10 +618,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     probe_batch = data.fixed_batches(1, cfg.batch_size, cfg.seq_len, seed=cfg.seed + 2, split="train")[0]
 
     # ---- model ------------------------------------------------------------------------------------
-    model = build_model(cfg, tokenizer.vocab_size)
+    source = model_source(cfg, tokenizer.vocab_size)
+    model = build_model(cfg, source)
     num_params = sum(p.numel() for p in model.parameters())
-    weights_dir = pretrained_dir(cfg)
-    init = f"weights from {weights_dir}" if weights_dir is not None else f"random init, seed {cfg.seed}"
+    loaded = cfg.init == "auto" and source.weight_files
+    init = f"weights from {source.directory}" if loaded else f"random init, seed {cfg.seed}"
     say(f"model    {model.config._name_or_path or cfg.model}: {num_params / 1e6:.1f} M params, "
         f"{model.config.num_hidden_layers} layers, {init}; corpus {cfg.corpus}: {len(data.train):,} train / "
         f"{len(data.val):,} held-out tokens (bytes)")
@@ -840,7 +825,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--dtype", choices=DTYPES, default=d.dtype, help="device compute precision (default bf16)")
     a("--device", choices=DEVICES, default=d.device,
       help="auto: CUDA when available, else the emulated device (cpu)")
-    a("--model", default=d.model, help=f"preset ({', '.join(MODEL_PRESETS)}) or config.json path (default small)")
+    a("--model", default=d.model, help=f"preset ({', '.join(MODEL_PRESETS)}, or a plan preset), HF model directory, "
+      "config.json path or cached hub id (default small)")
+    a("--init", choices=INITS, default=d.init, help="auto: the model's weights (presets: random); random: from the "
+      "config alone (default auto)")
     a("--corpus", default=d.corpus, help="stdlib (default), zen, or a UTF-8 text file")
     a("--plan", default=None, help="a saved plan file (lazytrain plan --json) to run instead of planning here")
     a("--planner", choices=PLANNERS, default=d.planner, help="how to plan when --plan is not given (default auto)")

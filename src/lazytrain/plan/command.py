@@ -89,7 +89,12 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.model:
         raise LazyTrainError(f"--model is required: a preset ({', '.join(preset_names())}) or a config.json path")
-    spec = ModelSpec.load(args.model)
+    if args.model in preset_names():  # tests check every preset against transformers; no torch import here
+        spec = ModelSpec.load(args.model)
+    else:  # a user's config: validated, then counted as transformers builds it (meta device), like `train`
+        from lazytrain.runtime.weights import built_spec, resolve_model
+
+        spec = built_spec(resolve_model(args.model).config)
     hardware = HardwareSpec.load(args.hardware)
     budgets = Budgets(gpu_mem_cap_bytes=_size(args.gpu_mem_cap, "--gpu-mem-cap"),
                       cpu_act_bytes=_size(args.cpu_act_budget, "--cpu-act-budget"),

@@ -49,6 +49,48 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _FAMILY_DEFAULTS["qwen3_5_moe_text"] = _FAMILY_DEFAULTS["qwen3_5_moe"]
 
+# Bounds of validate_model_config: far above any real model (the largest have ~130 layers, 32 Ki hidden,
+# ~260 Ki vocabulary), low enough that every count and byte figure stays exact in a float.
+MAX_LAYERS = 512
+MAX_DIM = 1 << 24
+# Integer shape keys: required ones (ModelSpec cannot do without them) and optional ones (checked when set).
+_REQUIRED_DIMS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_DIMS = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
+                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim", "full_attention_interval", "sliding_window", "max_position_embeddings")
+
+
+def validate_model_config(cfg: dict[str, Any], name: str = "model") -> None:
+    """Refuse a config whose shapes no model can have, naming the key, before anything is sized or built.
+
+    The one check `lazytrain plan` and `lazytrain train` share (ModelSpec.from_config runs it; the model
+    loader runs it on config.json before `transformers` fills in its defaults): the four shape keys present,
+    integer sizes (not bool, not 64.5), > 0,
+    at most MAX_DIM (MAX_LAYERS for layers), heads dividing the hidden size (unless head_dim is given) and
+    key/value heads dividing the attention heads. A multimodal wrapper is checked on its `text_config`.
+    """
+    if "text_config" in cfg and "num_hidden_layers" not in cfg and isinstance(cfg["text_config"], dict):
+        cfg = cfg["text_config"]
+    for key in _REQUIRED_DIMS + _OPTIONAL_DIMS:
+        if key in _REQUIRED_DIMS and key not in cfg:
+            raise LazyTrainError(f"model {name!r}: its config lacks {key}; is it a decoder LLM config.json?")
+        if key not in cfg or (cfg[key] is None and key in _OPTIONAL_DIMS):
+            continue
+        value, limit = cfg[key], MAX_LAYERS if key == "num_hidden_layers" else MAX_DIM
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LazyTrainError(f"model {name!r}: {key} must be a positive integer, got {value!r} in its config")
+        if not 0 < value <= limit:
+            raise LazyTrainError(f"model {name!r}: {key} {value} is outside 1..{limit}; fix {key} in its config")
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise LazyTrainError(f"model {name!r}: num_key_value_heads {kv_heads} does not divide num_attention_heads "
+                             f"{heads}; fix num_key_value_heads in its config")
+    hidden = cfg.get("hidden_size")
+    if heads and hidden and not cfg.get("head_dim") and hidden % heads:
+        raise LazyTrainError(f"model {name!r}: num_attention_heads {heads} does not divide hidden_size {hidden} "
+                             "(and no head_dim is given); fix num_attention_heads or set head_dim in its config")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -153,6 +195,7 @@ class ModelSpec:
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
         model_type = cfg.get("model_type")
         name = name or cfg.get("_name_or_path") or model_type or "model"
+        validate_model_config(cfg, name)
         cfg = {**_FAMILY_DEFAULTS.get(str(model_type), {}), **{k: v for k, v in cfg.items() if v is not None}}
         if model_type not in SUPPORTED_TYPES:
             raise LazyTrainError(

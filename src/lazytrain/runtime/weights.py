@@ -1,0 +1,298 @@
+"""Model loading: what `model` names, what `transformers` builds from it, and its weights in host memory.
+
+1. `resolve_model` turns `model` into a `ModelSource`: a LazyTrain spec preset (config only), a local HF
+   model directory (config.json + model.safetensors, or shards with model.safetensors.index.json), a
+   config.json path (its directory's weights when it has them, else the config alone), or a hub id found in
+   the local Hugging Face cache only (nothing is downloaded at run time). The config is validated
+   (`validate_model_config`, the check `lazytrain plan` shares) before `transformers` sees it.
+2. `built_spec` builds the model on the meta device (no memory) and checks that the parameters
+   `transformers` will really allocate are the ones the ModelSpec counts, layer by layer: admission and the
+   plan are sized from that count, so a config `transformers` reads differently (a multimodal wrapper that
+   falls back to its default sub-config) is refused instead of OOM-killed.
+3. `load_model` materializes the fp32 host parameters of that meta model tensor by tensor from memory-mapped
+   safetensors (`safe_open`, one shard mapped at a time): no second full copy of the model in RAM. Every
+   tensor is checked on the way: shape against the config, finite values, nothing missing. Buffers (rotary
+   frequencies) are recomputed by the model's own `initialize_weights`, as `from_pretrained` does.
+   `init="random"` (explicit) builds from the config alone, seeded; a directory or hub id without weights is
+   otherwise refused. Attention defaults to sdpa unless the config names an implementation.
+
+Every failure is a one-line LazyTrainError naming the file, tensor or key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.spec.model import PRESET_DIR, ModelSpec, preset_names, validate_model_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+INITS = ("auto", "random")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name
+DEFAULT_ATTENTION = "sdpa"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: its config, and its safetensors files (empty: config only)."""
+
+    name: str  # as the user wrote it
+    kind: str  # "preset", "config" (a config.json path), "directory" or "hub"
+    config: PretrainedConfig
+    weight_files: tuple[Path, ...] = ()
+    directory: Path | None = None
+
+    @property
+    def needs_weights(self) -> bool:
+        """A directory or hub id names a model, so its weights are expected; a preset or config.json is a shape."""
+        return self.kind in ("directory", "hub")
+
+
+# =====================================================================================================
+# 1. resolving `model`
+# =====================================================================================================
+def resolve_model(model: str) -> ModelSource:
+    """A preset name, a model directory, a config.json path, or a hub id from the local HF cache."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_file():
+            return _from_directory(model, "config", path.parent, config_path=path)
+        return _from_directory(model, "directory", path, config_path=path / "config.json")
+    preset = PRESET_DIR / f"{model}.json"
+    if preset.exists():
+        return ModelSource(name=model, kind="preset", config=_config(model, _read_json(preset, model)))
+    if HUB_ID.match(model) and not model.startswith((".", "/", "~")):
+        return _from_directory(model, "hub", _cached_snapshot(model), config_path=None)
+    if "/" in model or model.endswith(".json"):
+        raise LazyTrainError(f"model {model!r}: no such file or directory (nor a hub id owner/name)")
+    raise LazyTrainError(f"model {model!r} is not a preset ({', '.join(preset_names())}), an existing model "
+                         "directory or config.json, or a hub id (owner/name)")
+
+
+def _from_directory(name: str, kind: str, directory: Path, config_path: Path | None) -> ModelSource:
+    config_path = config_path or directory / "config.json"
+    if not config_path.exists():
+        raise LazyTrainError(f"model {name!r}: {config_path} does not exist; a model directory needs its config.json")
+    config = _config(name if kind == "hub" else directory.resolve().name, _read_json(config_path, name))
+    return ModelSource(name=name, kind=kind, config=config, weight_files=weight_files(directory, name),
+                       directory=directory)
+
+
+def weight_files(directory: Path, name: str) -> tuple[Path, ...]:
+    """The safetensors files of a model directory: the index's shards, or model.safetensors; () when none."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = _read_json(index, name).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LazyTrainError(f"model {name!r}: {index} has no weight_map; re-save the model")
+        shards = sorted({str(f) for f in weight_map.values()})
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise LazyTrainError(f"model {name!r}: {index.name} names {len(missing)} shard(s) missing from "
+                                 f"{directory} (first: {missing[0]}); copy or download them again")
+        return tuple(directory / s for s in shards)
+    if (directory / SINGLE_FILE).is_file():
+        return (directory / SINGLE_FILE,)
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise LazyTrainError(f"model {name!r}: {directory} holds PyTorch pickle weights only; LazyTrain reads "
+                             "safetensors (re-save with save_pretrained(..., safe_serialization=True))")
+    return ()
+
+
+def _cached_snapshot(repo_id: str) -> Path:
+    """The snapshot folder of a hub model already in the local HF cache; never touches the network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise LazyTrainError(f"model {repo_id!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                             f"and nothing is downloaded at run time; download it first: hf download {repo_id}"
+                             ) from None
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LazyTrainError(f"model {name!r}: cannot read {path} as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise LazyTrainError(f"model {name!r}: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _config(name: str, raw: dict[str, Any]) -> PretrainedConfig:
+    """The transformers config of a config.json dict, validated first (one-line errors naming the key)."""
+    from transformers import AutoConfig
+
+    validate_model_config(raw, name)
+    if "model_type" not in raw:
+        raise LazyTrainError(f"model {name!r}: its config has no model_type; is it a Hugging Face config.json?")
+    try:
+        config = AutoConfig.for_model(**{k: v for k, v in raw.items() if not k.startswith("_")})
+    except (ValueError, TypeError, KeyError) as err:
+        raise LazyTrainError(f"model {name!r}: transformers cannot read its config ({_first_line(err)})") from None
+    config._name_or_path = name  # what reports print (a directory's name, a preset, a hub id)
+    return config
+
+
+# =====================================================================================================
+# 2. what transformers builds
+# =====================================================================================================
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The causal LM `transformers` builds from `config`, on the meta device (shapes only, no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if config._attn_implementation_internal else {"attn_implementation": DEFAULT_ATTENTION}
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
+        raise LazyTrainError(f"model {config._name_or_path!r}: transformers cannot build a causal LM from its "
+                             f"config ({_first_line(err)})") from None
+
+
+def built_spec(config: PretrainedConfig, model: PreTrainedModel | None = None) -> ModelSpec:
+    """The ModelSpec of `config`, checked against the model transformers builds (meta device unless given):
+    the total and per-layer parameter counts must agree, since admission and the plan are sized from them."""
+    name = str(config._name_or_path or config.model_type)
+    spec = ModelSpec.from_config(config, name=name)
+    model = model if model is not None else meta_model(config)
+    built = sum(p.numel() for p in model.parameters())
+    base = getattr(model, model.base_model_prefix, None)
+    layers = list(getattr(base, "layers", []))
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    if built != spec.num_params or per_layer != list(spec.layer_params):
+        raise LazyTrainError(
+            f"model {name!r}: transformers builds {type(model).__name__} with {built:,} parameters in {len(layers)} "
+            f"layers but LazyTrain reads {spec.num_params:,} in {spec.num_layers} layers from its config "
+            "(model_type and its keys disagree, e.g. a multimodal model_type with flat text keys); fix the config"
+        )
+    return spec
+
+
+# =====================================================================================================
+# 3. weights into host memory
+# =====================================================================================================
+def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
+               model: PreTrainedModel | None = None) -> PreTrainedModel:
+    """The fp32 host model of `source`, in train mode: its weights, or a seeded random init from the config.
+
+    `model`: the meta model `built_spec` already checked (built again when None).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if init not in INITS:
+        raise LazyTrainError(f"init {init!r} is not one of {', '.join(INITS)}")
+    if init == "auto" and source.needs_weights and not source.weight_files:
+        raise LazyTrainError(f"model {source.name!r}: {source.directory} has no {SINGLE_FILE} or {INDEX_FILE}; "
+                             "point at a model with weights, or set init: random to train from the config alone")
+    if init == "random" or not source.weight_files:
+        kwargs = {} if source.config._attn_implementation_internal else {"attn_implementation": DEFAULT_ATTENTION}
+        torch.manual_seed(seed)
+        built = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, **kwargs)
+    else:
+        built = materialize(model if model is not None else meta_model(source.config), source.weight_files,
+                            source.name)
+    built.config.use_cache = False
+    return built.train()
+
+
+def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> PreTrainedModel:
+    """Fill a meta model's parameters, fp32 on the host, from safetensors files, one tensor at a time.
+
+    Each file is memory-mapped by `safe_open` while its tensors are copied (and converted) into freshly
+    allocated fp32 parameters, so the host holds the model once plus one tensor in flight. Tied parameters
+    (one Parameter under two names) are filled once, from whichever name the file stores.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # id(param) -> every (module, attribute) holding it
+    params: dict[int, torch.nn.Parameter] = {}
+    key_to_param: dict[str, int] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            params[id(p)] = p
+            owners.setdefault(id(p), []).append((module, attr))
+            key_to_param[f"{module_name}.{attr}" if module_name else attr] = id(p)
+    buffer_keys = {k for k, _ in model.named_buffers()}
+    loaded: set[int] = set()
+
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    pid = key_to_param.get(key)
+                    if pid is None:
+                        if key in buffer_keys:
+                            _load_buffer(model, key, f.get_tensor(key), path, name)
+                        continue  # not a parameter of this model (e.g. an old rotary buffer): as from_pretrained
+                    if pid in loaded:
+                        continue  # the other name of a tied parameter
+                    meta = params[pid]
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(meta.shape):
+                        raise LazyTrainError(
+                            f"model {name!r}: tensor {key} in {path.name} has shape {list(shape)} but the config "
+                            f"makes it {list(meta.shape)}; the weights do not belong to this config")
+                    value = torch.empty(shape, dtype=torch.float32)
+                    value.copy_(f.get_tensor(key))  # the mapped (bf16/fp32) tensor, converted as it is copied
+                    if not bool(torch.isfinite(value).all()):
+                        bad = int((~torch.isfinite(value)).sum())
+                        raise LazyTrainError(f"model {name!r}: tensor {key} in {path.name} holds {bad:,} non-finite "
+                                             "values (NaN or inf); these weights cannot be trained from")
+                    param = torch.nn.Parameter(value, requires_grad=meta.requires_grad)
+                    param._is_hf_initialized = True  # initialize_weights below leaves it alone
+                    for module, attr in owners[pid]:
+                        module._parameters[attr] = param
+                    loaded.add(pid)
+        except SafetensorError as err:
+            raise LazyTrainError(f"model {name!r}: {path} is not a readable safetensors file ({_first_line(err)}); "
+                                 "it is truncated or corrupt: copy or download it again") from None
+        except OSError as err:
+            raise LazyTrainError(f"model {name!r}: cannot read {path} ({err.strerror or err})") from None
+
+    missing = [k for k, pid in key_to_param.items() if pid not in loaded]
+    if missing:
+        raise LazyTrainError(f"model {name!r}: {len(missing)} tensor(s) of the model are missing from its weights "
+                             f"(first: {missing[0]}); a shard is missing, or the weights belong to another config")
+    # Buffers: real (empty) tensors, then recomputed by the model's own init as from_pretrained does; loaded
+    # parameters carry _is_hf_initialized, so only the buffers are touched.
+    for module in model.modules():
+        for attr, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[attr] = torch.empty_like(b, device="cpu")
+                module.__dict__.pop("_is_hf_initialized", None)  # so initialize_weights visits it
+    model.initialize_weights()
+    return model
+
+
+def _load_buffer(model: PreTrainedModel, key: str, value: torch.Tensor, path: Path, name: str) -> None:
+    """A persistent buffer stored in the checkpoint (rare in decoder LMs): copied, marked initialised."""
+    module_name, _, attr = key.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._buffers[attr]
+    if tuple(value.shape) != tuple(old.shape):
+        raise LazyTrainError(f"model {name!r}: buffer {key} in {path.name} has shape {list(value.shape)} but the "
+                             f"config makes it {list(old.shape)}")
+    buffer = value.to(old.dtype).clone()
+    buffer._is_hf_initialized = True
+    module._buffers[attr] = buffer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

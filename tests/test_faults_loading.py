@@ -1,0 +1,227 @@
+"""Model loading and config validation: exact loads, and every bad model a one-line error (exit 2 from the CLI).
+
+Fault injection on real files: truncated, empty and corrupt safetensors, shapes that disagree with the config,
+a missing tensor or shard, NaN weights, a directory without weights, a hub id not in the cache, a config
+transformers reads differently from LazyTrain (the multimodal-wrapper case), and invalid shape keys.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from lazytrain.cli import main
+from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.weights import built_spec, load_model, resolve_model
+from lazytrain.spec.model import MAX_LAYERS, ModelSpec
+
+RNG = random.Random(20261203)
+TRAIN = ["--corpus", "zen", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--eval-batches", "0",
+         "--no-progress", "--device", "cpu"]
+
+
+def _config(model_type: str = "llama", **over: object) -> transformers.PretrainedConfig:
+    heads = RNG.choice([2, 4])
+    dims = dict(vocab_size=RNG.randrange(260, 400), hidden_size=heads * RNG.choice([8, 16]),
+                intermediate_size=RNG.randrange(40, 90), num_hidden_layers=RNG.randrange(2, 4),
+                num_attention_heads=heads, num_key_value_heads=RNG.choice([1, 2]), max_position_embeddings=64)
+    return transformers.AutoConfig.for_model(model_type, **{**dims, **over})
+
+
+def _save(path: Path, config: transformers.PretrainedConfig, shard: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(RNG.randrange(2**31))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    for p in model.parameters():  # fresh values everywhere (norm gains start at 1, biases at 0)
+        p.data.normal_(0, 0.1)
+    model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
+    return model
+
+
+def _one_line_error(fn, *needles: str) -> str:
+    with pytest.raises(LazyTrainError) as err:
+        fn()
+    text = str(err.value)
+    assert "\n" not in text, text
+    for needle in needles:
+        assert needle in text, text
+    return text
+
+
+def _load(path: Path, init: str = "auto") -> torch.nn.Module:
+    return load_model(resolve_model(str(path)), init=init)
+
+
+# ---- exact loads ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type, shard, tied", [("llama", None, False), ("qwen2", "40KB", True),
+                                                     ("qwen3", "40KB", False), ("mistral", None, True)])
+def test_loaded_model_equals_from_pretrained(tmp_path, model_type, shard, tied):
+    config = _config(model_type, tie_word_embeddings=tied)
+    saved = _save(tmp_path, config, shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard)
+    model = _load(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert model.config._attn_implementation == "sdpa" and model.training
+    for (name, p), q in zip(model.named_parameters(), saved.parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q), name
+    for (name, b), r in zip(model.named_buffers(), reference.buffers(), strict=True):
+        assert torch.equal(b, r), name  # rotary frequencies recomputed, not left uninitialised
+    ids = torch.randint(0, config.vocab_size, (2, RNG.randrange(5, 20)))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_bf16_weights_become_fp32_parameters(tmp_path):
+    saved = _save(tmp_path, _config())
+    saved.to(torch.bfloat16).save_pretrained(tmp_path)
+    model = _load(tmp_path)
+    for p, q in zip(model.parameters(), saved.parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q.float())
+
+
+def test_init_random_builds_from_the_config_alone(tmp_path):
+    config = _config()
+    config.save_pretrained(tmp_path)
+    _one_line_error(lambda: _load(tmp_path), "has no model.safetensors", "init: random")
+    model = _load(tmp_path, init="random")
+    assert sum(p.numel() for p in model.parameters()) == ModelSpec.from_config(config).num_params
+    _load(tmp_path / "config.json")  # a config.json names a shape: random init without asking
+
+
+# ---- broken weight files ----------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage header"])
+def test_damaged_safetensors_are_one_line_errors(tmp_path, damage):
+    _save(tmp_path, _config())
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[:RNG.randrange(len(data) // 2, len(data) - 1)], "empty": b"",
+                         "garbage header": b"\xff" * 8 + data[8:]}[damage])
+    _one_line_error(lambda: _load(tmp_path), "model.safetensors", "truncated or corrupt")
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    config = _config()
+    _save(tmp_path, config)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["intermediate_size"] += 8
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    _one_line_error(lambda: _load(tmp_path), "mlp", "has shape", "do not belong to this config")
+
+
+def test_missing_tensor_is_refused_not_random_initialised(tmp_path):
+    _save(tmp_path, _config())
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    dropped = RNG.choice(sorted(k for k in state if ".layers." in k))
+    del state[dropped]
+    save_file(state, weights, metadata={"format": "pt"})
+    _one_line_error(lambda: _load(tmp_path), dropped, "missing from its weights")
+
+
+def test_missing_shard_is_refused(tmp_path):
+    _save(tmp_path, _config(), shard="40KB")
+    shard = RNG.choice(sorted(tmp_path.glob("model-*.safetensors")))
+    shard.unlink()
+    _one_line_error(lambda: _load(tmp_path), shard.name, "missing")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_at_load(tmp_path, bad):
+    _save(tmp_path, _config())
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    key = RNG.choice(sorted(state))
+    flat = state[key].view(-1)
+    flat[RNG.randrange(flat.numel())] = bad
+    save_file(state, weights, metadata={"format": "pt"})
+    _one_line_error(lambda: _load(tmp_path), key, "non-finite")
+
+
+def test_pickle_only_directory_says_safetensors(tmp_path):
+    _config().save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0")
+    _one_line_error(lambda: _load(tmp_path), "safetensors")
+
+
+# ---- the hub cache, offline -----------------------------------------------------------------------
+def test_hub_id_from_the_cache_only(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _one_line_error(lambda: resolve_model("someone/not-cached"), "not in the local Hugging Face cache",
+                    "hf download someone/not-cached")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    snapshot = repo / "snapshots" / commit
+    saved = _save(snapshot, _config())
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    source = resolve_model("someone/tiny")
+    assert source.kind == "hub" and source.directory == snapshot
+    model = load_model(source)
+    for p, q in zip(model.parameters(), saved.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# ---- admission counts what transformers builds -----------------------------------------------------
+def test_a_config_transformers_reads_differently_is_refused_naming_both_counts(tmp_path, capsys):
+    """model_type qwen3_5 with flat text keys: transformers builds its default 9 B text model, not these shapes."""
+    flat = {"model_type": "qwen3_5", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    small = ModelSpec.from_config(flat).num_params
+    text = _one_line_error(lambda: built_spec(resolve_model(str(tmp_path)).config), f"{small:,}",
+                           "transformers builds Qwen3_5ForCausalLM")
+    assert int(text.split("with ")[1].split(" parameters")[0].replace(",", "")) > 1e9
+    for argv in (["plan", "--model", str(tmp_path), "--batch-size", "1"],
+                 ["train", "--model", str(tmp_path / "config.json"), "--output-dir", str(tmp_path / "run"), *TRAIN]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and f"{small:,}" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---- one config validator for plan and train ---------------------------------------------------------
+BAD_KEYS = {
+    "num_key_value_heads": 0,
+    "hidden_size": 64.5,
+    "num_attention_heads": 5,  # divides neither the hidden size nor by the kv heads
+    "intermediate_size": 10**30,  # overflows a float's exact range
+    "num_hidden_layers": MAX_LAYERS + 1,
+    "vocab_size": True,
+}
+
+
+@pytest.mark.parametrize("key", list(BAD_KEYS))
+def test_invalid_shapes_are_refused_by_plan_and_train_naming_the_key(tmp_path, capsys, key):
+    raw = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, key: BAD_KEYS[key]}
+    _one_line_error(lambda: ModelSpec.from_config(raw), key)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    for argv in (["plan", "--model", str(tmp_path / "config.json"), "--batch-size", "1"],
+                 ["train", "--model", str(tmp_path / "config.json"), "--output-dir", str(tmp_path / "run"), *TRAIN]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and key in err, err
+
+
+def test_train_cli_damaged_weights_exit_2_without_a_traceback(tmp_path):
+    """A subprocess, as a user runs it: one `error:` line on stderr, exit 2, nothing written."""
+    _save(tmp_path / "model", _config(vocab_size=300))
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "lazytrain.cli", "train", "--model", str(tmp_path / "model"),
+                           "--output-dir", str(out), *TRAIN], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and not (out / "metrics.jsonl").exists()
