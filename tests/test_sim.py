@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan, Prediction
+from lazytrain.plan.schedule import program_for
 from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
@@ -175,20 +176,55 @@ def test_device_peak_of_keep_all_two_layers_by_hand() -> None:
     assert simulate(_plan(["gpu"] * 3), cost).peak_bytes["gpu"] == expected
 
 
+def _peak_by_hand(tiers: list[str], A: int, W: int, working: list[int], head_working: int, constant: int) -> int:
+    """The executor's allocations replayed in order, written out independently of plan/schedule.py."""
+    L = len(tiers) - 1
+    used = peak = 0
+
+    def add(n: int) -> None:
+        nonlocal used, peak
+        used += n
+        peak = max(peak, used)
+
+    add(2 * W + A + constant)  # weight slots, boundary 0, constants
+    for j in range(L):
+        add(working[j] + A)  # working set, then boundary j+1 appears
+        used -= working[j]
+        if j > 0 and tiers[j] != "gpu":
+            used -= A  # boundary j leaves the device once consumed (offloaded or dropped)
+    kept = [i for i, t in enumerate(tiers) if t != "recompute"]
+    segments = list(zip(kept[:-1], kept[1:], strict=True))
+    add(2 * W)  # gradient slots
+    if tiers[segments[-1][0]] in ("cpu", "nvme"):
+        add(A)  # reload of the last segment's start, issued as the head starts
+    add(head_working + A)  # head working set, d(boundary L)
+    used -= head_working
+    for idx in range(len(segments) - 1, -1, -1):
+        s, e = segments[idx]
+        if idx > 0 and tiers[segments[idx - 1][0]] in ("cpu", "nvme"):
+            add(A)  # reload of the previous segment's start, one segment ahead
+        for j in range(s, e - 1):
+            add(working[j] + A)
+            used -= working[j]
+        for j in range(e - 1, s - 1, -1):
+            add(working[j] + A)  # working set, d(boundary j)
+            used -= working[j] + 2 * A  # boundary j+1 and its gradient
+    return peak
+
+
 @settings(max_examples=30, deadline=None)
 @given(tiers=tiers_strategy, seed=st.integers(0, 2**31))
 def test_device_peak_equals_the_executor_accounting(tiers: list[str], seed: int) -> None:
-    executor = pytest.importorskip("lazytrain.runtime.executor")
     rng = random.Random(seed)
     L = len(tiers) - 1
     working = [rng.randrange(1, 400) for _ in range(L)]
     cost = synthetic(L, forward=0.1, weight_bytes=rng.randrange(100, 1000), act_bytes=rng.randrange(10, 300),
                      working=working, head_working=rng.randrange(1, 400),
                      links_gbps={"h2d_gbps": 1e-6, "d2h_gbps": 2e-6})  # the peak must not depend on speeds
-    sizes = executor.MemorySizes(boundary_bytes=cost.boundary_bytes[0], slot_bytes=cost.slot_bytes,
-                                 working_bytes=tuple(working), head_working_bytes=cost.head_working_bytes,
-                                 constant_bytes=cost.constant_device_bytes)
-    assert simulate(_plan(tiers), cost).peak_bytes["gpu"] == executor.predict_device_peak(tiers, sizes)
+    by_hand = _peak_by_hand(tiers, cost.boundary_bytes[0], cost.slot_bytes, working, cost.head_working_bytes,
+                            cost.constant_device_bytes)
+    assert simulate(_plan(tiers), cost).peak_bytes["gpu"] == by_hand
+    assert program_for(_plan(tiers), cost).device_peak_bytes() == by_hand
 
 
 def test_host_and_nvme_peaks_count_offloaded_boundaries() -> None:

@@ -1,43 +1,19 @@
-"""Simulator: replay a Plan on a CostModel as concurrent FIFO streams; predict step time, stalls and memory peaks.
+"""Simulator: time the step program (plan/schedule.py, Contract 2) on a CostModel; predict step time, stalls, peaks.
 
-The step schedule is the shared one (Contract 2; docs/cost_model.md) exactly as the executor runs it
-(`lazytrain.runtime.executor`): one host thread drives the *compute* stream and issues copies and jobs to
-five FIFO streams — h2d, d2h, nvme_read, nvme_write and the CPU *optimizer*. A stream runs its jobs in
-the order they were issued; a job whose `after` dependencies are not done blocks its stream (head-of-line,
-like a CUDA stream waiting on an event or the emulated device's link thread). Compute blocks only where
-the program waits on an event, and the seconds it waits are charged to that event's stream ("exposed").
-Because every job is issued in program order at the host thread's current time, one pass in program order
-computes every start and end exactly (no event queue is needed).
+The program is the executor's: one host thread runs the compute ops and issues jobs to five FIFO lanes -- h2d,
+d2h, nvme_read, nvme_write and the host *optimizer* lane. A lane runs its jobs in the order they were issued;
+a job whose `after` ops are not done blocks its lane (head-of-line, like a CUDA stream waiting on an event or
+the emulated device's link thread). Compute blocks only at the program's waits, and the seconds it waits are
+charged to the awaited op's lane ("exposed"). Every job is issued in program order at the host thread's
+current time, so one pass over the actions computes every start and end exactly (no event queue is needed).
+Op seconds: compute from the CostModel's per-layer times; link ops bytes / rate; host jobs the gradient
+accumulation and, in overlap mode, the group's optimizer step (a tied head's group completes at the
+embedding backward); mode "serial" ends with the whole optimizer step (MegaTrain's code).
 
-Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
-s..e-2, backward e-1..s; use u streams into weight slot u % 2):
-  start     allocate 2 weight slots and boundary 0; h2d boundary 0; h2d weights of use 0; wait for
-            boundary 0; allocate the constants (rotary tables, positions).
-  use u     issue h2d of use u+1's weights (its slot was freed by use u-1), wait for use u's weights.
-  forward   F_j: reserve working set, compute, boundary j+1 appears, release working set; if boundary j is
-            not gpu (j > 0): wait for its d2h (if offloaded), free it; if boundary j+1 is cpu/nvme: d2h it
-            (nvme: then nvme_write after the d2h).
-  head      allocate 2 gradient slots; reload the last segment's start boundary; use; reserve the head
-            working set, allocate the gradient of boundary L, compute (forward + backward, chunked); d2h the
-            head's gradients into the host staging, then an optimizer-stream job that adds them into .grad.
-  backward  per segment (s, e), last first: reload the previous segment's start boundary (nvme_read after
-            its write, then h2d; or h2d after its d2h), wait for boundary s's reload; R_s..R_{e-2}: use,
-            reserve, compute, boundary j+1 appears, release; B_{e-1}..B_s: use, reserve, compute, the
-            gradient of boundary j appears, wait for the d2h of gradient producer g-2 (two gradient slots),
-            release, d2h the weight gradients + an optimizer-stream job adding them into .grad, free boundary
-            j+1 and its gradient.
-  end       d2h the gradient of boundary 0, an optimizer-stream job for the embedding backward, wait for that
-            d2h, free boundary 0 and its gradient; wait for every issued job (forward_backward returns:
-            `forward_backward_s`); mode "serial": then the optimizer step of all parameters on the host
-            thread (MegaTrain's code). Mode "overlap": each optimizer-stream job also runs that group's
-            optimizer step, as soon as the group's gradients are in (the executor's optimizer hook; a tied
-            head's group completes at the embedding backward; clipping off, or computed without holding the
-            steps). The next step's forward never overlaps this one.
-
-Memory. Device bytes change at the program points above, in program order, so the device peak does not
-depend on link speeds and equals the executor's arena accounting (`predict_device_peak`). Host: the static
-host bytes plus every cpu-tier buffer (from its d2h issue) and nvme staging buffer, held to the end of the
-step (the executor recycles them across steps). NVMe: each spill file from its write start to step end.
+Memory. Device bytes change at the program's alloc/free actions, so the device peak does not depend on link
+speeds and equals `StepProgram.device_peak_bytes` and the executor's arena. Host: the static host bytes plus
+every cpu-tier buffer (from its d2h issue) and nvme staging buffer, held to the end of the step (the executor
+recycles them across steps). NVMe: each spill file from its write start to step end.
 """
 
 from __future__ import annotations
@@ -46,12 +22,11 @@ from dataclasses import dataclass, field
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan, Prediction
+from lazytrain.plan.schedule import OPTIMIZER_MODES, STALL_LANES, Op, StepProgram, program_for
 from lazytrain.spec.cost import CostModel
 
-STREAMS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
-STALL_STREAMS = STREAMS[1:]
-OPTIMIZER_MODES = ("overlap", "serial")
-OFFLOADED = ("cpu", "nvme")
+STREAMS = ("compute", *STALL_LANES)
+STALL_STREAMS = STALL_LANES
 
 
 @dataclass(frozen=True)
@@ -141,161 +116,79 @@ def _seconds(num_bytes: float, bytes_per_s: float) -> float:
     return 0.0 if num_bytes == 0 else num_bytes / bytes_per_s  # inf rate -> 0.0
 
 
-def simulate(plan: Plan, cost: CostModel, *, optimizer_mode: str = "overlap") -> SimResult:
-    """Replay `plan` on `cost`; see the module docstring for the exact program and memory accounting."""
+def op_seconds(op: Op, cost: CostModel, overlap: bool) -> float:
+    """Seconds of one program op on `cost` (link ops: bytes over the link rate; host ops: accumulation and, in
+    overlap mode, the group's optimizer step)."""
+    c, k, j = cost, op.kind, op.target
+    if op.lane == "compute":
+        return {"forward": c.forward_s, "recompute": c.forward_s, "backward": c.backward_s}[k][j] if k != "head" \
+            else c.head_s
+    if op.lane in RATES:
+        return _seconds(op.num_bytes, getattr(c, RATES[op.lane]))
+    tied = c.spec.tie_word_embeddings
+    if k == "land" and j == c.num_layers:  # a tied head's group completes only at the embedding backward
+        return c.head_accumulate_s + (c.head_optimizer_s if overlap and not tied else 0.0)
+    if k == "land":
+        return c.accumulate_s[j] + (c.optimizer_s[j] if overlap else 0.0)
+    if k == "embedding":
+        return c.embedding_accumulate_s + ((c.embedding_optimizer_s + (c.head_optimizer_s if tied else 0.0))
+                                           if overlap else 0.0)
+    if k == "step":
+        return c.total_optimizer_s
+    raise LazyTrainError(f"the simulator has no time for op {op.name!r} on lane {op.lane!r}")
+
+
+RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
+         "nvme_write": "nvme_write_bytes_per_s"}
+
+
+def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str = "overlap") -> SimResult:
+    """Time the step program of `plan` (or a program) on `cost`; see the module docstring."""
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
-    L = cost.num_layers
-    if plan.num_layers != L:
-        raise LazyTrainError(f"plan has {plan.num_layers} layers but the cost model has {L}")
-    c, tiers, segments = cost, plan.tiers, plan.segments()
-    A, W = c.boundary_bytes, c.slot_bytes
-    overlap = optimizer_mode == "overlap"
+    if isinstance(plan, StepProgram):
+        program = plan
+    else:
+        if plan.num_layers != cost.num_layers:
+            raise LazyTrainError(f"plan has {plan.num_layers} layers but the cost model has {cost.num_layers}")
+        program = program_for(plan, cost, optimizer_mode=optimizer_mode)
+    overlap = program.optimizer_mode == "overlap"
     r = _Replay()
-    pending: list[_Job] = []  # every job the step waits for before returning, in issue order
-
-    uses: list[tuple[str, int]] = [("F", j) for j in range(L)] + [("H", L)]
-    for s, e in reversed(segments):
-        uses += [("R", j) for j in range(s, e - 1)] + [("B", j) for j in range(e - 1, s - 1, -1)]
-    weights: dict[int, _Job] = {}
-
-    def issue_weights(u: int) -> None:
-        if u < len(uses) and u not in weights:
-            kind, j = uses[u]
-            nbytes = c.head_param_bytes if kind == "H" else c.param_bytes[j]
-            label = "head" if kind == "H" else f"{kind}{j}"
-            weights[u] = r.issue("h2d", f"weights {label}", _seconds(nbytes, c.h2d_bytes_per_s), nbytes)
-
-    def begin_use(u: int) -> None:
-        issue_weights(u)
-        issue_weights(u + 1)  # prefetch into the other slot, overlapping use u
-        r.wait(weights.pop(u))
-
-    offload_d2h: dict[int, _Job] = {}
-    host_ready: dict[int, _Job] = {}
-    reloads: dict[int, tuple[_Job, ...]] = {}
+    jobs: dict[int, _Job] = {}
     host_activation = 0
-
-    def offload(i: int) -> None:
-        nonlocal host_activation
-        d2h = r.issue("d2h", f"offload {i}", _seconds(A[i], c.d2h_bytes_per_s), A[i])
-        offload_d2h[i] = d2h
-        r.mem("cpu", A[i])  # the host buffer: cpu-tier store or nvme staging, recycled across steps
-        if tiers[i] == "cpu":
-            host_ready[i] = d2h
-            host_activation += A[i]
+    r.mem("cpu", cost.static_host_bytes())
+    forward_backward_s = None
+    for action in program.actions:
+        if action.verb == "alloc":
+            r.mem("gpu", action.num_bytes)
+        elif action.verb == "free":
+            r.mem("gpu", -action.num_bytes)
+        elif action.verb == "run":
+            op = program.ops[action.op]
+            r.compute(op.name, op_seconds(op, cost, overlap))
+        elif action.verb == "wait":
+            r.wait(jobs[action.op])
         else:
-            write = r.issue("nvme_write", f"spill {i}", _seconds(A[i], c.nvme_write_bytes_per_s), A[i], after=(d2h,))
-            r.mem("nvme", A[i], at=write.start)
-            host_ready[i] = write
-            pending.append(write)
-
-    def reload(i: int) -> None:
-        if tiers[i] not in OFFLOADED or i in reloads:
-            return
-        after = host_ready[i]
-        jobs: tuple[_Job, ...] = ()
-        if tiers[i] == "nvme":
-            read = r.issue("nvme_read", f"read {i}", _seconds(A[i], c.nvme_read_bytes_per_s), A[i], after=(after,))
-            jobs, after = (read,), read
-        r.mem("gpu", A[i])  # the device buffer is allocated when the reload is issued
-        jobs += (r.issue("h2d", f"reload {i}", _seconds(A[i], c.h2d_bytes_per_s), A[i], after=(after,)),)
-        reloads[i] = jobs
-
-    def send_grads(name: str, nbytes: int, host_s: float) -> _Job:
-        d2h = r.issue("d2h", f"grads {name}", _seconds(nbytes, c.d2h_bytes_per_s), nbytes)
-        pending.append(d2h)
-        pending.append(r.issue("optimizer", f"land {name}", host_s, after=(d2h,)))
-        return d2h
-
-    # ---- step start -------------------------------------------------------------------------------
-    r.mem("cpu", c.static_host_bytes())
-    r.mem("gpu", 2 * W)  # weight slots
-    r.mem("gpu", A[0])  # boundary 0
-    upload0 = r.issue("h2d", "boundary 0", _seconds(A[0], c.h2d_bytes_per_s), A[0])
-    issue_weights(0)
-    r.wait(upload0)
-    r.mem("gpu", c.constant_device_bytes)
-
-    # ---- forward ----------------------------------------------------------------------------------
-    u = 0
-    for j in range(L):
-        begin_use(u)
-        r.mem("gpu", c.working_bytes[j])
-        r.compute(f"F{j}", c.forward_s[j])
-        r.mem("gpu", A[j + 1])
-        r.mem("gpu", -c.working_bytes[j])
-        if j > 0 and tiers[j] != "gpu":
-            r.wait(offload_d2h.get(j))  # an offloaded boundary leaves the device once its d2h is done
-            r.mem("gpu", -A[j])
-        if tiers[j + 1] in OFFLOADED:
-            offload(j + 1)
-        u += 1
-
-    # ---- loss head --------------------------------------------------------------------------------
-    r.mem("gpu", 2 * W)  # gradient slots
-    reload(segments[-1][0])
-    begin_use(u)
-    r.mem("gpu", c.head_working_bytes)
-    r.mem("gpu", A[L])  # gradient of boundary L
-    r.compute("H", c.head_s)
-    r.mem("gpu", -c.head_working_bytes)
-    # a tied head's group (final norm + the shared embedding weight) completes only at the embedding backward
-    tied = c.spec.tie_word_embeddings
-    head_step = c.head_optimizer_s if overlap and not tied else 0.0
-    grad_d2h = [send_grads("head", c.head_grad_bytes, c.head_accumulate_s + head_step)]
-    u += 1
-
-    # ---- backward ---------------------------------------------------------------------------------
-    for idx in range(len(segments) - 1, -1, -1):
-        s, e = segments[idx]
-        if idx > 0:
-            reload(segments[idx - 1][0])  # one segment ahead
-        for job in reloads.pop(s, ()):
-            r.wait(job)
-        for j in range(s, e - 1):  # regenerate boundaries s+1..e-1
-            begin_use(u)
-            r.mem("gpu", c.working_bytes[j])
-            r.compute(f"R{j}", c.forward_s[j])
-            r.mem("gpu", A[j + 1])
-            r.mem("gpu", -c.working_bytes[j])
-            u += 1
-        for j in range(e - 1, s - 1, -1):
-            begin_use(u)
-            r.mem("gpu", c.working_bytes[j])
-            r.compute(f"B{j}", c.backward_s[j])
-            r.mem("gpu", A[j])  # gradient of boundary j
-            if len(grad_d2h) >= 2:
-                r.wait(grad_d2h[-2])  # gradient slot of producer g-2 still draining
-            r.mem("gpu", -c.working_bytes[j])
-            host_s = c.accumulate_s[j] + (c.optimizer_s[j] if overlap else 0.0)
-            grad_d2h.append(send_grads(f"B{j}", c.grad_bytes[j], host_s))
-            r.mem("gpu", -2 * A[j + 1])  # boundary j+1 and its gradient
-            u += 1
-
-    # ---- end: embedding backward on the host, drain every stream ----------------------------------
-    grad0 = r.issue("d2h", "grad boundary 0", _seconds(A[0], c.d2h_bytes_per_s), A[0])
-    embedding_step = (c.embedding_optimizer_s + (c.head_optimizer_s if tied else 0.0)) if overlap else 0.0
-    pending.append(r.issue("optimizer", "embedding backward", c.embedding_accumulate_s + embedding_step,
-                           after=(grad0,)))
-    r.wait(grad0)
-    r.mem("gpu", -2 * A[0])  # boundary 0 and its gradient
-    for job in pending:
-        r.wait(job)
-    r.mem("gpu", -(4 * W + c.constant_device_bytes))
-    forward_backward_s = r.now
-    if not overlap:  # MegaTrain: the whole optimizer step after backward, nothing overlapping it
-        start = r.now
-        r.now += c.total_optimizer_s
-        r.exposed["optimizer"] += c.total_optimizer_s
-        r.jobs.append(_Job("optimizer", "optimizer step", start, r.now))
+            op = program.ops[action.op]
+            if op.kind == "step":
+                forward_backward_s = r.now
+            job = r.issue(op.lane, op.name, op_seconds(op, cost, overlap), op.num_bytes,
+                          after=tuple(jobs[a] for a in op.after))
+            jobs[op.index] = job
+            if op.kind == "offload":  # the host buffer: cpu-tier store or nvme staging, recycled across steps
+                r.mem("cpu", op.num_bytes)
+                if program.tiers[op.target] == "cpu":
+                    host_activation += op.num_bytes
+            elif op.kind == "spill":
+                r.mem("nvme", op.num_bytes, at=job.start)
     step_s = r.now
-
+    if forward_backward_s is None:
+        forward_backward_s = step_s
     busy = dict.fromkeys(STREAMS, 0.0)
     for job in r.jobs:
         busy[job.stream] += job.end - job.start
     events = tuple(Event(j.stream, j.name, j.start, j.end, j.num_bytes) for j in sorted(r.jobs, key=lambda j: j.start))
     return SimResult(step_s=step_s, forward_backward_s=forward_backward_s, compute_s=busy["compute"],
-                     tflops=c.tflops(step_s), tokens_per_s=c.tokens_per_s(step_s), exposed_s=dict(r.exposed),
+                     tflops=cost.tflops(step_s), tokens_per_s=cost.tokens_per_s(step_s), exposed_s=dict(r.exposed),
                      busy_s=busy, peak_bytes=dict(r.peak), memory_trace=r.trace, events=events,
-                     optimizer_mode=optimizer_mode, host_activation_bytes=host_activation)
+                     optimizer_mode=program.optimizer_mode, host_activation_bytes=host_activation)

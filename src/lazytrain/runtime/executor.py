@@ -1,35 +1,14 @@
 """The executor: runs one plan's training step exactly, streaming layers through a device (Contract 3).
 
-Schedule as implemented (see docs/executor.md and the shared schedule contract):
-
-Weights. Every use of a layer's weights (forward, recompute-forward, backward) or of the loss head's
-streams the group's packed host buffer into one of two device weight slots over h2d. Use k goes to
-slot k % 2; its copy is issued when use k-1 starts (slot k % 2 was freed by use k-2), so it overlaps
-use k-1's compute. Uses: forward 0..L-1, head, then per segment (s, e) from last to first:
-recompute s..e-2, backward e-1..s.
-
-Forward (no autograd). Boundary 0 = embedding rows gathered on the host, sent over h2d. Layer j
-computes boundary j+1. A `cpu` boundary is copied d2h into its host buffer at once; an `nvme` one is
-copied d2h and then written to a file on nvme_write. The device copy of boundary j (tier cpu, nvme
-or recompute) is freed once layer j's forward has consumed it, after its d2h has finished
-(compute waits for it: a d2h stall) -- a tensor being read by compute cannot be freed earlier.
-
-Loss head. The two gradient slots are allocated, the reload of the last segment's start boundary is
-issued, then final norm + LM head + cross-entropy run forward+backward in token chunks.
-
-Backward (Contract 2). For segment (s, e), last first: the reload (nvme_read then h2d, or h2d) of the
-previous segment's start boundary is issued; boundary s is waited for; layers s..e-2 rerun forward
-without autograd; then for j = e-1..s layer j reruns forward with autograd from boundary j and
-backpropagates d(boundary j+1); its weight gradients are copied into gradient slot g % 2 (waiting for
-that slot's previous d2h) and sent d2h; boundary j+1 and its gradient are freed. On the host the
-optimizer link adds each group's gradients into the fp32 `.grad` and, when the group is complete,
-calls the optimizer hook. Finally d(boundary 0) goes d2h and is scattered into the embedding's grad.
-
-Memory accounting (the device arena, and `predict_device_peak`): 2 weight slots and, from the loss
-head on, 2 gradient slots, each max(layer, head) parameter bytes in the compute dtype; boundary
-activations while on the device; boundary gradients (1, or 2 during a layer's backward); a layer's
-`working_bytes[j]` during each of its computes (forward, recompute, backward) and the head's during
-the head; and the per-step constants (rotary cos/sin, attention masks, positions).
+The step is the step program of the plan (`lazytrain.plan.schedule`, Contract 2): `_Step` runs its actions
+in order -- issue a job on a lane (h2d, d2h, nvme_read, nvme_write, optimizer), run a compute op, wait for a
+job (the seconds waited are that lane's stall), alloc/free a device buffer in the arena -- so the simulator,
+the device-memory count and this executor follow one schedule. Every transfer is issued in the window the
+plan names (its `transfers`; the defaults without them). Weights stream into two device slots, use k into
+slot k % 2; weight gradients leave through two gradient slots; activations are offloaded, spilled,
+reloaded and recomputed exactly as the program says; the optimizer lane adds each group's gradients into
+the fp32 `.grad` and, when the group is complete, calls the optimizer hook. The step's peak device bytes
+equal `StepProgram.device_peak_bytes()` (the arena counts exactly its alloc/free actions).
 """
 
 from __future__ import annotations
@@ -46,6 +25,7 @@ from torch import nn
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms
 from lazytrain.plan.plan import Plan
+from lazytrain.plan.schedule import Op, Shapes, StepProgram, build_program
 from lazytrain.runtime.device import Device, EmulatedDevice, Event, check_nvme_dir, check_nvme_space
 from lazytrain.runtime.hf import (
     DecoderParts,
@@ -92,7 +72,7 @@ class StepStats:
     wall_s: float
     stall_s: dict[str, float]  # compute blocked waiting on each stream: h2d, d2h, nvme_read, nvme_write, optimizer
     peak_device_bytes: int  # high-water mark of the device arena during the step
-    predicted_peak_device_bytes: int  # `predict_device_peak` for this plan and these sizes
+    predicted_peak_device_bytes: int  # the step program's alloc/free count for this plan and these sizes
     loss: float
     tokens: int
     forward_s: list[float] = field(default_factory=list)  # per layer: its first forward's compute seconds
@@ -107,70 +87,14 @@ class StepStats:
     # link as each group's gradients land (off the critical path; hand it to the optimizer's clipping).
     # None on micro-batches run with run_optimizer_hook=False (their gradients are not final yet).
     grad_norm: float | None = None
+    # The measured step, op by op: (lane, op name, start s, end s) from the step's start (compute: wall clock
+    # around each op; lanes: their jobs' events). Drawn as a trace beside the prediction (lazytrain.viz).
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
 
     @property
     def exposed_s(self) -> float:
         """Total seconds compute waited on any stream."""
         return sum(self.stall_s.values())
-
-
-@dataclass(frozen=True)
-class MemorySizes:
-    """The byte sizes the device accounting needs (the executor's own, or a CostModel's)."""
-
-    boundary_bytes: int  # A: one boundary activation (batch * seq * hidden * dtype bytes)
-    slot_bytes: int  # one weight (and one gradient) slot: max(layer, head) parameter bytes in compute dtype
-    working_bytes: tuple[int, ...]  # per layer: autograd working set reserved during each compute
-    head_working_bytes: int
-    constant_bytes: int = 0  # rotary cos/sin, attention masks and positions for the step
-
-
-def predict_device_peak(tiers: tuple[str, ...] | list[str], sizes: MemorySizes) -> int:
-    """Peak device bytes of one step of `tiers`, replaying the executor's allocations in order.
-
-    Deterministic: every free happens at a fixed point of the schedule (see the module docstring),
-    so the peak does not depend on link speeds.
-    """
-    tiers = tuple(tiers)
-    L = len(tiers) - 1
-    A, W = sizes.boundary_bytes, sizes.slot_bytes
-    used = peak = 0
-
-    def add(n: int) -> None:
-        nonlocal used, peak
-        used += n
-        peak = max(peak, used)
-
-    add(2 * W)  # weight slots
-    add(A)  # boundary 0
-    add(sizes.constant_bytes)
-    for j in range(L):
-        add(sizes.working_bytes[j])
-        add(A)  # boundary j+1
-        used -= sizes.working_bytes[j]
-        if j > 0 and tiers[j] != "gpu":
-            used -= A  # boundary j leaves the device once consumed (offloaded or dropped)
-    segments = _segments(tiers)
-    add(2 * W)  # gradient slots
-    if tiers[segments[-1][0]] in OFFLOADED:
-        add(A)  # reload of the last segment's start, issued as the head starts
-    add(sizes.head_working_bytes)
-    add(A)  # d(boundary L)
-    used -= sizes.head_working_bytes
-    for idx in range(len(segments) - 1, -1, -1):
-        s, e = segments[idx]
-        if idx > 0 and tiers[segments[idx - 1][0]] in OFFLOADED:
-            add(A)  # reload of the previous segment's start, one segment ahead
-        for j in range(s, e - 1):  # recompute s+1..e-1
-            add(sizes.working_bytes[j])
-            add(A)
-            used -= sizes.working_bytes[j]
-        for j in range(e - 1, s - 1, -1):
-            add(sizes.working_bytes[j])
-            add(A)  # d(boundary j)
-            used -= sizes.working_bytes[j]
-            used -= 2 * A  # boundary j+1 and its gradient
-    return peak
 
 
 def estimate_working_bytes(config: Any, batch: int, seq_len: int, dtype_bytes: int) -> int:
@@ -193,11 +117,6 @@ def estimate_head_working_bytes(config: Any, batch: int, seq_len: int, dtype_byt
     """Loss-head working set: one chunk's logits (fp32 and compute dtype) and its gradient, plus norms."""
     rows = min(chunk_tokens, batch * seq_len)
     return rows * (config.vocab_size * (2 * 4 + dtype_bytes) + 4 * config.hidden_size * dtype_bytes)
-
-
-def _segments(tiers: tuple[str, ...]) -> list[tuple[int, int]]:
-    kept = [i for i, t in enumerate(tiers) if t != "recompute"]
-    return list(zip(kept[:-1], kept[1:], strict=True))
 
 
 class Executor:
@@ -271,7 +190,7 @@ class Executor:
         return names + [g.name for g in self.layer_groups] + ["head"]
 
     # ---- accounting ---------------------------------------------------------------------------
-    def memory_sizes(self, batch: int, seq_len: int, *, masked: bool = False) -> MemorySizes:
+    def memory_sizes(self, batch: int, seq_len: int, *, masked: bool = False) -> Shapes:
         """The byte sizes of one step at this batch and sequence length (what the arena will count).
 
         masked: the steps pass an attention_mask or position_ids (padding, packing), which makes the positions,
@@ -289,13 +208,20 @@ class Executor:
         else:
             working = (estimate_working_bytes(config, batch, seq_len, dtype_bytes),) * self.parts.num_layers
             head_working = estimate_head_working_bytes(config, batch, seq_len, dtype_bytes, self.head_chunk_tokens)
-        return MemorySizes(
-            boundary_bytes=batch * seq_len * config.hidden_size * dtype_bytes,
-            slot_bytes=self.slot_numel * dtype_bytes,
+        L = self.parts.num_layers
+        return Shapes(
+            boundary_bytes=(batch * seq_len * config.hidden_size * dtype_bytes,) * (L + 1),
+            param_bytes=tuple(g.numel * dtype_bytes for g in self.layer_groups),
+            head_param_bytes=self.head_group.numel * dtype_bytes,
             working_bytes=working,
             head_working_bytes=head_working,
             constant_bytes=self.rotary.constant_bytes(batch, seq_len, dtype_bytes, masked),
         )
+
+    def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False) -> StepProgram:
+        """The step program this executor runs for a batch of this shape (the plan's tiers and windows)."""
+        return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked),
+                             transfers=self.plan.transfers, forward_only=forward_only)
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
         """The shared CostModel's byte sizes (working sets), so the planner, simulator and arena agree."""
@@ -313,7 +239,7 @@ class Executor:
         return self._default_costs[key]
 
     def predicted_peak_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> int:
-        return predict_device_peak(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked))
+        return self.program(batch, seq_len, masked=masked).device_peak_bytes()
 
     # ---- one step -----------------------------------------------------------------------------
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
@@ -339,8 +265,9 @@ class Executor:
         if self.plan.workload is not None:
             self.plan.check_matches(self.spec, Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype]))
         if "nvme" in self.plan.tiers:  # every nvme boundary of the forward waits on disk for the backward
-            boundary_bytes = self.memory_sizes(batch, seq_len).boundary_bytes
-            check_nvme_space(self.device.nvme_dir, self.plan.tiers.count("nvme") * boundary_bytes)
+            A = self.memory_sizes(batch, seq_len).boundary_bytes
+            spilled = sum(a for a, t in zip(A, self.plan.tiers, strict=True) if t == "nvme")
+            check_nvme_space(self.device.nvme_dir, spilled)
         step = _Step(self, input_ids, labels, attention_mask, position_ids, loss_scale, run_optimizer_hook,
                      None if num_tokens is None else int(num_tokens))
         try:
@@ -361,10 +288,11 @@ class Executor:
         self._check_inputs(input_ids, labels, attention_mask, position_ids)
         step = _Step(self, input_ids, labels, attention_mask, position_ids, 1.0, False, None, forward_only=True)
         try:
-            loss_sum, count = step.evaluate()
+            step.run()
         finally:
             step.cleanup()
-        return loss_sum, count
+        assert step.loss_sum is not None
+        return step.loss_sum
 
     def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
                       position_ids: torch.Tensor | None) -> tuple[int, int]:
@@ -384,7 +312,10 @@ class Executor:
 
 
 class _Step:
-    """The state of one forward_backward: what is on the device, pending events, measured stalls."""
+    """One forward_backward: runs the step program's actions in order (Contract 2, plan/schedule.py).
+
+    Each op kind has one handler below that does the real work; the arena counts exactly the program's
+    alloc/free actions, and every wait's seconds are charged to the awaited op's lane (`_wait`)."""
 
     def __init__(self, ex: Executor, input_ids: torch.Tensor, labels: torch.Tensor,
                  attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, loss_scale: float,
@@ -404,213 +335,162 @@ class _Step:
         self.grad_sq_norm = 0.0
         self.batch, self.seq_len = input_ids.shape
         masked = attention_mask is not None or position_ids is not None
-        self.sizes = ex.memory_sizes(self.batch, self.seq_len, masked=masked)
+        self.program = ex.program(self.batch, self.seq_len, masked=masked, forward_only=forward_only)
         self.stall: dict[str, float] = defaultdict(float)
         self.on_device: dict[int, torch.Tensor] = {}  # boundary -> device activation
         self.grads: dict[int, torch.Tensor] = {}  # boundary -> device gradient
-        self.offload_events: dict[int, Event] = {}  # boundary -> d2h (cpu) or d2h (nvme: then write)
-        self.host_ready: dict[int, Event] = {}  # boundary -> its host copy / file is complete
-        self.reload_events: dict[int, list[Event]] = {}  # boundary -> [nvme_read?, h2d]
-        self.weight_events: dict[int, Event] = {}  # use index -> h2d of its weights
-        self.grad_slot_events: dict[int, Event] = {}  # gradient-slot use -> its d2h
-        self.pending: list[Event] = []  # everything to wait for before the step ends
+        self.host: dict[int, torch.Tensor] = {}  # boundary -> its host buffer (cpu tier, nvme staging)
+        self.events: dict[int, Event] = {}  # op index -> its event
+        self.pending: list[Event] = []  # every issued event (waited for on cleanup after an error)
+        self.out: torch.Tensor | None = None  # the last compute's output, adopted by the next alloc
+        self.weight_grads: dict[str, torch.Tensor] = {}  # the last backward's weight gradients
+        self.loss: torch.Tensor | None = None
+        self.loss_sum: tuple[float, int] | None = None  # forward_only: (summed token loss, token count)
         self.reserved = 0
         self.allocated: list[torch.Tensor] = []
-        self.uses = self._weight_uses(forward_only)
         self.slots: list[torch.Tensor] = []
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
         self.arrivals: dict[int, int] = defaultdict(int)  # group index -> gradient parts landed
+        self.timeline: list[tuple[str, str, float, float]] = []  # compute ops: (lane, name, start, end)
         L = self.L
         self.stats = StepStats(wall_s=0.0, stall_s={}, peak_device_bytes=0,
-                               predicted_peak_device_bytes=predict_device_peak(self.tiers, self.sizes),
+                               predicted_peak_device_bytes=self.program.device_peak_bytes(),
                                loss=float("nan"), tokens=self.batch * self.seq_len,
                                forward_s=[0.0] * L, backward_s=[0.0] * L, recompute_s=[0.0] * L)
 
-    # ---- the schedule ---------------------------------------------------------------------------
-    def _weight_uses(self, forward_only: bool = False) -> list[tuple[str, int]]:
-        uses = [("forward", j) for j in range(self.L)] + [("head", self.L)]
-        if forward_only:
-            return uses
-        for s, e in reversed(_segments(self.tiers)):
-            uses += [("recompute", j) for j in range(s, e - 1)]
-            uses += [("backward", j) for j in range(e - 1, s - 1, -1)]
-        return uses
-
-    def _start(self) -> None:
-        """Weight slots, boundary 0 (embedding rows gathered on the host, sent h2d), the step's constants."""
+    # ---- the interpreter ------------------------------------------------------------------------
+    def run(self) -> torch.Tensor:
         ex, dev = self.ex, self.dev
         for group in [*ex.layer_groups, ex.head_group]:
             group.pack()  # bf16: refresh the streamed copy from the fp32 master weights
         dev.reset_peak()
         self.links_before = dev.link_stats()
         self.t_start = time.perf_counter()
-        dtype = ex.compute_dtype
-        self.slots = [self._alloc((ex.slot_numel,), dtype, "weight slot") for _ in range(2)]
-        rows = ex.parts.embedding.weight.detach()[self.input_ids].to(dtype)  # (B, S, H) on the host
-        if dev.torch_device.type == "cuda":
-            rows = rows.pin_memory()
-        boundary0 = self._alloc(tuple(rows.shape), dtype, "boundary 0")
-        ev0 = dev.copy("h2d", boundary0, rows, after=[dev.record_compute()])
-        self._issue_weights(0)
-        self._wait(ev0)
-        self.on_device[0] = boundary0
-        self.consts = ex.rotary.constants(boundary0, self.attention_mask, self.position_ids)
-        self._reserve(self.sizes.constant_bytes, "rotary tables and masks")
-
-    def evaluate(self) -> tuple[float, int]:
-        """Forward only: each boundary is dropped once the next exists; the chunked head sums the token losses."""
-        self._start()
-        for j in range(self.L):
-            self._forward_no_grad(j, j, f"boundary {j + 1}")
-            self._free(self.on_device.pop(j))
-        self._begin_use(self.L)
-        self._reserve(self.sizes.head_working_bytes, "loss head working set")
-        targets = shift_labels(self.labels).to(self.dev.torch_device)
-        loss_sum, count = head_loss_sum(self.ex.parts.norm, self._weights(self.L), self.on_device[self.L], targets,
-                                        self.ex.head_chunk_tokens)
-        self._unreserve(self.sizes.head_working_bytes)
-        self._free(self.on_device.pop(self.L))
-        self.dev.synchronize()
-        return float(loss_sum), count
-
-    def run(self) -> torch.Tensor:
-        ex, dev = self.ex, self.dev
-        dtype = ex.compute_dtype
-        self._start()
-
-        # ---- forward: layer j turns boundary j into boundary j+1, no autograd ----
-        k = 0
-        for j in range(self.L):
-            self.stats.forward_s[j] = self._forward_no_grad(j, k, f"boundary {j + 1}")
-            if j > 0 and self.tiers[j] != "gpu":
-                self._drop_boundary(j)  # consumed by layer j: offloaded copy done or recomputed later
-            if self.tiers[j + 1] in OFFLOADED:
-                self._offload(j + 1)
-            k += 1
-
-        # ---- loss head: gradient slots, first reload, chunked norm + LM head + cross-entropy ----
-        self.grad_slots = [self._alloc((ex.slot_numel,), dtype, "gradient slot") for _ in range(2)]
-        segments = _segments(self.tiers)
-        self._reload(segments[-1][0])
-        self._begin_use(k)
-        t0 = time.perf_counter()
-        self._reserve(self.sizes.head_working_bytes, "loss head working set")
-        hidden = self.on_device[self.L]
-        grad_hidden = self._alloc(tuple(hidden.shape), dtype, f"gradient of boundary {self.L}")
-        grad_slot = self._take_grad_slot()
-        head_grads = ex.head_group.views(grad_slot)
-        for g in head_grads.values():
-            g.zero_()
-        targets = shift_labels(self.labels).to(dev.torch_device)
-        loss = head_forward_backward(ex.parts.norm, self._weights(k), hidden, targets, grad_hidden, head_grads,
-                                     ex.head_chunk_tokens, self.loss_scale, self.num_tokens)
-        self._unreserve(self.sizes.head_working_bytes)
-        self.stats.head_s = time.perf_counter() - t0
-        self.grads[self.L] = grad_hidden
-        self._send_grads(ex.head_group, grad_slot, self._group_index("head"), parts=1 + ex.parts.tied)
-        k += 1
-
-        # ---- backward: segments last to first (Contract 2) ----
-        for idx in range(len(segments) - 1, -1, -1):
-            s, e = segments[idx]
-            if idx > 0:
-                self._reload(segments[idx - 1][0])  # one segment ahead
-            self._wait_reload(s)
-            for j in range(s, e - 1):  # regenerate s+1..e-1
-                self.stats.recompute_s[j] += self._forward_no_grad(j, k, f"boundary {j + 1} (recomputed)")
-                k += 1
-            for j in range(e - 1, s - 1, -1):
-                self._begin_use(k)
-                t0 = time.perf_counter()
-                self._reserve(self.sizes.working_bytes[j], f"layer {j} working set")
-                grad_in, weight_grads = layer_backward(ex.parts.layers[j], self._weights(k), self.on_device[j],
-                                                       self.grads[j + 1], self.consts, ex.parts.mask_kinds[j])
-                self.grads[j] = self._adopt(grad_in, f"gradient of boundary {j}")
-                grad_slot = self._take_grad_slot()
-                group = ex.layer_groups[j]
-                for name, flat in group.views(grad_slot).items():
-                    flat.copy_(weight_grads[name])
-                del weight_grads
-                self._unreserve(self.sizes.working_bytes[j])
-                self.stats.backward_s[j] = time.perf_counter() - t0
-                self._send_grads(group, grad_slot, self._group_index(f"layer.{j}"), parts=1)
-                self._free(self.on_device.pop(j + 1))
-                self._free(self.grads.pop(j + 1))
-                k += 1
-
-        # ---- embedding backward on the host: d(boundary 0) scattered into the embedding's grad ----
-        grad0 = self.grads[0]
-        host0 = self.ex.store.host_buffer(-1, tuple(grad0.shape), grad0.dtype)
-        ev = dev.copy("d2h", host0, grad0, after=[dev.record_compute()])
-        index = self._group_index("embedding") if not ex.parts.tied else self._group_index("head")
-        self.pending.append(dev.submit("optimizer", lambda: self._embedding_backward(host0, index), after=[ev]))
-        self._wait(ev)
-        self._free(self.grads.pop(0))
-        self._free(self.on_device.pop(0))
-
-        # ---- end of step: every gradient on the host, every optimizer hook done ----
-        for event in self.pending:
-            self._wait(event)
+        ops = self.program.ops
+        for action in self.program.actions:
+            if action.verb == "issue":
+                op = ops[action.op]
+                event = self._issue(op)
+                self.events[op.index] = event
+                self.pending.append(event)
+            elif action.verb == "run":
+                self._run(ops[action.op])
+            elif action.verb == "wait":
+                self._wait(self.events[action.op])
+            elif action.verb == "alloc":
+                self._alloc_buffer(*action.buffer, action.num_bytes)
+            else:
+                self._free_buffer(*action.buffer, action.num_bytes)
         dev.synchronize()
         self.stats.wall_s = time.perf_counter() - self.t_start
-        self.stats.loss = float(loss)
+        if self.loss is None:  # forward only: evaluate
+            return torch.tensor(float("nan"))
+        self.stats.loss = float(self.loss)
         self.stats.grad_norm = self.grad_sq_norm ** 0.5 if self.final_micro_batch else None
-        return loss.detach().cpu()
+        return self.loss.detach().cpu()
 
-    def _forward_no_grad(self, j: int, k: int, what: str) -> float:
-        """Layer j on weight use k without autograd: boundary j -> boundary j+1 on the device. Returns seconds."""
-        self._begin_use(k)
-        t0 = time.perf_counter()
-        self._reserve(self.sizes.working_bytes[j], f"layer {j} working set")
-        with torch.no_grad():
-            out = layer_forward(self.ex.parts.layers[j], self._weights(k), self.on_device[j], self.consts,
-                                self.ex.parts.mask_kinds[j])
-        self.on_device[j + 1] = self._adopt(out, what)
-        self._unreserve(self.sizes.working_bytes[j])
-        return time.perf_counter() - t0
+    # ---- compute ops ------------------------------------------------------------------------------
+    def _run(self, op: Op) -> None:
+        ex, j, t0 = self.ex, op.target, time.perf_counter()
+        weights = self._group_of(op).views(self.slots[op.use % 2])
+        if op.kind in ("forward", "recompute"):
+            with torch.no_grad():
+                self.out = layer_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
+                                         ex.parts.mask_kinds[j])
+        elif op.kind == "backward":
+            self.out, self.weight_grads = layer_backward(ex.parts.layers[j], weights, self.on_device[j],
+                                                         self.grads[j + 1], self.consts, ex.parts.mask_kinds[j])
+        elif op.kind == "loss":  # forward only: the chunked head sums the token losses
+            targets = shift_labels(self.labels).to(self.dev.torch_device)
+            loss_sum, count = head_loss_sum(ex.parts.norm, weights, self.on_device[self.L], targets,
+                                            ex.head_chunk_tokens)
+            self.loss_sum = (float(loss_sum), count)
+        else:  # the loss head writes its weight gradients straight into the next gradient slot
+            head_grads = ex.head_group.views(self.grad_slots[self.grad_uses % 2])
+            for g in head_grads.values():
+                g.zero_()
+            targets = shift_labels(self.labels).to(self.dev.torch_device)
+            self.loss = head_forward_backward(ex.parts.norm, weights, self.on_device[self.L], targets,
+                                              self.grads[self.L], head_grads, ex.head_chunk_tokens, self.loss_scale,
+                                              self.num_tokens)
+        t1 = time.perf_counter()
+        seconds = t1 - t0
+        if op.kind == "forward":
+            self.stats.forward_s[j] = seconds
+        elif op.kind == "recompute":
+            self.stats.recompute_s[j] += seconds
+        elif op.kind == "backward":
+            self.stats.backward_s[j] = seconds
+        elif op.kind == "head":
+            self.stats.head_s = seconds
+        self.timeline.append(("compute", op.name, t0 - self.t_start, t1 - self.t_start))
 
-    # ---- weights --------------------------------------------------------------------------------
-    def _group_of_use(self, k: int) -> WeightGroup:
-        kind, j = self.uses[k]
-        return self.ex.head_group if kind == "head" else self.ex.layer_groups[j]
+    # ---- lane ops -----------------------------------------------------------------------------------
+    def _issue(self, op: Op) -> Event:
+        dev, store, after = self.dev, self.ex.store, [self.events[a] for a in op.after]
+        i = op.target
+        if op.kind == "weights":  # into slot use % 2, after the compute that last read that slot
+            group = self._group_of(op)
+            return dev.copy("h2d", self.slots[op.use % 2][:group.numel], group.buffer, after=[dev.record_compute()])
+        if op.kind == "boundary0":  # the embedding rows, gathered on the host
+            rows = self.ex.parts.embedding.weight.detach()[self.input_ids].to(self.ex.compute_dtype)  # (B, S, H)
+            if dev.torch_device.type == "cuda":
+                rows = rows.pin_memory()
+            return dev.copy("h2d", self.on_device[0], rows, after=[dev.record_compute()])
+        if op.kind == "offload":
+            t = self.on_device[i]
+            self.host[i] = host = store.host_buffer(i, tuple(t.shape), t.dtype)
+            if self.tiers[i] == "cpu":
+                store.note_host(host.numel() * host.element_size())
+            return dev.copy("d2h", host, t, after=[dev.record_compute()])
+        if op.kind == "spill":
+            host = self.host[i]
+            return dev.submit("nvme_write", lambda: store.write(i, host), op.num_bytes, after=after)
+        if op.kind == "read":
+            host = self.host[i]
+            return dev.submit("nvme_read", lambda: store.read(i, host), op.num_bytes, after=after)
+        if op.kind == "reload":
+            # CUDA: the new block may be memory the compute stream freed but still reads; order after it
+            return dev.copy("h2d", self.on_device[i], self.host[i], after=[*after, dev.record_compute()])
+        if op.kind == "grads":
+            return self._send_grads(op)
+        if op.kind == "land":
+            group = self.ex.head_group if i == self.L else self.ex.layer_groups[i]
+            index = self._group_index("head" if i == self.L else f"layer.{i}")
+            parts = 1 + self.ex.parts.tied if i == self.L else 1
+            host = self.ex._grad_host[id(group)]
 
-    def _issue_weights(self, k: int) -> None:
-        """h2d of use k's weights into slot k % 2, after the compute that last read that slot."""
-        if k >= len(self.uses) or k in self.weight_events:
-            return
-        group = self._group_of_use(k)
-        dst = self.slots[k % 2][:group.numel]
-        self.weight_events[k] = self.dev.copy("h2d", dst, group.buffer, after=[self.dev.record_compute()])
+            def land() -> None:
+                group.accumulate_grads(host)
+                self._arrived(index, parts)
 
-    def _begin_use(self, k: int) -> None:
-        self._issue_weights(k)
-        self._issue_weights(k + 1)  # prefetch: overlaps use k's compute
-        self._wait(self.weight_events.pop(k))
+            return dev.submit("optimizer", land, after=after)
+        if op.kind == "grad0":
+            grad0 = self.grads[0]
+            self.host[-1] = store.host_buffer(-1, tuple(grad0.shape), grad0.dtype)
+            return dev.copy("d2h", self.host[-1], grad0, after=[dev.record_compute()])
+        if op.kind == "embedding":
+            index = self._group_index("embedding") if not self.ex.parts.tied else self._group_index("head")
+            host0 = self.host[-1]
+            return dev.submit("optimizer", lambda: self._embedding_backward(host0, index), after=after)
+        raise LazyTrainError(f"the executor cannot run op {op.name!r} (the optimizer step is its caller's)")
 
-    def _weights(self, k: int) -> dict[str, torch.Tensor]:
-        return self._group_of_use(k).views(self.slots[k % 2])
+    def _group_of(self, op: Op) -> WeightGroup:
+        return self.ex.head_group if op.target == self.L else self.ex.layer_groups[op.target]
 
     # ---- gradients ------------------------------------------------------------------------------
-    def _take_grad_slot(self) -> torch.Tensor:
-        g = self.grad_uses
+    def _send_grads(self, op: Op) -> Event:
+        """d2h of a group's gradients from gradient slot g % 2 (the program waited for its previous d2h)."""
+        group = self._group_of(op)
+        grad_slot = self.grad_slots[self.grad_uses % 2]
         self.grad_uses += 1
-        if g - 2 in self.grad_slot_events:  # slot still draining to the host
-            self._wait(self.grad_slot_events.pop(g - 2))
-        return self.grad_slots[g % 2]
-
-    def _send_grads(self, group: WeightGroup, grad_slot: torch.Tensor, index: int, parts: int) -> None:
-        """d2h of a group's gradients, then (optimizer link) accumulate into `.grad` and maybe run the hook."""
+        if op.target < self.L:  # a layer's weight gradients, from its backward
+            for name, flat in group.views(grad_slot).items():
+                flat.copy_(self.weight_grads[name])
+            self.weight_grads = {}
         host = self.ex._grad_host[id(group)]
-        ev = self.dev.copy("d2h", host, grad_slot[:group.numel], after=[self.dev.record_compute()])
-        self.grad_slot_events[self.grad_uses - 1] = ev
-        self.pending.append(ev)
-
-        def land() -> None:
-            group.accumulate_grads(host)
-            self._arrived(index, parts)
-
-        self.pending.append(self.dev.submit("optimizer", land, after=[ev]))
+        return self.dev.copy("d2h", host, grad_slot[:group.numel], after=[self.dev.record_compute()])
 
     def _embedding_backward(self, host_grad: torch.Tensor, index: int) -> None:
         emb = self.ex.parts.embedding
@@ -649,52 +529,37 @@ class _Step:
             return self.ex.layer_groups[int(name.split(".")[1])]
         return None
 
-    # ---- activations ------------------------------------------------------------------------------
-    def _offload(self, i: int) -> None:
-        """Boundary i leaves for the host (cpu) or the host and then a file (nvme), in the background."""
-        dev, store = self.dev, self.ex.store
-        t = self.on_device[i]
-        host = store.host_buffer(i, tuple(t.shape), t.dtype)
-        ev = dev.copy("d2h", host, t, after=[dev.record_compute()])
-        self.offload_events[i] = ev
-        if self.tiers[i] == "cpu":
-            store.note_host(host.numel() * host.element_size())
-            self.host_ready[i] = ev
+    # ---- the arena: the program's alloc/free actions ------------------------------------------------
+    def _alloc_buffer(self, kind: str, i: int, num_bytes: int) -> None:
+        ex, dtype = self.ex, self.ex.compute_dtype
+        shape = (self.batch, self.seq_len, ex.model.config.hidden_size)
+        if kind in ("weight_slots", "grad_slots"):
+            slots = [self._alloc((ex.slot_numel,), dtype, kind.replace("_", " ")) for _ in range(2)]
+            if kind == "weight_slots":
+                self.slots = slots
+            else:
+                self.grad_slots = slots
+        elif kind in ("working", "constants"):
+            if kind == "constants":
+                self.consts = ex.rotary.constants(self.on_device[0], self.attention_mask, self.position_ids)
+            self._reserve(num_bytes, "rotary tables and masks" if kind == "constants" else f"working set {i}")
+        elif self.out is not None:  # a compute's output: boundary i (forward, recompute) or its gradient
+            t, self.out = self._adopt(self.out, f"{kind} {i}"), None
+            (self.on_device if kind == "boundary" else self.grads)[i] = t
+        else:  # boundary 0, a reload's buffer, or the gradient of boundary L (the head writes into it)
+            (self.on_device if kind == "boundary" else self.grads)[i] = self._alloc(shape, dtype, f"{kind} {i}")
+
+    def _free_buffer(self, kind: str, i: int, num_bytes: int) -> None:
+        if kind == "boundary":
+            self._free(self.on_device.pop(i))
+        elif kind == "grad":
+            self._free(self.grads.pop(i))
+        elif kind in ("working", "constants"):
+            self._unreserve(num_bytes)
         else:
-            nbytes = host.numel() * host.element_size()
-            self.host_ready[i] = dev.submit("nvme_write", lambda: store.write(i, host), nbytes, after=[ev])
-            self.pending.append(self.host_ready[i])
+            for t in self.slots if kind == "weight_slots" else self.grad_slots:
+                self._free(t)
 
-    def _drop_boundary(self, i: int) -> None:
-        if i in self.offload_events:
-            self._wait(self.offload_events.pop(i))  # its d2h must be done before the device copy goes
-        self._free(self.on_device.pop(i))
-
-    def _reload(self, i: int) -> None:
-        """Bring offloaded boundary i back: nvme_read into its host buffer (nvme), then h2d."""
-        if self.tiers[i] not in OFFLOADED or i in self.reload_events:
-            return
-        dev, store = self.dev, self.ex.store
-        shape = (self.batch, self.seq_len, self.ex.model.config.hidden_size)
-        host = store.host_buffer(i, shape, self.ex.compute_dtype)
-        events = []
-        after = [self.host_ready[i]]
-        if self.tiers[i] == "nvme":
-            read = dev.submit("nvme_read", lambda: store.read(i, host), host.numel() * host.element_size(),
-                              after=after)
-            events.append(read)
-            after = [read]
-        t = self._alloc(shape, self.ex.compute_dtype, f"boundary {i} (reloaded)")
-        # CUDA: the new block may be memory the compute stream freed but still reads; order after it
-        events.append(dev.copy("h2d", t, host, after=[*after, dev.record_compute()]))
-        self.on_device[i] = t
-        self.reload_events[i] = events
-
-    def _wait_reload(self, i: int) -> None:
-        for event in self.reload_events.pop(i, []):
-            self._wait(event)
-
-    # ---- arena and waits --------------------------------------------------------------------------
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
         t = self.dev.alloc(shape, dtype, tag)
         self.allocated.append(t)
@@ -717,7 +582,7 @@ class _Step:
         self.reserved -= num_bytes
 
     def _wait(self, event: Event) -> None:
-        """Block compute on a stream's event; the seconds blocked are that stream's stall."""
+        """Block compute on a lane's event; the seconds blocked are that lane's stall."""
         self.stall[event.link] += self.dev.wait(event)
 
     def cleanup(self) -> None:
@@ -744,3 +609,9 @@ class _Step:
             after = self.dev.link_stats()
             stats.link_busy_s = {n: after[n][0] - before[n][0] for n in after}
             stats.link_bytes = {n: after[n][1] - before[n][1] for n in after}
+        t_start = getattr(self, "t_start", None)
+        if t_start is not None:  # the measured trace: compute ops timed here, lane ops by their events
+            links = [(op.lane, op.name, self.events[op.index]) for op in self.program.ops if op.index in self.events]
+            stats.timeline = sorted(self.timeline + [(lane, name, e.start_s - t_start, e.end_s - t_start)
+                                                     for lane, name, e in links if e.end_s > 0],
+                                    key=lambda x: x[2])

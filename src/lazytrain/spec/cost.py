@@ -247,7 +247,7 @@ class CostModel:
         return out
 
     def with_device_constants(self, num_bytes: int) -> CostModel:
-        """A copy whose per-step device constants are the executor's own count (`MemorySizes.constant_bytes`:
+        """A copy whose per-step device constants are the executor's own count (`Shapes.constant_bytes`:
         eager attention adds its batch x seq^2 masks, which the shapes alone do not tell)."""
         out = copy.copy(self)
         out.constant_device_bytes = int(num_bytes)
