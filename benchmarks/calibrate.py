@@ -121,7 +121,7 @@ def print_emulated(gbps: float, steps: int, threads: int) -> None:
     """A 6-layer llama (h=256, b=4, s=256, fp32) on the EmulatedDevice: measured wall_s vs the simulator.
 
     Two predictions per plan: from `CostModel.from_profile` (compute seconds measured before, in isolation)
-    and a replay with the compute seconds the executor measured in that same step (`with_measured_step`),
+    and a replay with the compute seconds the executor measured in that same step (`with_times`, unquantized),
     which checks the schedule and the stream model alone. Medians over `steps` steps after one warm-up.
     """
     import os
@@ -164,7 +164,8 @@ def print_emulated(gbps: float, steps: int, threads: int) -> None:
             ex.forward_backward(ids, ids.clone())
             if step:  # the first step warms allocators and kernels
                 stats = ex.last_step
-                replay = simulate(plan, cost.with_measured_step(stats), optimizer_mode="serial")
+                replay = simulate(plan, cost.with_times(forward_s=stats.forward_s, backward_s=stats.backward_s,
+                                                        head_s=stats.head_s), optimizer_mode="serial")
                 walls.append(stats.wall_s)
                 replays.append(replay.forward_backward_s)
                 stalls.append((stats.stall_s["h2d"], replay.exposed_s["h2d"]))

@@ -139,22 +139,6 @@ def test_with_times_overrides_and_validates() -> None:
         cost.with_times(backward_s=[-1.0] * spec.num_layers)
 
 
-def test_with_measured_step_takes_an_executor_step() -> None:
-    spec = _dense()
-    cost = CostModel(spec, FLOP_ONLY, Workload(1, 8))
-
-    class Stats:  # the fields of runtime.executor.StepStats this uses
-        forward_s = [RNG.uniform(0.01, 0.1) for _ in range(spec.num_layers)]
-        backward_s = [RNG.uniform(0.05, 0.3) for _ in range(spec.num_layers)]
-        head_s = 0.125
-
-    measured = cost.with_measured_step(Stats)
-    assert (measured.forward_s, measured.backward_s, measured.head_s) == (Stats.forward_s, Stats.backward_s, 0.125)
-    Stats.forward_s = [0.0] * spec.num_layers
-    with pytest.raises(LazyTrainError, match="no measured layer times"):
-        cost.with_measured_step(Stats)
-
-
 @pytest.mark.parametrize("path", ["executor", "modules"])
 def test_from_profile_times_a_real_tiny_model(path: str, monkeypatch) -> None:
     torch = pytest.importorskip("torch")

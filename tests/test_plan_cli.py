@@ -114,3 +114,19 @@ def test_malformed_config_file(tmp_path, capsys) -> None:
         assert main(["plan", "--model", str(path), "--batch-size", "1"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_trace_and_timeline_of_the_predicted_program(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    trace, picture = tmp_path / "step.json", tmp_path / "step.png"
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--batch-size", "8", "--gpu-mem-cap", "30GB",
+                 "--trace", str(trace), "--timeline", str(picture)]) == 0
+    assert f"trace written to {trace}" in capsys.readouterr().out
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"compute", "h2d", "d2h", "optimizer"} <= tracks
+    ops = [e for e in events if e["ph"] == "X"]
+    assert len({e["tid"] for e in ops}) == len(tracks)  # one track per lane, each with its ops
+    assert sum(e["name"].startswith("F") and e["cat"] == "compute" for e in ops) == 36  # every layer's forward
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in ops)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -341,16 +342,17 @@ def make_plan(cfg: TrainConfig, model: Any, kind: str, probe_batch: tuple[Any, A
 def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, probe_batch: tuple[Any, Any]) -> Any:
     """A CostModel whose compute and optimizer seconds are measured on the device the run uses.
 
-    Three steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
+    Four steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
     forward and backward and the loss head exactly as the executor runs them (the first step warms up);
     five steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
-    afterwards). On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
-    estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
+    afterwards); `lazytrain.runtime.calibrate` turns them into the CostModel. On CUDA the executor's
+    per-layer timers see asynchronous launches, so there the FLOP estimate is scaled by the measured step
+    time instead. Link rates are the configured (emulated) ones.
     """
     import torch
 
     from lazytrain.plan.plan import Plan, spec_of
-    from lazytrain.plan.sim import simulate
+    from lazytrain.runtime.calibrate import calibrate
     from lazytrain.runtime.executor import Executor
     from lazytrain.spec.cost import CostModel
 
@@ -360,40 +362,29 @@ def calibrated_cost(cfg: TrainConfig, model: Any, kind: str, workload: Any, prob
     probe_device = build_device(cfg, kind, None, throttled=False)
     executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
     steps = []
-    for _ in range(3):  # the first step warms up; of the next two take each layer's faster time (this CPU
-        executor.forward_backward(*probe_batch)  # may be shared: the minimum is the least disturbed)
+    for _ in range(4):  # the first step warms up; the calibration takes medians of the next three
+        executor.forward_backward(*probe_batch)
         steps.append(executor.last_step)
     probe_device.close()
     constant_bytes = executor.memory_sizes(cfg.batch_size, cfg.seq_len).constant_bytes  # + eager masks
-    forward_s = [min(a, b) for a, b in zip(steps[1].forward_s, steps[2].forward_s, strict=True)]
-    backward_s = [min(a, b) for a, b in zip(steps[1].backward_s, steps[2].backward_s, strict=True)]
-    head_s = min(steps[1].head_s, steps[2].head_s)
-    wall_s = min(steps[1].wall_s, steps[2].wall_s)
 
     snapshot = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(cfg, model)
     samples = []
-    for _ in range(5):  # the first steps allocate and first-touch the states: take the best of the later four
+    for _ in range(5):  # the first steps allocate and first-touch the states: the median of the later four
         t0 = time.perf_counter()
         optimizer_step(cfg, optimizer, model, zero_grad=False)
         samples.append(time.perf_counter() - t0)
-    optimizer_s = min(samples[1:])
     with torch.no_grad():
         for p, saved in zip(model.parameters(), snapshot, strict=True):
             p.copy_(saved)
     del optimizer, snapshot
     model.zero_grad(set_to_none=True)
 
-    rate = sum(p.numel() for p in model.parameters()) / optimizer_s / 1e9  # Gparams/s, this optimizer
-    hardware = hardware.with_overrides(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
     cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[cfg.optimizer], executor_layout=True
                      ).with_device_constants(constant_bytes)
-    if kind == "cuda":
-        flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
-        k = wall_s / flop_step_s
-        return cost.with_times(forward_s=[k * t for t in cost.forward_s], backward_s=[k * t for t in cost.backward_s],
-                               head_s=k * cost.head_s)
-    return cost.with_times(forward_s=forward_s, backward_s=backward_s, head_s=head_s)
+    # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
+    return calibrate(cost, steps[1:], optimizer_s=statistics.median(samples[1:]), scale_flops=kind == "cuda")
 
 
 def _solve(planner: str, cost: Any, spec: Any, workload: Any, budgets: dict[str, int]) -> tuple[Any, str]:

@@ -1,19 +1,24 @@
-"""Timeline picture of one simulated (or measured) step: one row per stream, device memory below.
+"""Timelines of one step that people can open: a picture (one row per lane, device memory below) and a
+Chrome-trace JSON (chrome://tracing, ui.perfetto.dev: one track per lane).
 
-    from lazytrain.viz import plot_timeline
+    from lazytrain.viz import plot_timeline, write_trace
     plot_timeline(simulate(plan, cost), "timeline.png", title="qwen3.6-27b, MILP plan")
+    write_trace(simulate(plan, cost).events, "step.json")          # predicted
+    write_trace(executor.last_step.timeline, "measured.json")      # measured
 
-Needs matplotlib (the `viz` extra); imported lazily so the rest of LazyTrain never pays for it.
+The picture needs matplotlib (the `viz` extra); imported lazily so the rest of LazyTrain never pays for it.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from lazytrain.errors import LazyTrainError
 
-ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "collective")
 COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "H": "#c44e52", "h2d": "#8172b3", "d2h": "#937860",
           "nvme_read": "#da8bc3", "nvme_write": "#8c8c8c", "optimizer": "#ccb974"}
 
@@ -53,4 +58,38 @@ def plot_timeline(result: Any, path: str | Path, *, title: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
+
+
+def trace_events(ops: Iterable[object], *, process: str = "step") -> dict[str, list[dict[str, object]]]:
+    """Chrome-trace JSON of a step: `ops` are simulator Events (stream, name, start, end) or measured
+    `(lane, name, start_s, end_s)` tuples; one thread (track) per lane, complete ("X") events in microseconds."""
+    rows = []
+    for op in ops:
+        lane, name, start, end = (op.stream, op.name, op.start, op.end) if hasattr(op, "stream") else tuple(op)
+        rows.append((str(lane), str(name), float(start), float(end)))
+    lanes = [lane for lane in ROWS if any(r[0] == lane for r in rows)]
+    lanes += sorted({r[0] for r in rows} - set(lanes))
+    tid = {lane: k + 1 for k, lane in enumerate(lanes)}
+    events: list[dict[str, object]] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": process}}]
+    for lane in lanes:
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[lane], "args": {"name": lane}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid[lane],
+                       "args": {"sort_index": tid[lane]}})
+    for lane, name, start, end in rows:
+        events.append({"name": name, "cat": lane, "ph": "X", "pid": 1, "tid": tid[lane],
+                       "ts": round(start * 1e6, 3), "dur": round(max(0.0, end - start) * 1e6, 3)})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(ops: Iterable[object], path: str | Path, *, process: str = "step") -> Path:
+    """Write `trace_events(ops)` to `path` (atomically: a temporary name, then a rename)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(trace_events(ops, process=process)) + "\n")
+        tmp.replace(path)
+    except OSError as err:
+        raise LazyTrainError(f"cannot write the trace to {path}: {err.strerror}") from None
     return path

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--mip-gap", default="0", help="relative MIP gap at which the solver stops (default: 0 = optimal)")
     a("--json", metavar="PATH", help="write the plan file (Contract 1) here")
     a("--max-batch", action="store_true", help="report the largest feasible batch for the MILP and each rule")
+    a("--timeline", metavar="PNG", help="draw the predicted step program, lane by lane, to this picture")
+    a("--trace", metavar="JSON", help="write the predicted step program as Chrome-trace JSON (one track per lane; "
+                                      "open in ui.perfetto.dev or chrome://tracing)")
 
 
 # ---- reading the flags ----------------------------------------------------------------------------
@@ -265,4 +268,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         plan.with_prediction(own.to_prediction()).save(args.json)
         print(f"plan written to {args.json}")
+    if getattr(args, "trace", None):
+        from lazytrain.viz import write_trace
+
+        print(f"trace written to {write_trace(own.events, args.trace, process=f'{cost.spec.name} predicted step')}")
+    if getattr(args, "timeline", None):
+        from lazytrain.viz import plot_timeline
+
+        print(f"timeline written to {plot_timeline(own, args.timeline)}")
     return 0

@@ -253,16 +253,6 @@ class CostModel:
         out.constant_device_bytes = int(num_bytes)
         return out
 
-    def with_measured_step(self, stats: Any) -> CostModel:
-        """A copy with the compute seconds one executed step measured (`Executor.last_step`: per-layer
-        `forward_s`, `backward_s` and `head_s`). On a small shared CPU this is the honest way to predict the
-        next steps: the measured times already include the contention of the link and optimizer threads."""
-        forward = [float(t) for t in stats.forward_s]
-        backward = [float(t) for t in stats.backward_s]
-        if not any(forward) or not any(backward):
-            raise LazyTrainError("with_measured_step: the step has no measured layer times (did it run?)")
-        return self.with_times(forward_s=forward, backward_s=backward, head_s=float(stats.head_s))
-
     @classmethod
     def from_profile(cls, model: Any, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
                      *, repeats: int = 3, **kwargs: Any) -> CostModel:

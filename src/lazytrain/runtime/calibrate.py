@@ -1,0 +1,84 @@
+"""One calibration path: measured executor steps -> a CostModel (what the planner, simulator and re-planner use).
+
+A measured step (`Executor.last_step`) times every compute op of the step program. `calibrate` takes the
+median of each layer's seconds over the steps given, pools layers of the same kind and size (they run the
+same kernels: pooling cuts the noise of a shared machine), and rounds every figure to a geometric grid of
+`QUANTUM` (4 %) steps. Plans are solved from these numbers, so the same command on the same machine gives
+the same plan, while a real change of more than a few percent still moves the model.
+
+On CUDA the per-op times are CUDA-event times of the compute stream; until those are in, a device whose
+per-layer timers see asynchronous launches passes `scale_flops=True`: the FLOP estimate scaled by the
+measured step time instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.sim import simulate
+from lazytrain.spec.cost import CostModel
+
+if TYPE_CHECKING:
+    from lazytrain.runtime.executor import StepStats
+    from lazytrain.spec.hardware import HardwareSpec
+
+QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
+
+
+def quantize_s(seconds: float, quantum: float = QUANTUM) -> float:
+    """`seconds` rounded to the nearest point of the grid (1 + quantum)^k (0 stays 0)."""
+    if not seconds > 0 or not math.isfinite(seconds):
+        return 0.0 if seconds == 0 else seconds
+    step = math.log1p(quantum)
+    return float(f"{math.exp(round(math.log(seconds) / step) * step):.6g}")
+
+
+def _pooled(cost: CostModel, per_layer: list[float]) -> list[float]:
+    """Each layer's seconds replaced by the median over the layers of the same kind and parameter count."""
+    spec = cost.spec
+    keys = [(spec.layer_types[j], spec.layer_params[j]) for j in range(cost.num_layers)]
+    groups: dict[tuple[str, int], list[float]] = {}
+    for key, t in zip(keys, per_layer, strict=True):
+        groups.setdefault(key, []).append(t)
+    return [statistics.median(groups[key]) for key in keys]
+
+
+def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float | None = None,
+              scale_flops: bool = False) -> CostModel:
+    """`cost` with the compute seconds (and, given the seconds of one whole optimizer step, the host optimizer
+    rate) these measured steps show: medians, pooled over like layers, quantized (see the module docstring)."""
+    steps = [s for s in steps if any(s.forward_s) and any(s.backward_s)]
+    if not steps:
+        raise LazyTrainError("calibrate: no measured step with layer times (did the steps run?)")
+    L = cost.num_layers
+    if any(len(s.forward_s) != L for s in steps):
+        raise LazyTrainError(f"calibrate: the steps measured {len(steps[0].forward_s)} layers, the model has {L}")
+    if optimizer_s is not None:
+        if not optimizer_s > 0:
+            raise LazyTrainError(f"calibrate: optimizer seconds must be > 0, got {optimizer_s}")
+        rate = quantize_s(cost.spec.num_params / optimizer_s / 1e9)  # Gparams/s of this optimizer
+        hardware = cost.hardware.with_overrides(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
+        cost = _rebuilt(cost, hardware)
+    if scale_flops:  # asynchronous timers: keep the FLOP shape, scale it to the measured step
+        keep_all = Plan(tiers=("gpu",) * (L + 1), model_fingerprint=cost.spec.fingerprint())
+        flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
+        k = quantize_s(statistics.median(s.wall_s for s in steps) / flop_step_s)
+        return cost.with_times(forward_s=[k * t for t in cost.forward_s], backward_s=[k * t for t in cost.backward_s],
+                               head_s=k * cost.head_s)
+    forward = _pooled(cost, [statistics.median(s.forward_s[j] for s in steps) for j in range(L)])
+    backward = _pooled(cost, [statistics.median(s.backward_s[j] for s in steps) for j in range(L)])
+    head = statistics.median(s.head_s for s in steps)
+    return cost.with_times(forward_s=[quantize_s(t) for t in forward], backward_s=[quantize_s(t) for t in backward],
+                           head_s=quantize_s(head))
+
+
+def _rebuilt(cost: CostModel, hardware: HardwareSpec) -> CostModel:
+    """The same CostModel on other hardware (keeps the executor layout, head chunk and device constants)."""
+    out = CostModel(cost.spec, hardware, cost.workload, cost.optimizer,
+                    executor_layout=cost.executor_layout, head_chunk_tokens=cost.head_chunk_tokens)
+    return out.with_device_constants(cost.constant_device_bytes)

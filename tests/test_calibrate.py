@@ -1,0 +1,82 @@
+"""One calibration path: measured steps -> CostModel, medians pooled over like layers and quantized."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.milp import solve_milp
+from lazytrain.runtime.calibrate import QUANTUM, calibrate, quantize_s
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.workload import Workload
+
+
+@dataclass
+class Stats:  # the fields of runtime.executor.StepStats calibration reads
+    forward_s: list[float]
+    backward_s: list[float]
+    head_s: float
+    wall_s: float = 1.0
+    recompute_s: list[float] = field(default_factory=list)
+
+
+def test_quantize_is_a_grid_within_half_a_step() -> None:
+    rng = random.Random(1)
+    for _ in range(500):
+        x = 10 ** rng.uniform(-6, 2)
+        q = quantize_s(x)
+        assert abs(q / x - 1) <= QUANTUM / 2 + 1e-6
+        assert quantize_s(q) == q
+    assert quantize_s(0.0) == 0.0
+
+
+def _cost() -> CostModel:
+    spec = ModelSpec.load("tiny-llama")
+    return CostModel(spec, HardwareSpec.load("emulated"), Workload(2, 64, "fp32"), executor_layout=True)
+
+
+def _noisy_steps(cost: CostModel, seed: int, noise: float) -> list[Stats]:
+    """Three steps whose layer times sit within +-noise of grid points (pooled medians stay in their bin)."""
+    rng = random.Random(seed)
+    L = cost.num_layers
+    base_f, base_b, base_h = quantize_s(0.0123), quantize_s(0.0371), quantize_s(0.02)
+    return [Stats(forward_s=[base_f * (1 + rng.uniform(-noise, noise)) for _ in range(L)],
+                  backward_s=[base_b * (1 + rng.uniform(-noise, noise)) for _ in range(L)],
+                  head_s=base_h * (1 + rng.uniform(-noise, noise))) for _ in range(3)]
+
+
+def test_the_same_machine_gives_the_same_cost_model_and_plan() -> None:
+    cost = _cost()
+    a = calibrate(cost, _noisy_steps(cost, 1, 0.01), optimizer_s=0.05)
+    b = calibrate(cost, _noisy_steps(cost, 2, 0.01), optimizer_s=0.0505)
+    assert (a.forward_s, a.backward_s, a.head_s, a.optimizer_s) == (b.forward_s, b.backward_s, b.head_s, b.optimizer_s)
+    act = max(a.boundary_bytes)
+    budgets = Budgets(gpu_mem_cap_bytes=a.static_device_bytes() + 5 * act, cpu_act_bytes=2 * act, nvme_act_bytes=0)
+    assert solve_milp(a, budgets).tiers == solve_milp(b, budgets).tiers
+
+
+def test_medians_pool_like_layers_and_a_real_change_moves_the_model() -> None:
+    cost = _cost()
+    steps = _noisy_steps(cost, 3, 0.0)
+    steps[1].forward_s[0] = 5.0  # one disturbed sample: the median ignores it
+    out = calibrate(cost, steps)
+    assert len(set(out.forward_s)) == 1 and out.forward_s[0] == pytest.approx(0.0123, rel=QUANTUM)
+    slower = calibrate(cost, [Stats([2 * t for t in s.forward_s], s.backward_s, s.head_s) for s in steps])
+    assert slower.forward_s[0] == pytest.approx(2 * out.forward_s[0], rel=QUANTUM)
+
+
+def test_bad_steps_are_refused() -> None:
+    cost = _cost()
+    L = cost.num_layers
+    with pytest.raises(LazyTrainError, match="no measured step"):
+        calibrate(cost, [Stats([0.0] * L, [0.0] * L, 0.0)])
+    with pytest.raises(LazyTrainError, match="layers"):
+        calibrate(cost, [Stats([0.1] * (L + 1), [0.1] * (L + 1), 0.1)])
+    with pytest.raises(LazyTrainError, match="optimizer seconds"):
+        calibrate(cost, _noisy_steps(cost, 0, 0.0), optimizer_s=0.0)
