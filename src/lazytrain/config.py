@@ -217,6 +217,9 @@ class OptimConfig:
     """Passes over the training data (> 0); None = max_steps decides."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (>= 1). Also `grad_accum`."""
+    max_nonfinite_steps: int = 3
+    """A step with a non-finite loss or gradient norm is skipped (no update); this many in a row (>= 1) stop the
+    run with one line saying what was non-finite and where it first appeared."""
 
     def __post_init__(self) -> None:
         _convert(self)
@@ -240,6 +243,7 @@ class OptimConfig:
               "a number > 0")
         _need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", self.gradient_accumulation_steps,
               "an integer >= 1")
+        _need(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps, "an integer >= 1")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -1,0 +1,159 @@
+"""Builders of a run: the model on the host, the device it streams through, the executor that runs the plan."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import LlamaConfig, PreTrainedModel
+
+from lazytrain.config import COST_OPTIMIZER
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.admission import check_host_memory
+from lazytrain.plan.plan import Plan
+from lazytrain.runtime.device import CudaDevice, EmulatedDevice
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.weights import ModelSource, built_spec, load_model, meta_model, resolve_model
+from lazytrain.spec import hardware as hardware_module
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.workload import Workload
+from lazytrain.train.metrics import say
+from lazytrain.units import format_bytes
+
+if TYPE_CHECKING:
+    from lazytrain.config import JobConfig
+    from lazytrain.train.planning import Planned
+
+Device = CudaDevice | EmulatedDevice
+
+# Built-in model shapes (Llama, GQA, untied head). `small` is the default job; `debug` is for tests.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    # 12.8 M parameters: 8 layers x 1.57 M + 0.2 M embedding/head (byte vocabulary)
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
+                  num_key_value_heads=2),
+    # 0.2 M parameters: a few seconds per hundred steps on one core
+    "debug": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+
+
+def workload_of(job: JobConfig) -> Workload:
+    """The shape of every micro-batch the plan and the device arena are sized for."""
+    return Workload(batch_size=job.data.per_device_train_batch_size, seq_len=job.data.cutoff_len,
+                    dtype=job.runtime.dtype)
+
+
+# =====================================================================================================
+# model
+# =====================================================================================================
+def model_source(job: JobConfig, vocab_size: int) -> ModelSource:
+    """What `model` names (runtime/weights.py resolves everything but the built-in shapes), checked against
+    the tokenizer and the sequence length."""
+    if job.model.model in MODEL_PRESETS:
+        config = LlamaConfig(
+            vocab_size=vocab_size, max_position_embeddings=max(1024, job.data.cutoff_len),
+            bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False,
+            **MODEL_PRESETS[job.model.model],
+        )
+        config._name_or_path = f"lazytrain-{job.model.model}"
+        return ModelSource(name=job.model.model, kind="preset", config=config)
+    source = resolve_model(job.model.model)
+    config = getattr(source.config, "text_config", None) or source.config
+    if config.vocab_size < vocab_size:
+        raise LazyTrainError(f"model {job.model.model}: vocab_size {config.vocab_size} is smaller than the "
+                             f"tokenizer's {vocab_size} ids; raise vocab_size in its config.json")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and job.data.cutoff_len > limit:
+        raise LazyTrainError(f"cutoff_len {job.data.cutoff_len} exceeds the model's max_position_embeddings "
+                             f"{limit}; lower cutoff_len")
+    return source
+
+
+def build_model(job: JobConfig, source: ModelSource) -> PreTrainedModel:
+    """The fp32 host causal LM: built on the meta device first, its parameter count checked against the
+    ModelSpec and the host memory (admission), then its weights loaded tensor by tensor (or a seeded random
+    init: built-in shapes, a bare config.json, init random)."""
+    meta = meta_model(source.config)
+    check_host_fits(job, built_spec(source.config, meta))
+    return load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
+
+
+def starts_from_weights(job: JobConfig, source: ModelSource) -> bool:
+    return job.model.init == "auto" and bool(source.weight_files)
+
+
+def check_host_fits(job: JobConfig, spec: ModelSpec) -> None:
+    """Refuse, before allocating anything, a model whose host layout (CostModel's `executor_layout`, from the
+    spec `built_spec` checked against the meta-device model) exceeds the memory this machine has available
+    now, instead of dying in the middle of an allocation."""
+    available = hardware_module.available_host_memory_bytes()
+    if available is None:
+        return
+    cost = CostModel(spec, HardwareSpec.load("emulated"), workload_of(job), COST_OPTIMIZER[job.optim.optimizer],
+                     executor_layout=True)
+    advice = "use a smaller model or a machine with more memory"
+    if job.optim.optimizer != "8bit":
+        advice = "use optimizer 8bit (2 instead of 8 bytes of state per parameter), a smaller model or more memory"
+    check_host_memory(cost, available, "this machine's available memory", advice)
+
+
+# =====================================================================================================
+# device and executor
+# =====================================================================================================
+def pick_device_kind(requested: str) -> str:
+    """`cuda` or `cpu` (the emulated device) for --device auto|cpu|cuda."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise LazyTrainError("device cuda but torch.cuda.is_available() is False; use device cpu or auto")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def build_hardware(job: JobConfig, kind: str) -> HardwareSpec:
+    """The machine the plan is made for: the emulated preset with this CPU's host rates (`profile`) and the
+    configured link rates; on CUDA the closest preset by GPU name, with the GPU's memory."""
+    if kind == "cuda":
+        name = torch.cuda.get_device_name().lower()
+        preset = next((p for p in ("h800", "h200", "h100", "3090") if p in name), "h100")
+        preset = "rtx3090" if preset == "3090" else preset
+        return HardwareSpec.load(preset, gpu_mem_bytes=torch.cuda.get_device_properties(0).total_memory)
+    return HardwareSpec.profile("emulated", seconds=0.1).with_overrides(
+        h2d_gbps=job.runtime.h2d_gbps, d2h_gbps=job.runtime.d2h_gbps, nvme_read_gbps=job.runtime.nvme_read_gbps,
+        nvme_write_gbps=job.runtime.nvme_write_gbps,
+    )
+
+
+def build_device(job: JobConfig, kind: str, capacity_bytes: int | None, throttled: bool = True) -> Device:
+    """The device the executor streams through: CUDA, or the emulated one with the configured link rates."""
+    if kind == "cuda":
+        return CudaDevice(capacity_bytes=capacity_bytes, nvme_dir=job.runtime.nvme_dir)
+    if not throttled:
+        return EmulatedDevice(capacity_bytes=capacity_bytes, nvme_dir=job.runtime.nvme_dir)
+    return EmulatedDevice(capacity_bytes=capacity_bytes, h2d_gbps=job.runtime.h2d_gbps, d2h_gbps=job.runtime.d2h_gbps,
+                          nvme_read_gbps=job.runtime.nvme_read_gbps, nvme_write_gbps=job.runtime.nvme_write_gbps,
+                          nvme_dir=job.runtime.nvme_dir)
+
+
+def build_executor(model: PreTrainedModel, planned: Planned, device: Device, job: JobConfig) -> Executor:
+    """The layer-streaming executor that runs the plan on the device; the optimizer steps after it (serial)."""
+    dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
+    # cost: the arena reserves the cost model's working sets, so the plan's predicted peak is what is counted
+    return Executor(model, planned.plan, device, compute_dtype=dtype, cost=planned.cost)
+
+
+def fit_device_cap(job: JobConfig, plan: Plan, executor: Executor, device: Device) -> None:
+    """Check the plan's device peak (the executor's own replay of its allocations) against the cap, before any
+    step. A user's --gpu-mem-cap is a hard limit; the default cap is ours, so a plan that does not fit it (a
+    rule, a loaded plan) gets an arena of its own peak instead, with a note."""
+    need = executor.predicted_peak_bytes(job.data.per_device_train_batch_size, job.data.cutoff_len)
+    if need <= device.capacity_bytes:
+        return
+    if job.plan.gpu_mem_cap_bytes is not None:
+        raise LazyTrainError(f"plan {plan.placement_map()} needs {format_bytes(need)} of device memory but "
+                             f"gpu_mem_cap_bytes is {format_bytes(device.capacity_bytes)}; raise gpu_mem_cap_bytes, "
+                             "lower per_device_train_batch_size / cutoff_len, or plan with planner milp")
+    say(f"note     plan {plan.placement_map()} peaks at {format_bytes(need)}, above the default cap "
+        f"{format_bytes(device.capacity_bytes)}; the device gets {format_bytes(need)}")
+    device.capacity_bytes = need

@@ -1,0 +1,308 @@
+"""The output directory and checkpoints (Contract 5): written whole or not at all, resumed exactly.
+
+    output_dir/checkpoint-<step>/
+        config.json, generation_config.json        the model, in the compute dtype, that
+        model-0000k-of-0000n.safetensors + index    AutoModelForCausalLM.from_pretrained loads
+        tokenizer files (with the chat template)    when the run has an HF tokenizer
+        trainer_state/
+            master.safetensors    fp32 master weights (only when the compute dtype is not fp32)
+            optimizer.pt          each optimizer's state_dict, as stored (8-bit codes and absmax scales)
+            state.pt              RNG states and the data loader's state
+            trainer.json          step, schedule position, skip counters, losses so far (readable)
+            plan.json             the plan the run executed
+            manifest.json         every file of the checkpoint with its size, written last
+
+A checkpoint is written under a temporary name (`.tmp-checkpoint-<step>`), every file and directory is
+fsynced, and only then renamed into place, so a crash or a full disk never leaves a half-written
+`checkpoint-<step>`, and the previous checkpoint stays intact. `resume_from_checkpoint: auto` takes the newest
+checkpoint whose manifest matches its files (a truncated one is skipped with a one-line note); a named
+checkpoint that does not match is a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.plan import Plan
+from lazytrain.train.metrics import say
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+PREFIX = "checkpoint-"
+STATE_DIR = "trainer_state"
+MANIFEST = f"{STATE_DIR}/manifest.json"
+SHARD_BYTES = 2 << 30  # the HF folder's shard size: 2 GiB (the model is always written with an index)
+RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "train_config.json", "loss.png")
+
+
+@dataclass
+class TrainerState:
+    """What a resumed run needs besides weights and optimizer states (JSON-able; `trainer.json`)."""
+
+    step: int = 0  # optimizer steps taken (skipped non-finite steps included): the next step's index
+    applied_steps: int = 0  # steps whose update was applied: the learning-rate schedule's position
+    skipped_steps: int = 0  # non-finite steps skipped so far
+    consecutive_skips: int = 0
+    losses: list[float | None] = field(default_factory=list)  # per step (None: non-finite, skipped)
+    step_times_s: list[float] = field(default_factory=list)
+
+
+# =====================================================================================================
+# the output directory
+# =====================================================================================================
+def prepare_output_dir(output_dir: str | None, *, resume: bool, overwrite: bool, default: Path) -> Path:
+    """Create and probe the output directory before anything is built. An existing non-empty one is refused
+    unless the run resumes from it or `overwrite_output_dir` is set; then a previous run's checkpoints and
+    files are removed (so `auto` can never pick a checkpoint of another run)."""
+    out = Path(output_dir) if output_dir else default
+    if out.exists() and not out.is_dir():
+        raise LazyTrainError(f"output_dir {out} is not a directory; pass a directory path")
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        if not overwrite:
+            raise LazyTrainError(f"output_dir {out} already exists and is not empty; set resume_from_checkpoint "
+                                 "auto to continue its run, overwrite_output_dir true to replace it, or pick a new "
+                                 "output_dir")
+        for old in out.iterdir():
+            if old.name.startswith((PREFIX, f".tmp-{PREFIX}")) and old.is_dir():
+                shutil.rmtree(old)
+            elif old.name in RUN_FILES:
+                old.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise LazyTrainError(f"output_dir {out} is not writable ({err.strerror}); pass a writable output_dir"
+                             ) from None
+    return out
+
+
+# =====================================================================================================
+# finding a checkpoint to resume from
+# =====================================================================================================
+def checkpoint_step(path: Path) -> int | None:
+    m = re.fullmatch(rf"{PREFIX}(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """`checkpoint-<step>` directories of a run, oldest first (complete or not)."""
+    found = [p for p in out.glob(f"{PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint (a missing manifest, a missing or truncated file), or None."""
+    manifest = path / MANIFEST
+    try:
+        sizes: dict[str, int] = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return f"no readable {MANIFEST}"
+    for name, size in sizes.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size} (truncated)"
+    return None
+
+
+def resume_checkpoint(resume_from: str | None, out: Path) -> Path | None:
+    """The checkpoint to resume from: None (a fresh run), the newest complete one in `out` (`auto`; a
+    truncated one is skipped with a note), or the named one (refused when incomplete)."""
+    if resume_from is None:
+        return None
+    if resume_from == "auto":
+        for path in reversed(checkpoints(out)):
+            reason = incomplete_reason(path)
+            if reason is None:
+                return path
+            say(f"note     skipping {path}: incomplete checkpoint ({reason})")
+        return None
+    path = Path(resume_from)
+    if not path.is_dir():
+        raise LazyTrainError(f"resume_from_checkpoint {path}: no such directory; name a checkpoint-<step> directory "
+                             "or use auto")
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise LazyTrainError(f"resume_from_checkpoint {path} is not a complete checkpoint ({reason}); name another "
+                             "one or use auto (the newest complete one)")
+    return path
+
+
+# =====================================================================================================
+# saving
+# =====================================================================================================
+def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
+                    optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan,
+                    tokenizer: PreTrainedTokenizerBase | None = None, save_total_limit: int | None = None) -> Path:
+    """Write `checkpoint-<state.step>` whole (temporary name, fsync, rename) and keep the newest
+    `save_total_limit`. A failure (a full disk, a read-only directory) removes the partial copy and leaves
+    every earlier checkpoint as it was."""
+    final = out / f"{PREFIX}{state.step}"
+    tmp = out / f".tmp-{PREFIX}{state.step}"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        _write_model(tmp, model, compute_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype, optimizers=optimizers,
+                             data_state=data_state, plan=plan)
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # the same step again (a resumed run that saved it before): replace it whole
+            old = out / f".old-{PREFIX}{state.step}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p.name for p in checkpoints(out) if p != final and incomplete_reason(p) is None]
+        kept = f"; {previous[-1]} is intact" if previous else ""
+        raise LazyTrainError(f"cannot write checkpoint {final} ({err.strerror or err}){kept}; free disk space or "
+                             "check the output_dir's permissions") from None
+    if save_total_limit is not None:
+        complete = [p for p in checkpoints(out) if incomplete_reason(p) is None]
+        for old in complete[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
+    """The HF folder in the compute dtype, sharded with an index (config and generation config included)."""
+    # Clone: the executor re-points fp32 parameters at views of its packed per-layer buffers, and safetensors
+    # refuses tensors that share storage.
+    state = {k: v.detach().to(compute_dtype).clone().contiguous() for k, v in model.state_dict().items()}
+    total_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    shard_bytes = min(SHARD_BYTES, max(1, total_bytes // 2 + 1))  # at least two shards: always an index
+    saved_dtype = model.config.dtype
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its progress bar is noise under ours
+    try:
+        model.config.dtype = compute_dtype  # config.json names the dtype of the weights beside it
+        model.save_pretrained(path, state_dict=state, max_shard_size=shard_bytes)
+    finally:
+        model.config.dtype = saved_dtype
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
+                         optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan) -> None:
+    path.mkdir(parents=True)
+    if compute_dtype != torch.float32:  # the HF folder holds rounded copies: keep the fp32 masters
+        masters = {k: v.detach().clone().contiguous() for k, v in _unique_state(model).items()}
+        save_file(masters, str(path / "master.safetensors"))
+    torch.save([opt.state_dict() for opt in optimizers], path / "optimizer.pt")
+    torch.save({"data": data_state, "rng": rng_states()}, path / "state.pt")
+    (path / "trainer.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
+    plan.save(path / "plan.json")
+
+
+def _write_manifest(path: Path) -> None:
+    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+        _fsync_dir(d)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unique_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Parameters by name, each tensor once (a tied LM head is its embedding)."""
+    return dict(model.named_parameters())
+
+
+# =====================================================================================================
+# loading
+# =====================================================================================================
+def load_checkpoint(path: Path, *, model: PreTrainedModel, compute_dtype: torch.dtype,
+                    optimizers: list[torch.optim.Optimizer]) -> tuple[TrainerState, dict[str, object]]:
+    """Put a checkpoint's master weights into `model` (in place: the executor's buffers stay the parameters)
+    and its states into `optimizers`; restore the RNG states. Returns the trainer state and the data state."""
+    state_dir = path / STATE_DIR
+    params = _unique_state(model)
+    master = state_dir / "master.safetensors"
+    files = [master] if master.exists() else sorted(path.glob("*.safetensors"))
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                    if name in params:
+                        params[name].copy_(f.get_tensor(name))
+                        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise LazyTrainError(f"checkpoint {path} has no weights for {missing[0]} (and {len(missing) - 1} more); it "
+                             "was saved from another model: resume with the run's own model")
+    saved = torch.load(state_dir / "optimizer.pt", weights_only=False)
+    if len(saved) != len(optimizers):
+        raise LazyTrainError(f"checkpoint {path} holds {len(saved)} optimizer states but this run has "
+                             f"{len(optimizers)}; resume with the same optimizer and optimizer_mode")
+    try:
+        for opt, sd in zip(optimizers, saved, strict=True):
+            opt.load_state_dict(sd)
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise LazyTrainError(f"checkpoint {path}: its optimizer states do not fit this run's optimizer ({err}); "
+                             "resume with the same optimizer") from None
+    extra = torch.load(state_dir / "state.pt", weights_only=False)
+    set_rng_states(extra["rng"])
+    state = TrainerState(**json.loads((state_dir / "trainer.json").read_text()))
+    return state, extra["data"]
+
+
+def rng_states() -> dict[str, object]:
+    states: dict[str, object] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                                 "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, object]) -> None:
+    random.setstate(states["python"])  # type: ignore[arg-type]
+    np.random.set_state(states["numpy"])  # type: ignore[arg-type]
+    torch.set_rng_state(states["torch"])  # type: ignore[arg-type]
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])  # type: ignore[arg-type]

@@ -1,0 +1,246 @@
+"""The host optimizer over the fp32 master weights: building it, its learning-rate schedule, one step, and the
+one non-finite policy of every optimizer and mode.
+
+Non-finite policy: a step whose loss or global gradient norm is not finite is skipped: no parameter, optimizer
+state or schedule change (the learning-rate schedule counts applied steps only). It is counted and logged;
+`max_nonfinite_steps` in a row stop the run with one line naming what was non-finite and where it first
+appeared (the loss, or the first layer group of the backward whose gradients were not finite).
+
+Serial mode checks after the backward, before the optimizer. Overlap mode steps each layer group as its
+gradients land, so it checks each group just before applying it: the first non-finite group stops the step's
+remaining updates. A non-finite loss makes the head's gradients (the first group to land) non-finite, so such a
+step is skipped whole; if a lower group is the first non-finite one, the groups above it were already
+applied and the step cannot be skipped: the run stops with one line (use serial mode to skip such steps).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from lazytrain.errors import LazyTrainError
+from lazytrain.optim import Hybrid8bitAdamW, global_grad_norm
+from lazytrain.runtime.hf import find_parts
+from lazytrain.spec.cost import HYBRID_8BIT_FRACTION
+
+if TYPE_CHECKING:
+    from lazytrain.config import JobConfig
+    from lazytrain.runtime.executor import Executor
+
+ParamGroup = dict[str, object]  # torch's param group: {"params": [...], "lr": ..., "weight_decay": ..., ...}
+
+
+class NonFiniteRunError(LazyTrainError):
+    """`max_nonfinite_steps` steps in a row had a non-finite loss or gradient norm (or overlap mode met one it
+    could not skip)."""
+
+
+# =====================================================================================================
+# building
+# =====================================================================================================
+def build_optimizer(job: JobConfig, model: PreTrainedModel) -> torch.optim.Optimizer:
+    """Serial mode: one optimizer over the fp32 master weights, two param groups per layer (decay, no decay)."""
+    parts = find_parts(model)
+    owners: list[tuple[str, torch.nn.Module]] = [("embedding", parts.embedding)]
+    owners += [(f"layer{j}", layer) for j, layer in enumerate(parts.layers)]
+    owners += [("head", torch.nn.ModuleList([parts.norm, parts.lm_head]))]
+    groups, seen = [], set()
+    for name, module in owners:
+        decay, no_decay = [], []
+        for p in module.parameters():
+            if id(p) in seen or not p.requires_grad:  # tied LM head: the embedding group owns it
+                continue
+            seen.add(id(p))
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        groups += [{"params": decay, "weight_decay": job.optim.weight_decay, "name": name},
+                   {"params": no_decay, "weight_decay": 0.0, "name": name}]
+    groups = [g for g in groups if g["params"]]
+    if job.optim.optimizer != "adamw":
+        return hybrid8bit_optimizer(job, groups, max_grad_norm=job.optim.max_grad_norm or None)
+    return adamw(job, groups)
+
+
+def adamw(job: JobConfig, groups: list[ParamGroup]) -> torch.optim.AdamW:
+    o = job.optim
+    return torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon,
+                             fused=True)
+
+
+def hybrid8bit_optimizer(job: JobConfig, groups: list[ParamGroup], max_grad_norm: float | None
+                         ) -> Hybrid8bitAdamW:
+    """Hybrid8bitAdamW with the 8-bit share of `optimizer`: the paper's slice or every large tensor. The
+    trainer applies the non-finite policy before it steps, so its own skip counter never fires."""
+    o = job.optim
+    fraction = HYBRID_8BIT_FRACTION if o.optimizer == "hybrid8bit" else 1.0
+    return Hybrid8bitAdamW(groups, lr=o.learning_rate, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon,
+                           max_grad_norm=max_grad_norm, eightbit_fraction=fraction)
+
+
+# =====================================================================================================
+# schedule
+# =====================================================================================================
+def warmup_steps(job: JobConfig) -> int:
+    o = job.optim
+    steps = round(o.warmup_ratio * o.max_steps) if o.warmup_ratio is not None else o.warmup_steps
+    return min(steps, o.max_steps - 1)
+
+
+def lr_at(job: JobConfig, step: int) -> float:
+    """Learning rate of the `step`-th applied update (0-based): linear warm-up to `learning_rate`, then cosine
+    or linear decay to learning_rate * min_lr_ratio at the last step, or constant."""
+    o = job.optim
+    warmup = warmup_steps(job)
+    if step < warmup:
+        return o.learning_rate * (step + 1) / (warmup + 1)
+    if o.lr_scheduler_type == "constant":
+        return o.learning_rate
+    progress = min(1.0, (step - warmup) / max(1, o.max_steps - 1 - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.lr_scheduler_type == "cosine" else 1 - progress
+    return o.learning_rate * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
+
+
+def set_lr(optimizer: torch.optim.Optimizer | OverlapStepper, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# =====================================================================================================
+# one step (serial mode)
+# =====================================================================================================
+def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, model: PreTrainedModel, *,
+                   grad_norm: float | None = None, zero_grad: bool = True) -> float:
+    """Clip and step on the host; returns the global gradient norm before clipping.
+
+    `grad_norm`: the norm the executor already took as gradients landed (`last_step.grad_norm`): neither the
+    clip nor Hybrid8bitAdamW's fused clip scale then needs another pass over the gradients.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_norm is None:
+        grad_norm = global_grad_norm([p.grad for p in params])
+    if job.optim.optimizer != "adamw":
+        optimizer.step(grad_norm=grad_norm)
+    else:
+        if job.optim.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, job.optim.max_grad_norm, torch.tensor(grad_norm),
+                                                 foreach=True)
+        optimizer.step()
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+# =====================================================================================================
+# the non-finite policy
+# =====================================================================================================
+@dataclass
+class NonFinitePolicy:
+    """Counts non-finite steps; the `limit`-th in a row stops the run (NonFiniteRunError)."""
+
+    limit: int
+    consecutive: int = 0
+    skipped: int = 0
+    first_where: str = ""  # where the current run of non-finite steps first appeared
+
+    def skip(self, where: str, step: int) -> None:
+        """Count a skipped step; raise when it is the `limit`-th in a row."""
+        self.skipped += 1
+        self.consecutive += 1
+        if self.consecutive == 1:
+            self.first_where = f"{where} at step {step}"
+        if self.consecutive >= self.limit:
+            raise NonFiniteRunError(
+                f"{self.consecutive} steps in a row were non-finite (first: {self.first_where}); nothing was saved "
+                "over the last good checkpoint; lower learning_rate, check the data and the model's weights, or "
+                f"raise max_nonfinite_steps (now {self.limit})")
+
+    def applied(self) -> None:
+        self.consecutive = 0
+
+
+def nonfinite_where(executor: Executor, loss: float, grad_norm: float | None) -> str | None:
+    """None when the loss and the gradient norm are finite; else what was not: the loss, or the first layer
+    group of the backward (head first, then layer L-1 .. 0, then the embedding) with non-finite gradients."""
+    if not math.isfinite(loss):
+        return f"loss {loss}"
+    if grad_norm is not None and math.isfinite(grad_norm):
+        return None
+    names = executor.group_names()
+    for index in backward_order(names):
+        grads = [p.grad for p in executor.param_groups()[index] if p.grad is not None]
+        if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+            return f"gradients of {names[index]}"
+    return f"gradient norm {grad_norm}"
+
+
+def backward_order(names: list[str]) -> list[int]:
+    """Executor group indices in the order their gradients land: head, layer L-1 .. 0, embedding."""
+    head = [i for i, n in enumerate(names) if n == "head"]
+    layers = [i for i, n in enumerate(names) if n.startswith("layer.")]
+    embedding = [i for i, n in enumerate(names) if n == "embedding"]
+    return head + layers[::-1] + embedding
+
+
+# =====================================================================================================
+# overlap mode
+# =====================================================================================================
+class OverlapStepper:
+    """Overlap mode: the executor calls `hook(group_index, params)` on its optimizer stream as soon as a
+    group's (a layer's) gradients are all in `.grad`; the hook checks them, updates that group and drops them.
+
+    adamw: one fused AdamW per executor group (elementwise, so the same update as one AdamW over all);
+    hybrid8bit, 8bit: one Hybrid8bitAdamW whose `step_group` updates the param groups of that executor group.
+    No clipping (the job refuses max_grad_norm > 0 in this mode).
+    """
+
+    def __init__(self, job: JobConfig, executor: Executor) -> None:
+        self.job = job
+        self.names = executor.group_names()
+        self.groups: list[list[ParamGroup]] = []
+        for params in executor.param_groups():  # [embedding (untied)], layer 0..L-1, head
+            decay = [p for p in params if p.dim() >= 2]
+            no_decay = [p for p in params if p.dim() < 2]
+            self.groups.append([g for g in ({"params": decay, "weight_decay": job.optim.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]])
+        self.optimizers: list[torch.optim.Optimizer]
+        if job.optim.optimizer != "adamw":
+            flat = [g for groups in self.groups for g in groups]
+            self.optimizers = [hybrid8bit_optimizer(job, flat, max_grad_norm=None)]
+            first = [0]
+            for groups in self.groups:
+                first.append(first[-1] + len(groups))
+            self.indices = [range(first[i], first[i + 1]) for i in range(len(self.groups))]
+        else:
+            self.optimizers = [adamw(job, groups) for groups in self.groups]
+        self.applied_groups = 0  # this step
+        self.nonfinite_group: str | None = None  # this step's first group with non-finite gradients
+
+    @property
+    def param_groups(self) -> list[ParamGroup]:
+        """Every param group of every optimizer (the loop sets their learning rate)."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def begin_step(self) -> None:
+        self.applied_groups = 0
+        self.nonfinite_group = None
+        if self.job.optim.optimizer != "adamw":
+            self.optimizers[0].begin_step(grad_norm=0.0)  # no clipping: scale 1 for every group
+
+    def hook(self, group_index: int, params: list[torch.nn.Parameter]) -> None:
+        """Runs on the executor's optimizer stream, concurrently with the device's compute."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.nonfinite_group is None and not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.nonfinite_group = self.names[group_index]
+        if self.nonfinite_group is None:  # check before applying: after a non-finite group, apply nothing
+            if self.job.optim.optimizer != "adamw":
+                for k in self.indices[group_index]:
+                    self.optimizers[0].step_group(k, 1.0)
+            else:
+                self.optimizers[group_index].step()
+            self.applied_groups += 1
+        for p in params:
+            p.grad = None
+

@@ -1,0 +1,136 @@
+"""The plan a run executes: a cost model measured on this machine, the budgets, then the plan (file, MILP or
+rule) with the simulator's prediction of one step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from lazytrain.config import COST_OPTIMIZER
+from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.milp import solve_milp
+from lazytrain.plan.plan import Plan, spec_of
+from lazytrain.plan.rules import make_rule_plan
+from lazytrain.plan.sim import SimResult, simulate
+from lazytrain.runtime.calibrate import calibrate
+from lazytrain.runtime.executor import Executor
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.workload import Workload
+from lazytrain.train.build import build_device, build_hardware, workload_of
+from lazytrain.train.optimizer import build_optimizer, optimizer_step
+
+if TYPE_CHECKING:
+    from lazytrain.config import JobConfig, PlanConfig
+
+@dataclass
+class Planned:
+    """The plan, the cost model it was judged on, how it was made, and the simulator's step time."""
+
+    plan: Plan
+    cost: CostModel
+    how: str
+    sim: SimResult  # the simulator's SimResult for one forward_backward + optimizer step in the run's optimizer mode
+    budgets: dict[str, int] = field(default_factory=dict)
+    serial_step_s: float = 0.0  # the simulated step with the serial optimizer (for micro-batches without it)
+
+    def predicted_step_s(self, grad_accum: int) -> float | None:
+        """Seconds of one optimizer step: grad_accum - 1 streamed micro-batches without the optimizer, then
+        one with it (serial: after the backward; overlap: hidden under it as far as it goes)."""
+        if self.sim is None:
+            return None
+        return (grad_accum - 1) * (self.serial_step_s - self.cost.total_optimizer_s) + self.sim.step_s
+
+
+def make_plan(job: JobConfig, model: PreTrainedModel, kind: str,
+              probe_batch: tuple[torch.Tensor, torch.Tensor]) -> Planned:
+    """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule)."""
+    spec = spec_of(model)
+    workload = workload_of(job)
+    cost = calibrated_cost(job, model, kind, workload, probe_batch)
+    act = max(cost.boundary_bytes)
+    budgets = {
+        "gpu_mem_cap_bytes": job.plan.gpu_mem_cap_bytes or cost.static_device_bytes() + 5 * act,
+        "cpu_act_bytes": 2 * act if job.plan.cpu_act_bytes is None else job.plan.cpu_act_bytes,
+        "nvme_act_bytes": 2 * act if job.plan.nvme_act_bytes is None else job.plan.nvme_act_bytes,
+    }
+    if job.plan.plan_file is not None:
+        plan = Plan.load(job.plan.plan_file, spec, workload)
+        how = f"loaded from {job.plan.plan_file} ({plan.report.planner})"
+        for knob in ("gpu_mem_cap_bytes", "cpu_act_bytes", "nvme_act_bytes"):
+            if getattr(job.plan, knob) is None and plan.budgets_bytes.get(knob) is not None:
+                budgets[knob] = plan.budgets_bytes[knob]  # the budgets the plan was solved under
+    else:
+        plan, how = _solve(job.plan, cost, spec, workload, budgets)
+    sim = _simulate(plan, cost, job.optim.optimizer_mode)
+    plan = plan.with_prediction(sim.to_prediction())
+    serial_s = sim.step_s if job.optim.optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
+    return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, serial_step_s=serial_s)
+
+
+def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: Workload,
+                    probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
+    """A CostModel whose compute and optimizer seconds are measured on the device the run uses.
+
+    Four steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
+    forward and backward and the loss head exactly as the executor runs them (the first step warms up);
+    five steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
+    afterwards); `lazytrain.runtime.calibrate` turns them into the CostModel. On CUDA the executor's
+    per-layer timers see asynchronous launches, so there the FLOP estimate is scaled by the measured step
+    time instead. Link rates are the configured (emulated) ones.
+    """
+    hardware = build_hardware(job, kind)
+    dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
+    keep_all = Plan.from_tiers(model, ["gpu"] * (model.config.num_hidden_layers + 1))
+    probe_device = build_device(job, kind, None, throttled=False)
+    executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
+    steps = []
+    for _ in range(4):  # the first step warms up; the calibration takes medians of the next three
+        executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
+        steps.append(executor.last_step)
+    probe_device.close()
+    constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len).constant_bytes  # + eager masks
+
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_optimizer(job, model)
+    samples = []
+    for _ in range(5):  # the first steps allocate and first-touch the states: the median of the later four
+        t0 = time.perf_counter()
+        optimizer_step(job, optimizer, model, zero_grad=False)
+        samples.append(time.perf_counter() - t0)
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), snapshot, strict=True):
+            p.copy_(saved)
+    del optimizer, snapshot
+    model.zero_grad(set_to_none=True)
+
+    cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[job.optim.optimizer], executor_layout=True
+                     ).with_device_constants(constant_bytes)
+    # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
+    return calibrate(cost, steps[1:], optimizer_s=statistics.median(samples[1:]), scale_flops=kind == "cuda")
+
+
+def _solve(options: PlanConfig, cost: CostModel, spec: ModelSpec, workload: Workload, budgets: dict[str, int]
+           ) -> tuple[Plan, str]:
+    """The MILP under the budgets (planner `auto`, `milp`), or a rule."""
+    if options.planner in ("auto", "milp"):
+        plan = solve_milp(cost, Budgets(**budgets), max_segment=options.max_segment, time_limit_s=options.time_limit_s,
+                          mip_rel_gap=options.mip_rel_gap, solver=options.solver, formulation=options.formulation)
+        r = plan.report
+        gap = f", gap {r.gap:.2%}" if r.gap is not None else ""
+        return plan, f"MILP ({r.solver}, {r.status}{gap}, {r.seconds:.2f} s)"
+    if options.planner == "megatrain":
+        plan = make_rule_plan("megatrain", spec, interval=options.interval, workload=workload)
+        return plan, f"MegaTrain rule (every {options.interval}th boundary)"
+    return make_rule_plan(options.planner, spec, workload=workload), f"{options.planner} rule"
+
+
+def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str) -> SimResult:
+    """The simulator's replay of one step, the optimizer run as this loop runs it."""
+    return simulate(plan, cost, optimizer_mode=optimizer_mode)
+

@@ -1,0 +1,401 @@
+"""The training job: build -> loop -> close, read top to bottom.
+
+`train(job)` checks the job and the output directory (before anything is written), loads the data, builds the
+model, measures this machine and plans, builds the device, executor and optimizer, resumes from a checkpoint
+when asked, then runs `max_steps` steps of `Trainer.train_step` (fetch, stream forward + backward per
+micro-batch, optimizer, log), saving a checkpoint every `save_steps`, at the end and on SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lazytrain.config import JobConfig
+from lazytrain.data import ByteTokenizer, TokenData
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.plan import Plan
+from lazytrain.runtime.device import check_nvme_dir
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.hf import IGNORE_INDEX, shift_labels
+from lazytrain.train.build import (
+    build_device,
+    build_executor,
+    build_model,
+    fit_device_cap,
+    model_source,
+    pick_device_kind,
+    starts_from_weights,
+)
+from lazytrain.train.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    prepare_output_dir,
+    resume_checkpoint,
+    save_checkpoint,
+)
+from lazytrain.train.metrics import MetricsLog, plot_losses, say, write_json
+from lazytrain.train.optimizer import (
+    NonFinitePolicy,
+    OverlapStepper,
+    build_optimizer,
+    lr_at,
+    nonfinite_where,
+    optimizer_step,
+    set_lr,
+)
+from lazytrain.train.planning import Planned, make_plan
+from lazytrain.train.signals import Interrupted, StopSignals
+from lazytrain.units import format_bytes
+
+# Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
+# never ignored.
+NOT_YET = ("dataset_format", "template", "train_on_prompt", "packing", "val_size", "eval_dataset", "hardware",
+           "cpu_mem_bytes", "replan", "num_train_epochs", "world_size")
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), each (B, T) int64 on the host
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind, for callers in code (tests, notebooks)."""
+
+    model: PreTrainedModel
+    plan: Plan
+    output_dir: Path
+    losses: list[float | None]  # per step; None for a skipped (non-finite) step
+    summary: dict[str, object]
+
+
+# =====================================================================================================
+# the run: build -> loop -> close
+# =====================================================================================================
+def train(job: JobConfig) -> TrainResult:
+    """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary."""
+    t_start = time.perf_counter()
+    check_job(job)
+    out = prepare_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
+                             overwrite=job.checkpoint.overwrite_output_dir,
+                             default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+    resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out)
+    if job.runtime.nvme_dir is not None:  # like the output dir: refused before anything is built
+        check_nvme_dir(Path(job.runtime.nvme_dir))
+    torch.manual_seed(job.runtime.seed)
+    batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
+
+    with StopSignals() as signals:
+        # ---- data -----------------------------------------------------------------------------------
+        tokenizer = ByteTokenizer()
+        data = TokenData.from_corpus(job.data.dataset, tokenizer)
+        data.check_fits(seq_len, "train")
+        eval_set: list[Batch] = []
+        if job.metrics.eval_batches and len(data.val) >= seq_len:
+            eval_set = data.fixed_batches(job.metrics.eval_batches, batch_size, seq_len, seed=job.runtime.seed + 1)
+        probe_batch = data.fixed_batches(1, batch_size, seq_len, seed=job.runtime.seed + 2, split="train")[0]
+        batches = CorpusBatches(data, batch_size, seq_len, seed=job.runtime.seed)
+
+        # ---- model ----------------------------------------------------------------------------------
+        source = model_source(job, tokenizer.vocab_size)
+        model = build_model(job, source)
+        num_params = sum(p.numel() for p in model.parameters())
+        init = f"weights from {source.directory}" if starts_from_weights(job, source) else "random init"
+        say(f"model    {model.config._name_or_path or job.model.model}: {num_params / 1e6:.1f} M params, "
+            f"{model.config.num_hidden_layers} layers, {init} (seed {job.runtime.seed}); corpus {job.data.dataset}: "
+            f"{len(data.train):,} train / {len(data.val):,} held-out tokens (bytes)")
+
+        # ---- plan -----------------------------------------------------------------------------------
+        if resume_from is not None and job.plan.plan_file is None:  # the plan the run was executing
+            job = replace(job, plan=replace(job.plan, plan_file=str(resume_from / "trainer_state" / "plan.json")))
+        kind = pick_device_kind(job.runtime.device)
+        planned = make_plan(job, model, kind, probe_batch)
+        plan = planned.plan
+        say(f"budgets  gpu cap {format_bytes(planned.budgets['gpu_mem_cap_bytes'])}, cpu act "
+            f"{format_bytes(planned.budgets['cpu_act_bytes'])}, nvme act "
+            f"{format_bytes(planned.budgets['nvme_act_bytes'])}; one boundary = "
+            f"{format_bytes(max(planned.cost.boundary_bytes))}")
+        say(f"plan     {plan.placement_map()}   {_counts(plan)}   ({planned.how})")
+        predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
+        say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
+        plan.save(out / "plan.json")
+        write_json(out / "train_config.json", job.to_dict())
+
+        # ---- device, executor, optimizer, resume ----------------------------------------------------
+        device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
+        try:
+            executor = build_executor(model, planned, device, job)
+            fit_device_cap(job, plan, executor, device)
+            say(f"device   {device!r}")
+            trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
+                              eval_set=eval_set, out=out, tokenizer=None)
+            if resume_from is not None:
+                trainer.resume(resume_from)
+            eval_before = trainer.evaluate()
+            if eval_set:
+                say(f"eval     held-out loss {'at resume' if resume_from else 'before training'}: {eval_before:.4f}")
+
+            # ---- loop -------------------------------------------------------------------------------
+            trainer.loop(signals)
+            eval_after = trainer.evaluate()
+        finally:
+            device.close()  # stop the link threads; no spill file outlives the device
+
+        # ---- close: final checkpoint, summary -------------------------------------------------------
+        signals.deferred = False  # a signal now stops the save; the previous checkpoint stays intact
+        final = trainer.save()
+    summary = trainer.summary(num_params=num_params, eval_before=eval_before, eval_after=eval_after,
+                              total_run_s=time.perf_counter() - t_start)
+    write_json(out / "summary.json", summary)
+    plotted = plot_losses(out / "metrics.jsonl", out / "loss.png")
+    say(f"loss     first {_fmt(summary['first_loss'])} -> last {_fmt(summary['last_loss'])}"
+        + (f"; held-out {eval_before:.4f} -> {eval_after:.4f}" if eval_set else "")
+        + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
+    median_step = summary["median_step_s"]
+    say(f"time     median step {median_step:.3f} s measured vs {predicted:.3f} s predicted "
+        f"({median_step / predicted:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
+    say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json{', loss.png' if plotted else ''}, {final.name}/) "
+        f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the steps)")
+    return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
+
+
+def check_job(job: JobConfig) -> None:
+    """What this job refuses before touching anything (one line each)."""
+    job.refuse(NOT_YET, "train")
+    if job.data.per_device_train_batch_size == "auto":
+        raise LazyTrainError("per_device_train_batch_size auto: not supported by `lazytrain train` yet; give a "
+                             "number")
+    if job.runtime.dtype == "fp16":
+        raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
+    if job.optim.optimizer_mode == "overlap" and job.optim.max_grad_norm > 0:
+        raise LazyTrainError(f"optimizer_mode overlap steps each layer before the global gradient norm is known, "
+                             f"so it cannot clip at max_grad_norm {job.optim.max_grad_norm}; set max_grad_norm 0 "
+                             "or optimizer_mode serial")
+
+
+# =====================================================================================================
+# the loop
+# =====================================================================================================
+@dataclass
+class Trainer:
+    """The built pieces of a run and the loop over them."""
+
+    job: JobConfig
+    model: PreTrainedModel
+    executor: Executor
+    planned: Planned
+    batches: CorpusBatches
+    eval_set: list[Batch]
+    out: Path
+    tokenizer: PreTrainedTokenizerBase | None = None  # saved with every checkpoint
+    state: TrainerState = field(default_factory=TrainerState)
+
+    def __post_init__(self) -> None:
+        if self.job.optim.optimizer_mode == "overlap":  # per-layer updates from the executor's optimizer stream
+            self.optimizer: torch.optim.Optimizer | OverlapStepper = OverlapStepper(self.job, self.executor)
+            self.executor.optimizer_hook = self.optimizer.hook
+        else:
+            self.optimizer = build_optimizer(self.job, self.model)
+        self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
+        self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
+        self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
+        self.resumed = False
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.optimizer.optimizers if isinstance(self.optimizer, OverlapStepper) else [self.optimizer]
+
+    def loop(self, signals: StopSignals) -> None:
+        """Steps from the current one to `max_steps`; checkpoints every `save_steps`; stops after the step in
+        flight on SIGINT / SIGTERM, saving a checkpoint first."""
+        job = self.job
+        bar = tqdm(total=job.optim.max_steps, initial=self.state.step, desc="train", unit="step",
+                   disable=not job.runtime.progress, dynamic_ncols=True)
+        self.metrics = MetricsLog(self.out, tensorboard=job.metrics.report_to == "tensorboard",
+                                  resume_step=self.state.step if self.resumed else None)
+        signals.deferred = True
+        try:
+            while self.state.step < job.optim.max_steps:
+                row = self.train_step(self.state.step)
+                self.state.step += 1
+                bar.update(1)
+                bar.set_postfix_str(f"loss {_fmt(row['loss'])}  {row['tokens_per_s']:,.0f} tok/s  "
+                                    f"step {row['step_s']:.2f} s (pred {self.predicted_s:.2f})")
+                if signals.received is not None:
+                    signals.deferred = False
+                    path = self.save()
+                    name = "SIGINT" if signals.received == 2 else "SIGTERM"
+                    raise Interrupted(signals.received, f"{name} after step {self.state.step}: saved {path}; continue "
+                                      "with resume_from_checkpoint=auto")
+                if job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
+                        and self.state.step < job.optim.max_steps:
+                    self.save()
+        finally:
+            bar.close()
+            self.metrics.close()
+
+    def train_step(self, step: int) -> dict[str, object]:
+        """One optimizer step: fetch, stream forward + backward per micro-batch, optimizer (or skip), log."""
+        job, ex = self.job, self.executor
+        accum = job.optim.gradient_accumulation_steps
+        lr = lr_at(job, self.state.applied_steps)  # the schedule moves with applied steps only
+        set_lr(self.optimizer, lr)
+        t0 = time.perf_counter()
+
+        # ---- fetch: every micro-batch of the step first; the loss is a mean over the step's tokens ----------
+        micro = [self.batches.next() for _ in range(accum)]
+        num_tokens = sum(count_tokens(labels) for _, labels in micro)
+
+        # ---- stream forward + backward per micro-batch ----------------------------------------------------
+        overlap = isinstance(self.optimizer, OverlapStepper)
+        if overlap:
+            self.optimizer.begin_step()
+        loss, stalls, peak = 0.0, {}, 0
+        for i, (input_ids, labels) in enumerate(micro):
+            last = i == accum - 1
+            if overlap and last and not math.isfinite(loss):
+                self.optimizer.nonfinite_group = "loss"  # the hooks of the last micro-batch apply nothing
+            # Host sync: returns when every gradient of this micro-batch is in p.grad (overlap mode, last
+            # micro-batch: also every layer's update). With num_tokens = the step's count, the returns add up to
+            # the step's true token mean and the gradients accumulate to its gradient.
+            loss += float(ex.forward_backward(input_ids, labels, num_tokens=num_tokens or None,
+                                              run_optimizer_hook=last))
+            for lane, seconds in ex.last_step.stall_s.items():
+                stalls[lane] = stalls.get(lane, 0.0) + seconds
+            peak = max(peak, ex.last_step.peak_device_bytes)
+        grad_norm = ex.last_step.grad_norm  # the norm the executor took as the gradients landed
+
+        # ---- optimizer: skip a non-finite step (no parameter, state or schedule change) --------------------
+        t_opt = time.perf_counter()
+        where = self._overlap_nonfinite(loss) if overlap else nonfinite_where(ex, loss, grad_norm)
+        if where is not None:
+            self.model.zero_grad(set_to_none=True)
+            self.policy.skip(where, step)  # raises on the max_nonfinite_steps-th in a row
+            self.state.skipped_steps = self.policy.skipped
+            say(f"skip     step {step}: non-finite {where}; no update ({self.policy.consecutive} in a row)")
+        else:
+            if not overlap:
+                grad_norm = optimizer_step(job, self.optimizer, self.model, grad_norm=grad_norm)
+            self.policy.applied()
+            self.state.applied_steps += 1
+        self.state.consecutive_skips = self.policy.consecutive
+        step_s = time.perf_counter() - t0
+
+        # ---- log ------------------------------------------------------------------------------------------
+        self.state.losses.append(loss if where is None else None)
+        self.state.step_times_s.append(step_s)
+        row: dict[str, object] = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": num_tokens,
+            "tokens_per_s": accum * job.data.per_device_train_batch_size * job.data.cutoff_len / step_s,
+            "step_s": step_s, "predicted_step_s": self.predicted_s, "optimizer_s": time.perf_counter() - t_opt,
+            "stall_s": stalls, "peak_device_bytes": peak, "skipped": where,
+        }
+        if job.metrics.eval_steps and (step + 1) % job.metrics.eval_steps == 0 and self.eval_set:
+            row["eval_loss"] = self.evaluate()
+        if step % job.metrics.logging_steps == 0 or where is not None or "eval_loss" in row:
+            self.metrics.write(row)
+        return row
+
+    def _overlap_nonfinite(self, loss: float) -> str | None:
+        """Overlap mode: the hooks checked each group before applying it; a step is skipped whole only when
+        nothing was applied yet."""
+        stepper = self.optimizer
+        assert isinstance(stepper, OverlapStepper)
+        bad = stepper.nonfinite_group if stepper.nonfinite_group != "loss" else None
+        where = f"loss {loss}" if not math.isfinite(loss) else (f"gradients of {bad}" if bad else None)
+        if where is not None and stepper.applied_groups:
+            raise LazyTrainError(f"non-finite {where} at step {self.state.step} after optimizer_mode overlap had "
+                                 f"already updated {stepper.applied_groups} layer groups; the run stops without "
+                                 "saving over the last good checkpoint; use optimizer_mode serial, which skips such "
+                                 "steps")
+        return where
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Mean held-out token loss, forward-only through the executor (streaming like training)."""
+        if not self.eval_set:
+            return math.nan
+        loss_sum, count = 0.0, 0
+        for input_ids, labels in self.eval_set:
+            batch_sum, batch_count = self.executor.forward_loss(input_ids, labels)  # host sync
+            loss_sum, count = loss_sum + batch_sum, count + batch_count
+        return loss_sum / count if count else math.nan
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        path = save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
+                               optimizers=self.optimizers, data_state=self.batches.state_dict(),
+                               plan=self.planned.plan, tokenizer=self.tokenizer,
+                               save_total_limit=self.job.checkpoint.save_total_limit)
+        return path
+
+    def resume(self, path: Path) -> None:
+        self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
+                                                 optimizers=self.optimizers)
+        self.batches.load_state_dict(data_state)
+        self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
+        self.resumed = True
+        say(f"resume   from {path} at step {self.state.step} ({self.state.applied_steps} updates applied)")
+
+    # ---- the summary ------------------------------------------------------------------------------------
+    def summary(self, *, num_params: int, eval_before: float, eval_after: float, total_run_s: float
+                ) -> dict[str, object]:
+        times = self.state.step_times_s
+        steady = sorted(times[1:] or times)  # step 0 pays for warm-up (allocator, packing)
+        median_step = steady[len(steady) // 2] if steady else math.nan
+        finite = [x for x in self.state.losses if x is not None]
+        job = self.job
+        tokens_per_step = (job.optim.gradient_accumulation_steps * job.data.per_device_train_batch_size
+                           * job.data.cutoff_len)
+        return {
+            "model": job.model.model, "num_params": num_params, "steps": job.optim.max_steps,
+            "tokens_per_step": tokens_per_step, "placement_map": self.planned.plan.placement_map(),
+            "planner": self.planned.how, "budgets_bytes": self.planned.budgets,
+            "first_loss": finite[0] if finite else None, "last_loss": finite[-1] if finite else None,
+            "skipped_steps": self.state.skipped_steps,
+            "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+            "median_step_s": median_step, "predicted_step_s": self.predicted_s,
+            "median_tokens_per_s": tokens_per_step / median_step,
+            "total_train_s": sum(times), "total_run_s": total_run_s,  # setup + loop + save
+        }
+
+
+# =====================================================================================================
+# data (today's text corpus; the data lane's Loader takes its place)
+# =====================================================================================================
+class CorpusBatches:
+    """A text corpus as a resumable batch source: seeded random windows; its state is how many it gave."""
+
+    def __init__(self, data: TokenData, batch_size: int, seq_len: int, seed: int) -> None:
+        self._stream = data.batches(batch_size, seq_len, seed=seed)
+        self.consumed = 0
+
+    def next(self) -> Batch:
+        self.consumed += 1
+        return next(self._stream)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        for _ in range(int(state["consumed"]) - self.consumed):  # type: ignore[call-overload]
+            self.next()
+
+
+def count_tokens(labels: torch.Tensor) -> int:
+    """Non-ignored label tokens after the HF shift (position t predicts t+1): the loss's denominator."""
+    return int((shift_labels(labels) != IGNORE_INDEX).sum())
+
+
+def _counts(plan: Plan) -> str:
+    return " ".join(f"{tier} {n}" for tier, n in plan.counts().items() if n)
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else "n/a"
+
