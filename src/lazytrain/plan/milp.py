@@ -279,6 +279,21 @@ class _Formulation:
         log.debug("MILP build seconds per family: %s", self.build_s)
 
     # -- helpers --
+    def start_values(self, tiers: Sequence[str]) -> dict[int, float] | None:
+        """Column values of the binaries for `tiers` (a warm start); None when a segment is not a candidate."""
+        if len(tiers) != self.L + 1:
+            return None
+        kept = [i for i, t in enumerate(tiers) if t != "recompute"]
+        edges = set(zip(kept[:-1], kept[1:], strict=True))
+        if not edges <= set(self.x):
+            return None
+        values = {v: float(edge in edges) for edge, v in self.x.items()}
+        for i, tier in enumerate(tiers):
+            for var, on in ((self.z[i], tier != "recompute"), (self.g[i], tier == "gpu"), (self.c[i], tier == "cpu"),
+                            (self.n[i], tier == "nvme")):
+                values[var] = float(on)
+        return values
+
     def offload_windows(self, i: int) -> range:
         """Forward windows that may carry boundary i's d2h / nvme write: w = i..L."""
         return range(i, self.L + 1)
@@ -616,7 +631,8 @@ def _stdout_silenced():
             os.close(fd)
 
 
-def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float) -> tuple[str, list[float] | None, float, float]:
+def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float,
+                 start: dict[int, float] | None = None) -> tuple[str, list[float] | None, float, float]:
     import highspy
     import numpy as np
 
@@ -644,6 +660,8 @@ def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float) -> tuple[st
     h.addRows(len(m.rows), np.array(lo), np.array(hi), len(index), np.array(starts, dtype=np.int32),
               np.array(index, dtype=np.int32), np.array(value, dtype=float))
     h.changeObjectiveOffset(m.offset)
+    if start:  # a warm start: the incumbent plan's binaries (HiGHS completes the continuous part)
+        h.setSolution(len(start), np.array(list(start), dtype=np.int32), np.array(list(start.values()), dtype=float))
     h.run()
     status = h.getModelStatus()
     info = h.getInfo()
@@ -658,7 +676,8 @@ def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float) -> tuple[st
     return name, list(h.getSolution().col_value), objective, _gap(objective, bound)
 
 
-def _solve_scip(m: _Model, time_limit_s: float, mip_rel_gap: float) -> tuple[str, list[float] | None, float, float]:
+def _solve_scip(m: _Model, time_limit_s: float, mip_rel_gap: float,
+                start: dict[int, float] | None = None) -> tuple[str, list[float] | None, float, float]:
     try:
         import pyscipopt
     except ImportError:
@@ -707,8 +726,10 @@ SOLVERS = {"highs": _solve_highs, "scip": _solve_scip}
 # ---- public entry points ------------------------------------------------------------------------------
 def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
                    mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-                   formulation: str = "paper") -> MilpSolution:
-    """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers."""
+                   formulation: str = "paper", start_tiers: Sequence[str] | None = None) -> MilpSolution:
+    """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers.
+
+    start_tiers: a plan's tiers to warm-start from (re-planning; HiGHS only, ignored by SCIP)."""
     if solver not in SOLVERS:
         raise LazyTrainError(f"solver {solver!r} is not one of {', '.join(SOLVERS)}")
     if not isinstance(max_segment, int) or max_segment < 1:
@@ -728,7 +749,8 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
     except _Infeasible as why:
         raise LazyTrainError(_infeasible_message(inst, max_segment, str(why))) from None
     m = form.m
-    status, values, objective, gap = SOLVERS[solver](m, time_limit_s, mip_rel_gap)
+    start = form.start_values(start_tiers) if start_tiers is not None else None
+    status, values, objective, gap = SOLVERS[solver](m, time_limit_s, mip_rel_gap, start)
     seconds = time.perf_counter() - t0
     if values is None:
         if status == "infeasible" or status.startswith("infeas"):
@@ -850,14 +872,15 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
 
 def solve_milp(cost: Any, budgets: Any = None, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
                mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-               formulation: str = "paper") -> Plan:
+               formulation: str = "paper", start_tiers: Sequence[str] | None = None) -> Plan:
     """Solve the paper-mode MILP for a CostModel under Budgets and return the Plan (Contract 1).
 
     formulation "paper" has the per-window reload variables h[i,w], r[i,w] of the paper; "segment" replaces them
     by one exposure per candidate segment (same optimum; much smaller for long models)."""
     inst = instance_from_cost(cost, budgets)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
-                              solver=solver, fixed_tiers=fixed_tiers, formulation=formulation)
+                              solver=solver, fixed_tiers=fixed_tiers, formulation=formulation,
+                              start_tiers=start_tiers)
     return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
 
 

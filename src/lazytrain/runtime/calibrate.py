@@ -63,7 +63,7 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
             raise LazyTrainError(f"calibrate: optimizer seconds must be > 0, got {optimizer_s}")
         rate = quantize_s(cost.spec.num_params / optimizer_s / 1e9)  # Gparams/s of this optimizer
         hardware = cost.hardware.with_overrides(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
-        cost = _rebuilt(cost, hardware)
+        cost = rebuilt(cost, hardware)
     if scale_flops:  # asynchronous timers: keep the FLOP shape, scale it to the measured step
         keep_all = Plan(tiers=("gpu",) * (L + 1), model_fingerprint=cost.spec.fingerprint())
         flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
@@ -77,7 +77,7 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
                            head_s=quantize_s(head))
 
 
-def _rebuilt(cost: CostModel, hardware: HardwareSpec) -> CostModel:
+def rebuilt(cost: CostModel, hardware: HardwareSpec) -> CostModel:
     """The same CostModel on other hardware (keeps the executor layout, head chunk and device constants)."""
     out = CostModel(cost.spec, hardware, cost.workload, cost.optimizer,
                     executor_layout=cost.executor_layout, head_chunk_tokens=cost.head_chunk_tokens)

@@ -279,6 +279,13 @@ class EmulatedDevice(_ArenaDevice):
                          {"h2d": h2d_gbps, "d2h": d2h_gbps, "nvme_read": nvme_read_gbps,
                           "nvme_write": nvme_write_gbps}, nvme_dir)
 
+    def slow_link(self, link: str, factor: float) -> None:
+        """Test hook: from now on `link` moves bytes `factor` times slower (a throttled link only)."""
+        target = self.links[link]
+        if not target.bytes_per_s or not factor > 0:
+            raise LazyTrainError(f"slow_link: {link} must be throttled and factor > 0, got {factor}")
+        target.bytes_per_s /= factor
+
     def __repr__(self) -> str:
         rates = {n: link.bytes_per_s and link.bytes_per_s / 1e9 for n, link in self.links.items()}
         return f"EmulatedDevice(capacity_bytes={self.capacity_bytes}, gbps={rates})"

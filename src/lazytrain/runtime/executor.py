@@ -176,6 +176,13 @@ class Executor:
         self.last_step: StepStats | None = None
         self._default_costs: dict[tuple[int, int], Any] = {}
 
+    def set_plan(self, plan: Plan) -> None:
+        """Run `plan` from the next step on (re-planning switches plans between steps)."""
+        plan.check_matches(self.spec)
+        if "nvme" in plan.tiers:
+            check_nvme_dir(self.device.nvme_dir)
+        self.plan = plan
+
     # ---- parameter groups (one per layer, for a per-layer optimizer) -------------------------
     def param_groups(self) -> list[list[nn.Parameter]]:
         """Parameters by group, in hook order: [embedding (untied only)], layer 0..L-1, head.
