@@ -1,0 +1,158 @@
+"""The batch loader: packing and padding layouts, per-epoch shuffles, exact resume (`lazytrain.data.loader`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lazytrain.data.loader import IGNORE_INDEX, Example, Loader, eval_batches, step_num_tokens
+from lazytrain.errors import LazyTrainError
+
+RNG = random.Random()
+PAD = 0
+
+
+def _examples(n: int, *, max_len: int, seed: int) -> list[Example]:
+    """Fresh random examples; token ids 1.. (0 is the pad id), each example's first id unique (its name),
+    labels -100 on a random prompt prefix (as SFT makes them)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(2, max_len)
+        ids = [1000 + i] + [rng.randint(1, 999) for _ in range(length - 1)]
+        prompt = rng.randint(0, length - 1)
+        out.append(Example(input_ids=ids, labels=[IGNORE_INDEX] * prompt + ids[prompt:]))
+    return out
+
+
+def _segments(row_positions: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each packed segment: a new one starts where position_ids == 0."""
+    starts = (row_positions == 0).nonzero().flatten().tolist() + [len(row_positions)]
+    return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+def test_packing_restarts_positions_and_masks_each_examples_first_label():
+    examples = _examples(40, max_len=12, seed=RNG.randrange(2**30))
+    by_name = {ex.input_ids[0]: ex for ex in examples}
+    loader = Loader(examples, batch_size=3, seq_len=32, packing=True, pad_token_id=PAD, seed=RNG.randrange(2**30))
+    seen = []
+    while len(seen) < len(examples):
+        batch = loader.next()
+        assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (3, 32)
+        assert batch.attention_mask is None and batch.input_ids.dtype == torch.int64
+        assert batch.num_tokens == int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
+        for r in range(3):
+            for start, end in _segments(batch.position_ids[r]):
+                assert batch.position_ids[r, start:end].tolist() == list(range(end - start))
+                ids, labels = batch.input_ids[r, start:end].tolist(), batch.labels[r, start:end].tolist()
+                if ids[0] in by_name:  # a packed example: its tokens, its labels but the first
+                    ex = by_name[ids[0]]
+                    assert ids == ex.input_ids and labels == [IGNORE_INDEX] + ex.labels[1:]
+                    seen.append(ids[0])
+                else:  # the row's padded tail: last segment, no loss
+                    assert end == 32 and set(ids) == {PAD} and set(labels) == {IGNORE_INDEX}
+        assert batch.num_examples == sum(1 for r in range(3) for s, _ in _segments(batch.position_ids[r])
+                                         if batch.input_ids[r, s].item() in by_name)
+    assert sorted(seen[:len(examples)]) == sorted(by_name)  # the first epoch: every example exactly once
+
+
+def test_packing_fills_rows_greedily_without_splitting_examples():
+    lengths = [5, 4, 3, 6, 2]
+    examples = [Example(input_ids=[7] * n, labels=[7] * n) for n in lengths]
+    loader = Loader(examples, batch_size=1, seq_len=10, packing=True, pad_token_id=PAD, seed=0)
+    order = [lengths[i] for i in loader._permutation(0)]
+    rows = []
+    while sum(len(r) for r in rows) < len(lengths):
+        batch = loader.next()
+        rows.append([e - s for s, e in _segments(batch.position_ids[0]) if batch.input_ids[0, s] != PAD])
+    expected, row = [], []  # greedy: an example that does not fit starts the next row
+    for n in order:
+        if sum(row) + n > 10:
+            expected.append(row)
+            row = []
+        row.append(n)
+    expected.append(row)
+    assert rows[:len(expected)] == expected
+
+
+def test_padding_one_example_per_row_with_attention_mask():
+    examples = _examples(10, max_len=9, seed=RNG.randrange(2**30))
+    by_name = {ex.input_ids[0]: ex for ex in examples}
+    loader = Loader(examples, batch_size=2, seq_len=9, packing=False, pad_token_id=PAD, seed=RNG.randrange(2**30))
+    for _ in range(5):
+        batch = loader.next()
+        assert batch.position_ids is None and batch.attention_mask.shape == (2, 9) and batch.num_examples == 2
+        for r in range(2):
+            ex = by_name[batch.input_ids[r, 0].item()]
+            n = len(ex.input_ids)
+            assert batch.attention_mask[r].tolist() == [1] * n + [0] * (9 - n)
+            assert batch.input_ids[r].tolist() == ex.input_ids + [PAD] * (9 - n)
+            assert batch.labels[r].tolist() == ex.labels + [IGNORE_INDEX] * (9 - n)
+        assert batch.num_tokens == sum(
+            sum(label != IGNORE_INDEX for label in by_name[batch.input_ids[r, 0].item()].labels[1:]) for r in range(2))
+
+
+def test_shuffles_without_replacement_per_epoch_and_differently_each_epoch():
+    n = 24
+    examples = _examples(n, max_len=6, seed=RNG.randrange(2**30))
+    loader = Loader(examples, batch_size=4, seq_len=6, packing=False, pad_token_id=PAD, seed=RNG.randrange(2**30))
+    epochs = []
+    for epoch in range(3):
+        assert loader.epoch == epoch
+        names = [name for b in loader.take(n // 4) for name in b.input_ids[:, 0].tolist()]
+        assert sorted(names) == sorted(ex.input_ids[0] for ex in examples)  # each example exactly once
+        epochs.append(names)
+    assert loader.epoch == 3
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(1000, 1000 + n))
+    same_seed = Loader(examples, batch_size=4, seq_len=6, packing=False, pad_token_id=PAD, seed=loader.seed)
+    assert [name for b in same_seed.take(n // 4) for name in b.input_ids[:, 0].tolist()] == epochs[0]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_resume_from_state_dict_gives_the_same_following_batches(packing):
+    examples = _examples(30, max_len=10, seed=RNG.randrange(2**30))
+    kwargs = dict(batch_size=3, seq_len=16, packing=packing, pad_token_id=PAD, seed=RNG.randrange(2**30))
+    uninterrupted = Loader(examples, **kwargs)
+    uninterrupted.take(RNG.randint(3, 14))  # stop mid-epoch (or in a later one)
+    state = uninterrupted.state_dict()
+    expected = uninterrupted.take(25)  # crosses at least one epoch boundary
+    resumed = Loader(examples, **kwargs)
+    resumed.load_state_dict(dict(state))
+    for want, got in zip(expected, resumed.take(25), strict=True):
+        assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.labels, got.labels)
+        assert want.num_tokens == got.num_tokens
+    assert resumed.state_dict() == uninterrupted.state_dict()
+
+
+def test_step_num_tokens_is_known_before_running_the_micro_batches():
+    loader = Loader(_examples(20, max_len=8, seed=RNG.randrange(2**30)), batch_size=2, seq_len=8, packing=True,
+                    pad_token_id=PAD, seed=1)
+    micro = loader.take(4)
+    assert step_num_tokens(micro) == sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in micro) > 0
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_eval_batches_cover_every_example_once_in_full_shape(packing):
+    examples = _examples(11, max_len=7, seed=RNG.randrange(2**30))
+    batches = eval_batches(examples, batch_size=4, seq_len=8, packing=packing, pad_token_id=PAD)
+    assert all(b.input_ids.shape == (4, 8) for b in batches)
+    assert sum(b.num_examples for b in batches) == len(examples)
+    if not packing:
+        assert len(batches) == 3 and batches[-1].attention_mask[3].all()  # filler rows attend to themselves
+        assert (batches[-1].labels[3:] == IGNORE_INDEX).all()
+
+
+def test_bad_inputs_are_one_line_errors():
+    examples = _examples(5, max_len=5, seed=0)
+    with pytest.raises(LazyTrainError, match="no examples"):
+        Loader([], batch_size=1, seq_len=8, packing=True, pad_token_id=PAD, seed=0)
+    with pytest.raises(LazyTrainError, match="cutoff_len"):
+        Loader(examples + [Example([1] * 9, [1] * 9)], batch_size=1, seq_len=8, packing=True, pad_token_id=PAD,
+               seed=0)
+    loader = Loader(examples, batch_size=1, seq_len=8, packing=True, pad_token_id=PAD, seed=0)
+    with pytest.raises(LazyTrainError, match="same dataset and seed"):
+        loader.load_state_dict({"epoch": 0, "position": 1, "seed": 1, "num_examples": 5})
+    with pytest.raises(LazyTrainError, match="labels"):
+        Example([1, 2], [1])
