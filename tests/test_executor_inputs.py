@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import VOCAB, make_batch, make_model, num_label_tokens
+from tiny_models import VOCAB, make_batch, make_model, num_label_tokens, pack, unpacked
 
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.errors import LazyTrainError
@@ -99,35 +99,6 @@ def test_padding_matches_transformers_with_attention_mask(inner, kind, attn, see
 
 
 # ---- packing: examples concatenated in a row, positions restarting, no attention across them -----------
-def pack(examples: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One packed row: ids, labels (the first token of each example -100: nothing predicts it), positions.
-    The tail is padding, positions restarting at 0 (its own block), labels -100."""
-    ids = torch.zeros(seq_len, dtype=torch.long)
-    labels = torch.full((seq_len,), -100)
-    positions = torch.zeros(seq_len, dtype=torch.long)
-    start = 0
-    for ex in examples:
-        n = len(ex)
-        ids[start:start + n] = ex
-        labels[start + 1:start + n] = ex[1:]
-        positions[start:start + n] = torch.arange(n)
-        start += n
-    positions[start:] = torch.arange(seq_len - start)
-    return ids.unsqueeze(0), labels.unsqueeze(0), positions.unsqueeze(0)
-
-
-def unpacked(examples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same examples as rows of a right-padded batch with an attention mask."""
-    width = max(len(e) for e in examples)
-    ids = torch.zeros(len(examples), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, e in enumerate(examples):
-        ids[r, :len(e)] = e
-        mask[r, :len(e)] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
-
-
 @FEW
 @given(inner=INNER, kind=st.sampled_from(KINDS), attn=st.sampled_from(["eager", "sdpa"]), seed=st.integers(0, 1000))
 def test_a_packed_row_of_three_equals_the_three_unpacked(inner, kind, attn, seed) -> None:

@@ -42,6 +42,8 @@ def _configs() -> dict[str, dict]:
         "qwen2": {**d, "model_type": "qwen2"},
         "qwen3": {**d, "model_type": "qwen3", "head_dim": 24},
         "mistral": {**d, "model_type": "mistral", "head_dim": 12},
+        "qwen3_moe": {**d, "model_type": "qwen3_moe", "head_dim": 12, "mlp_only_layers": [0],
+                      **{k: moe[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}},
         "qwen3_5_text": {**d, "model_type": "qwen3_5_text", "num_hidden_layers": 4, **linear},
         "qwen3_5_moe_text": {**d, "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, **linear, **moe},
         "qwen3_next": {**d, "model_type": "qwen3_next", "num_hidden_layers": 4, **linear, **moe,

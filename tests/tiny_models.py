@@ -6,6 +6,7 @@ import torch
 import transformers as tf
 
 VOCAB = 61
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe"]
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
 
@@ -22,6 +23,26 @@ def make_model(kind: str, num_layers: int = 6, attn: str = "eager", seed: int = 
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=12))
     elif kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=5))
+    elif kind == "qwen3_moe":  # experts on every layer but one dense MLP layer
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, head_dim=12, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=16, mlp_only_layers=[1],
+                                                         norm_topk_prob=True))
+    elif kind == "gpt_oss":  # alternating sliding-window and full attention, sinks, biased experts
+        yarn = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=1.5e5,
+                    original_max_position_embeddings=COMMON["max_position_embeddings"] // 32)
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(**common, head_dim=8, num_local_experts=4,
+                                                     num_experts_per_tok=2, sliding_window=5, rope_parameters=yarn))
+    elif kind in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet layers with a full-attention layer every third
+        hybrid = dict(common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                      layer_types=[("full_attention" if (i + 1) % 3 == 0 else "linear_attention")
+                                   for i in range(num_layers)])
+        if kind == "qwen3_5":
+            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**hybrid))
+        else:
+            model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(
+                **hybrid, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24))
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -49,3 +70,32 @@ def make_batch(batch: int, seq_len: int, seed: int = 1) -> tuple[torch.Tensor, t
 def num_label_tokens(labels: torch.Tensor) -> int:
     """Non-ignored labels after the shift (the first position predicts nothing)."""
     return int((labels[:, 1:] != -100).sum())
+
+
+def pack(examples: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row: ids, labels (the first token of each example -100: nothing predicts it), positions.
+    The tail is padding, positions restarting at 0 (its own block), labels -100."""
+    ids = torch.zeros(seq_len, dtype=torch.long)
+    labels = torch.full((seq_len,), -100)
+    positions = torch.zeros(seq_len, dtype=torch.long)
+    start = 0
+    for ex in examples:
+        n = len(ex)
+        ids[start:start + n] = ex
+        labels[start + 1:start + n] = ex[1:]
+        positions[start:start + n] = torch.arange(n)
+        start += n
+    positions[start:] = torch.arange(seq_len - start)
+    return ids.unsqueeze(0), labels.unsqueeze(0), positions.unsqueeze(0)
+
+
+def unpacked(examples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same examples as rows of a right-padded batch with an attention mask."""
+    width = max(len(e) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(examples):
+        ids[r, :len(e)] = e
+        mask[r, :len(e)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)

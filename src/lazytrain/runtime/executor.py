@@ -143,6 +143,7 @@ class Executor:
             raise LazyTrainError(f"compute_dtype {compute_dtype} is not supported; use torch.float32 or bfloat16")
         if head_chunk_tokens <= 0:
             raise LazyTrainError(f"head_chunk_tokens must be positive, got {head_chunk_tokens}")
+        self.parts: DecoderParts = find_parts(model)  # first: its error lists the supported families
         self.spec = ModelSpec.from_config(model.config)
         plan.check_matches(self.spec)
         self.model = model
@@ -152,7 +153,6 @@ class Executor:
         self.optimizer_hook = optimizer_hook
         self.cost = cost
         self.head_chunk_tokens = head_chunk_tokens
-        self.parts: DecoderParts = find_parts(model)
         off_host = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
         if off_host:
             raise LazyTrainError(f"the model's parameters are on {', '.join(off_host)}; the executor streams them "
@@ -312,9 +312,9 @@ class Executor:
                                      f"got {tuple(t.shape)}")
         if attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise LazyTrainError("attention_mask must hold only 1 (token) and 0 (padding)")
-        if position_ids is not None and "linear_attention" in self.parts.mask_kinds and is_packed(position_ids.cpu()):
-            raise LazyTrainError(f"model_type {self.model.config.model_type!r} has linear-attention layers, whose "
-                                 "recurrence cannot restart at packed example boundaries here; set packing: false")
+        if position_ids is not None and not self.parts.family.packing and is_packed(position_ids.cpu()):
+            raise LazyTrainError(f"{self.parts.family.name} cannot train on packed rows (its linear-attention "
+                                 "state and conv would run across example boundaries); set packing: false")
         return tuple(input_ids.shape)
 
 

@@ -1,6 +1,6 @@
 """The pieces of a `transformers` decoder the executor streams, and the stateless calls that run them.
 
-Supported: Llama, Mistral, Qwen2, Qwen3 causal LMs (tied embeddings too). The model's own modules are
+`FAMILIES` declares the supported causal LMs and what each layer call needs. The model's own modules are
 the *templates*: `torch.func.functional_call` binds streamed device weights to a layer for one call,
 so the host parameters are never moved and the math is the model's own (exactness tests compare the
 result with the model's `forward` + `backward`).
@@ -22,18 +22,68 @@ from lazytrain.errors import LazyTrainError
 IGNORE_INDEX = -100
 
 
+ATTENTION = ("eager", "sdpa")  # attention implementations whose masks `Rotary` builds (and counts)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported causal-LM family and what each of its layer calls needs.
+
+    Every layer is called as `layer(hidden, attention_mask=masks[kind], position_embeddings=(cos, sin),
+    position_ids=positions)`; `kinds` are the per-layer mask kinds it may use (`config.layer_types` picks
+    them per layer; without it every layer is `default_kind`, or sliding when `sliding_from_window` and the
+    config sets `sliding_window`).
+    """
+
+    name: str
+    kinds: tuple[str, ...]
+    rotary: str  # how the model's rotary module makes cos/sin (for the docs' table)
+    extra: str  # what else its layers hold or need
+    packing: bool = True  # can attention and state restart at packed example boundaries
+    default_kind: str = "full_attention"
+    sliding_from_window: bool = False
+
+
+_HYBRID = ("full_attention", "linear_attention")
+_LINEAR_NOTE = "Gated DeltaNet layers: the 2D padding mask, no cache; gated full attention with q/k norm"
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", ("full_attention",), "RoPE", "-"),
+    "mistral": Family("Mistral", ("full_attention", "sliding_attention"), "RoPE", "sliding window on every layer",
+                      sliding_from_window=True),
+    "qwen2": Family("Qwen2 / Qwen2.5", ("full_attention", "sliding_attention"), "RoPE",
+                    "q/k/v biases; tied embeddings in the small sizes"),
+    "qwen3": Family("Qwen3", ("full_attention", "sliding_attention"), "RoPE", "q/k RMSNorm"),
+    "qwen3_moe": Family("Qwen3-MoE", ("full_attention", "sliding_attention"), "RoPE",
+                        "q/k RMSNorm; router + every expert streamed (mlp_only_layers dense)"),
+    "gpt_oss": Family("GPT-OSS", ("full_attention", "sliding_attention"), "YaRN RoPE",
+                      "alternating sliding/full layers, attention sinks, biased experts (every one streamed); eager"),
+    "qwen3_5_text": Family("Qwen3.5 / Qwen3.6", _HYBRID, "partial M-RoPE (text positions)", _LINEAR_NOTE,
+                           packing=False),
+    "qwen3_5_moe_text": Family("Qwen3.5 / Qwen3.6 MoE", _HYBRID, "partial M-RoPE (text positions)",
+                               _LINEAR_NOTE + "; router, shared expert + every expert streamed", packing=False),
+}
+# Multimodal checkpoints whose text tower `AutoModelForCausalLM` builds (and loads from their folder).
+TEXT_TOWERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def supported_families() -> str:
+    """'Llama (llama), Mistral (mistral), ...' for error messages."""
+    return ", ".join(f"{f.name} ({t})" for t, f in FAMILIES.items())
+
+
 @dataclass
 class DecoderParts:
     """Embedding, decoder layers, rotary embedding, final norm and LM head of one causal LM."""
 
     model: nn.Module
+    family: Family
     embedding: nn.Embedding
     layers: list[nn.Module]
     rotary: nn.Module
     norm: nn.Module
     lm_head: nn.Linear
     tied: bool  # lm_head.weight is the embedding weight
-    mask_kinds: list[str]  # per layer: "full_attention" or "sliding_attention"
+    mask_kinds: list[str]  # per layer: one of family.kinds
 
     @property
     def num_layers(self) -> int:
@@ -41,30 +91,41 @@ class DecoderParts:
 
 
 def find_parts(model: nn.Module) -> DecoderParts:
-    """Locate the streamed pieces of a supported causal LM, or say what is missing."""
+    """Locate the streamed pieces of a supported causal LM, or say in one line why it is not one."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    what = f"model {type(model).__name__} (model_type {model_type!r})"
+    if model_type in TEXT_TOWERS:
+        raise LazyTrainError(f"{what} is multimodal: load its text tower with AutoModelForCausalLM "
+                             f"(model_type {TEXT_TOWERS[model_type]!r}); the executor trains the language model")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise LazyTrainError(f"{what} is not supported; supported: {supported_families()}")
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     missing = [n for n in ("embed_tokens", "layers", "rotary_emb", "norm") if not hasattr(base, n)]
     head = getattr(model, "lm_head", None)
     if base is None or missing or not isinstance(head, nn.Linear):
-        raise LazyTrainError(
-            f"model {type(model).__name__} (model_type {model_type!r}) is not a supported causal LM: missing "
-            f"{missing or ['lm_head']}; supported: Llama, Mistral, Qwen2, Qwen3 *ForCausalLM"
-        )
+        raise LazyTrainError(f"{what} is not a *ForCausalLM: missing {missing or ['lm_head']}")
     if head.bias is not None:
-        raise LazyTrainError(f"model {type(model).__name__}: an LM head with a bias is not supported")
-    layer_types = getattr(config, "layer_types", None)
+        raise LazyTrainError(f"{what}: an LM head with a bias is not supported")
+    if config._attn_implementation not in ATTENTION:
+        raise LazyTrainError(f"{what}: attn_implementation {config._attn_implementation!r} is not supported by the "
+                             f"executor; use one of {', '.join(ATTENTION)}")
     num_layers = len(base.layers)
+    layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         mask_kinds = list(layer_types)[:num_layers]
-    elif getattr(config, "sliding_window", None) is not None and model_type == "mistral":
+    elif family.sliding_from_window and getattr(config, "sliding_window", None) is not None:
         mask_kinds = ["sliding_attention"] * num_layers
     else:
-        mask_kinds = ["full_attention"] * num_layers
-    return DecoderParts(model=model, embedding=base.embed_tokens, layers=list(base.layers), rotary=base.rotary_emb,
-                        norm=base.norm, lm_head=head, tied=head.weight is base.embed_tokens.weight,
-                        mask_kinds=mask_kinds)
+        mask_kinds = [family.default_kind] * num_layers
+    unknown = sorted(set(mask_kinds) - set(family.kinds))
+    if unknown:
+        raise LazyTrainError(f"{what}: layer types {unknown} are not supported for {family.name}; "
+                             f"supported: {', '.join(family.kinds)}")
+    return DecoderParts(model=model, family=family, embedding=base.embed_tokens, layers=list(base.layers),
+                        rotary=base.rotary_emb, norm=base.norm, lm_head=head,
+                        tied=head.weight is base.embed_tokens.weight, mask_kinds=mask_kinds)
 
 
 def layer_named_params(layer: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -9,7 +9,7 @@ Layer families (counts equal those of the `transformers` model built from the sa
 - dense (llama, mistral, qwen2, qwen3): attention + gated MLP + 2 RMSNorms;
 - hybrid (qwen3_5, qwen3_5_moe, qwen3_next): `layer_types` mixes `full_attention` layers (gated
   attention: q_proj is twice as wide, q/k RMSNorm) with `linear_attention` (Gated DeltaNet) layers;
-- MoE (gpt_oss, qwen3_5_moe, qwen3_next): every expert is stored (`layer_params`, what streams over
+- MoE (gpt_oss, qwen3_moe, qwen3_5_moe, qwen3_next): every expert is stored (`layer_params`, what streams over
   the link and what the optimizer updates), only `num_experts_per_tok` experts are computed per token
   (`layer_active_params`, what the FLOPs count).
 Multimodal wrappers (qwen3_5 with `text_config`) are planned as their language model; the vision
@@ -32,7 +32,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 # Hybrid linear/full attention (Qwen3.5 / Qwen3.6, Qwen3-Next) and MoE (GPT-OSS) families.
 HYBRID_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-MOE_TYPES = {"gpt_oss", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+MOE_TYPES = {"gpt_oss", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 SUPPORTED_TYPES = DENSE_TYPES | HYBRID_TYPES | MOE_TYPES
 # `transformers` config defaults for keys a config.json of these families may leave out.
 _QWEN_HYBRID_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
@@ -44,6 +44,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
     "qwen3_next": {**_QWEN_HYBRID_DEFAULTS, "num_experts": 512, "num_experts_per_tok": 10,
                    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "attention_bias": True,
                 "sliding_window": 128},
 }
@@ -224,7 +225,7 @@ class ModelSpec:
                 attention_qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 attention_out_bias=model_type in ("llama", "gpt_oss") and bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in DENSE_TYPES,
-                qk_norm=model_type == "qwen3" or model_type in HYBRID_TYPES,
+                qk_norm=model_type in ("qwen3", "qwen3_moe") or model_type in HYBRID_TYPES,
                 **extra,
             )
         except KeyError as missing:
@@ -271,8 +272,10 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
     if hybrid:
         interval = int(cfg.get("full_attention_interval", 4))
         default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    else:  # gpt_oss alternates sliding and full attention
+    elif model_type == "gpt_oss":  # alternates sliding and full attention
         default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    else:  # qwen3_moe: Qwen3's attention everywhere
+        default_types = ["full_attention"] * num_layers
     layer_types = list(cfg.get("layer_types") or default_types)
 
     # Full attention. Qwen3.5/Next: gated attention (q_proj emits query and gate: 2x wide), q/k RMSNorm.
@@ -281,7 +284,7 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
     full_attn = h * q_out + 2 * h * kv + q * h
     if bias:
         full_attn += q_out + 2 * kv + h
-    full_attn += 2 * head_dim if hybrid else heads  # q/k norm, or the sinks
+    full_attn += heads if model_type == "gpt_oss" else 2 * head_dim  # the sinks, or the q/k norm
 
     # Linear attention (Gated DeltaNet): q/k/v (+z gate, + b/a) input projections, a depthwise causal conv over
     # q/k/v, dt_bias and A_log per value head, a gated RMSNorm over the value head dim, the output projection.
