@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import llvmlite.binding as llvm_binding
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
@@ -162,8 +163,6 @@ _ITEMS_PER_THREAD = 8  # work items per thread: small enough to even out a preem
 _F0 = np.float32(0.0)
 _HALF = np.float32(0.5)
 _M_MID = np.float32(127.5)  # signed code c holds k = |c - 127.5| - 0.5, negative below the middle
-_M_NEG = np.float32(127.0)
-_M_POS = np.float32(128.0)
 _M_SQ = np.float32(M_LEVELS**2)
 _INV_M_SQ = np.float32(1.0 / M_LEVELS**2)
 _V_SQ = np.float32(V_LEVELS**2)
@@ -172,7 +171,7 @@ _V_TINY32 = np.float32(V_TINY_ABSMAX)
 _I0 = np.int32(0)
 _I1 = np.int32(1)
 _I128 = np.int32(128)
-_IM = np.int32(M_LEVELS)
+_I255 = np.int32(255)
 _IV = np.int32(V_LEVELS)
 
 
@@ -196,6 +195,46 @@ def _i2f(typingctx, x):  # pragma: no cover - compiled
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], llvm_ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _sign_fill(typingctx, x):  # pragma: no cover - compiled
+    """-1 (int32, all bits set) where float32 x has its sign bit set, else 0."""
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        bits = builder.bitcast(args[0], llvm_ir.IntType(32))
+        return builder.ashr(bits, llvm_ir.Constant(llvm_ir.IntType(32), 31))
+
+    return sig, codegen
+
+
+# Intel's AVX-512 cores run 512-bit roots and divisions on one slow unit, and the kernel issues three
+# roots and a division per 16 elements: that unit, not the vector ports, bounds it (Emerald Rapids:
+# docs/benchmarks.md). Taking the m code's root as x * rsqrt(x) (LLVM: vrsqrt14ps + one Newton step,
+# ~1e-7 relative, on the ports) balances the two: -11% kernel time there. AMD's Zen 4 was measured
+# slower with estimated roots, so Zen keeps the exact root.
+M_ROOT_ESTIMATE = not llvm_binding.get_host_cpu_name().startswith("znver")
+_TINY = 1e-30  # keeps rsqrt(0) finite: x * rsqrt(x + tiny) is 0 at x = 0
+
+
+@intrinsic
+def _m_code_root(typingctx, x):  # pragma: no cover - compiled
+    """sqrt(x) for 0 <= x <= 127^2 (the m code), estimated where M_ROOT_ESTIMATE says so (see above)."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = llvm_ir.FloatType()
+        sqrt = builder.module.declare_intrinsic("llvm.sqrt", [f32])
+        if not M_ROOT_ESTIMATE:
+            return builder.call(sqrt, [args[0]])
+        # fast flags on these two instructions only: 1 / sqrt(y) becomes the estimate
+        root = builder.call(sqrt, [builder.fadd(args[0], llvm_ir.Constant(f32, _TINY))], fastmath=("fast",))
+        inv = builder.fdiv(llvm_ir.Constant(f32, 1.0), root)
+        inv.flags.append("fast")
+        return builder.fmul(args[0], inv)
 
     return sig, codegen
 
@@ -251,11 +290,11 @@ def _update_blocks(
         for j in range(cnt):
             mj = fm[j]
             sj = fs[j]
-            km = np.float32(min(np.int32(np.sqrt(abs(mj) * inv_m) + _HALF), _IM))
+            km = np.int32(_m_code_root(abs(mj) * inv_m) + _HALF)  # <= 127 since |mj| <= amax_m
             kv = min(np.int32(np.sqrt(sj * inv_s) + _HALF), _IV)
             kv = max(kv, _I1) if (sj > _F0 and inv_s > _F0) else _I0  # nonzero v never rounds to 0
-            codem = (_M_NEG - km) if mj < _F0 else (_M_POS + km)
-            qmb[j] = np.uint8(np.int32(codem) if kv != _I0 else _I128)  # v decodes to 0 -> m := 0
+            codem = (_I128 + km) ^ (_sign_fill(mj) & _I255)  # 128 + km, or 127 - km below zero
+            qmb[j] = np.uint8(codem if kv != _I0 else _I128)  # v decodes to 0 -> m := 0
             qvb[j] = np.uint8(kv)
 
 
