@@ -391,11 +391,11 @@ def _round_trip_groups(ps: list[torch.nn.Parameter]) -> list[dict]:
             {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3}]
 
 
-def _resume_equals_uninterrupted(make_opt, clip_outside: bool) -> None:
+def _resume_equals_uninterrupted(make_opt, clip_outside: bool, dtype: torch.dtype = torch.float32) -> None:
     """5 steps, save (params + optimizer state_dict through torch.save), load into fresh params and a fresh
     optimizer, 5 more steps == 10 uninterrupted steps, bit for bit (params and every state tensor)."""
     gen = torch.Generator().manual_seed(11)
-    grads = [_grads(ROUND_TRIP_SHAPES, gen, scale=0.05) for _ in range(10)]  # norm ~ 7: clip 1.0 acts
+    grads = [[g.to(dtype) for g in _grads(ROUND_TRIP_SHAPES, gen, scale=0.05)] for _ in range(10)]  # norm ~ 7
 
     def run(ps, opt, steps):
         for i, lr in steps:
@@ -407,11 +407,11 @@ def _resume_equals_uninterrupted(make_opt, clip_outside: bool) -> None:
             opt.step()
 
     schedule = [(i, 1e-3 * (1 - i / 10)) for i in range(10)]
-    pa = _params(ROUND_TRIP_SHAPES, 11)
+    pa = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(ROUND_TRIP_SHAPES, 11)]
     oa = make_opt(_round_trip_groups(pa))
     run(pa, oa, schedule)
 
-    pb = _params(ROUND_TRIP_SHAPES, 11)
+    pb = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(ROUND_TRIP_SHAPES, 11)]
     ob = make_opt(_round_trip_groups(pb))
     run(pb, ob, schedule[:5])
     buf = io.BytesIO()
@@ -434,13 +434,15 @@ def _resume_equals_uninterrupted(make_opt, clip_outside: bool) -> None:
                 assert val == other, key
 
 
-def test_hybrid8bit_resume_equals_uninterrupted_run() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid8bit_resume_equals_uninterrupted_run(dtype: torch.dtype) -> None:
+    """bf16: master weights with stochastic rounding, whose bits depend on (seed, parameter, step) only."""
     def make(groups):
-        opt = Hybrid8bitAdamW(groups, eightbit_fraction=0.6, min_8bit_size=1000, max_grad_norm=1.0)
+        opt = Hybrid8bitAdamW(groups, eightbit_fraction=0.6, min_8bit_size=1000, max_grad_norm=1.0, seed=5)
         assert 0 < opt.eightbit_numel < sum(p.numel() for g in groups for p in g["params"])  # both kinds
         return opt
 
-    _resume_equals_uninterrupted(make, clip_outside=False)
+    _resume_equals_uninterrupted(make, clip_outside=False, dtype=dtype)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -517,8 +519,10 @@ def test_bad_arguments_raise_value_error(kwargs: dict, match: str) -> None:
 
 
 def test_non_fp32_params_rejected() -> None:
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match="fp32 and bf16"):
         Hybrid8bitAdamW([torch.nn.Parameter(torch.randn(8, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="contiguous"):
+        Hybrid8bitAdamW([torch.nn.Parameter(torch.randn(8, 6, dtype=torch.bfloat16).t())])
 
 
 # ---------------------------------------------------------------- clip norm kernel (numba, no torch OpenMP)

@@ -28,6 +28,10 @@ look at other groups. `opt.step(grad_norm=...)` is `begin_step` then `step_group
 Which parameters get 8-bit states is fixed at construction, in parameter order: a contiguous CPU
 tensor with at least `min_8bit_size` elements is 8-bit while the 8-bit volume stays within
 `eightbit_fraction` of all parameters. The choice is in `state[p]["eightbit"]` (saved by state_dict).
+
+bf16 master weights (opt-in: pass bf16 parameters): the update is computed in fp32 from an fp32 copy of
+the tensor and its gradient (fp32 or bf16), then written back with stochastic rounding (bf16.py), so
+updates below half a bf16 step are kept in expectation. States are as for fp32 parameters.
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ from typing import Any
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.optim.bf16 import rounding_key, stochastic_round_
 from lazytrain.optim.clip import _exact_norm, clip_coefficient, global_grad_norm
 from lazytrain.optim.quant import M_ZERO_CODE, adamw8bit_reference_, adamw8bit_step_
+
+#: Per-parameter state tensors (8-bit codes and absmax, or fp32 moments); "step" is torch's.
+_STATE_TENSORS = ("qm", "qv", "absmax_m", "absmax_v", "exp_avg", "exp_avg_sq")
 
 
 class NonFiniteGradientsError(LazyTrainError):
@@ -59,6 +67,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         min_8bit_size: tensors with fewer elements keep fp32 states.
         max_consecutive_skips: this many non-finite steps in a row raise NonFiniteGradientsError.
         use_reference: run the plain-torch 8-bit update instead of the compiled kernel (tests).
+        seed: stochastic rounding of bf16 parameters draws its bits from (seed, parameter index, step).
     """
 
     def __init__(
@@ -74,6 +83,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         min_8bit_size: int = 4096,
         max_consecutive_skips: int = 3,
         use_reference: bool = False,
+        seed: int = 0,
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -92,6 +102,8 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         self.min_8bit_size = min_8bit_size
         self.max_consecutive_skips = max_consecutive_skips
         self.use_reference = use_reference
+        self.seed = seed
+        self._index: dict[torch.Tensor, int] = {}  # parameter -> position, for the rounding key
         self.skipped_steps = 0  # non-finite steps skipped so far
         self.consecutive_skips = 0
         self._eightbit_numel = 0
@@ -106,8 +118,11 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         for p in group["params"]:
-            if p.dtype != torch.float32:
-                raise ValueError(f"Hybrid8bitAdamW supports fp32 parameters only, got {p.dtype}")
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"Hybrid8bitAdamW supports fp32 and bf16 parameters only, got {p.dtype}")
+            if p.dtype == torch.bfloat16 and not (p.device.type == "cpu" and p.is_contiguous()):
+                raise ValueError("Hybrid8bitAdamW: bf16 parameters must be contiguous host tensors")
+            self._index[p] = len(self._index)
         self._total_numel += sum(p.numel() for p in group["params"])
         budget = self.eightbit_fraction * self._total_numel
         for p in group["params"]:
@@ -132,8 +147,8 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             state["absmax_m"] = torch.zeros(nblocks, dtype=torch.float32)
             state["absmax_v"] = torch.zeros(nblocks, dtype=torch.float32)
         else:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     # ------------------------------------------------------------ introspection
     @property
@@ -145,7 +160,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         """Bytes held by optimizer states (codes, absmax, fp32 moments; step counters excluded)."""
         total = 0
         for st in self.state.values():
-            for key in ("qm", "qv", "absmax_m", "absmax_v", "exp_avg", "exp_avg_sq"):
+            for key in _STATE_TENSORS:
                 if key in st:
                     total += st[key].numel() * st[key].element_size()
         return total
@@ -199,20 +214,26 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
 
         Parameters without a gradient are left alone. fp32-state parameters use torch's fused
         AdamW (their gradients are divided by 1/clip_coef in place when clip_coef < 1); 8-bit ones
-        use the fused 8-bit kernel, which leaves gradients untouched.
+        use the fused 8-bit kernel, which leaves gradients untouched. bf16 parameters are updated in
+        fp32 copies (gradients too) and rounded back stochastically; their gradients are left alone.
         """
         group = self.param_groups[group_index]
         beta1, beta2 = group["betas"]
         fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps = [], [], [], [], []
+        rounded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bf16 parameter, its fp32 working copy)
         for p in group["params"]:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise ValueError("Hybrid8bitAdamW does not support sparse gradients")
             st = self.state[p]
+            param, grad = p, p.grad
+            if p.dtype == torch.bfloat16:
+                param, grad = p.detach().float(), p.grad.float()
+                rounded.append((p, param))
             if not st["eightbit"]:
-                fp32_p.append(p)
-                fp32_g.append(p.grad)
+                fp32_p.append(param)
+                fp32_g.append(grad)
                 fp32_m.append(st["exp_avg"])
                 fp32_v.append(st["exp_avg_sq"])
                 fp32_steps.append(st["step"])
@@ -220,8 +241,8 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             st["step"] += 1
             update = adamw8bit_reference_ if self.use_reference else adamw8bit_step_
             update(
-                p,
-                p.grad,
+                param,
+                grad,
                 st["qm"],
                 st["qv"],
                 st["absmax_m"],
@@ -239,6 +260,9 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             grad_scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
             torch._foreach_add_(fp32_steps, 1)
             _fused_adamw(fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps, group, beta1, beta2, grad_scale)
+        for p, param in rounded:
+            step = int(self.state[p]["step"].item())
+            stochastic_round_(p, param, rounding_key(self.seed, self._index[p], step))
 
     @torch.no_grad()
     def step(
@@ -264,6 +288,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "block_size": self.block_size,
+            "seed": self.seed,
         }
         return sd
 
@@ -276,23 +301,25 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
                 f"state_dict has block_size {extra['block_size']} but this optimizer has {self.block_size}; "
                 "construct it with the saved block_size"
             )
-        # torch casts every state tensor to the parameter dtype; keep the uint8 codes out of that
-        # (a float32 copy of the codes would need 4x their memory for a moment)
-        codes: dict[Any, dict[str, torch.Tensor]] = {}
+        # torch casts every state tensor to the parameter dtype; keep the states out of that: uint8
+        # codes would take 4x their memory for a moment as float32, and bf16 parameters would round
+        # the fp32 absmax and moments to bf16. They are restored with the dtype they were saved in.
+        kept: dict[Any, dict[str, torch.Tensor]] = {}
         plain: dict[Any, dict[str, Any]] = {}
         for pid, st in state_dict["state"].items():
-            plain[pid] = {k: v for k, v in st.items() if k not in ("qm", "qv")}
-            codes[pid] = {k: v for k, v in st.items() if k in ("qm", "qv")}
+            plain[pid] = {k: v for k, v in st.items() if k not in _STATE_TENSORS}
+            kept[pid] = {k: v for k, v in st.items() if k in _STATE_TENSORS}
         super().load_state_dict({**state_dict, "state": plain})
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(saved_ids, params, strict=True):
-            for key, val in codes.get(pid, {}).items():
-                self.state[p][key] = val.to(device=p.device, dtype=torch.uint8)
+            for key, val in kept.get(pid, {}).items():
+                self.state[p][key] = val.to(device=p.device)
         self._eightbit_numel = sum(p.numel() for p, st in self.state.items() if st.get("eightbit"))
         if extra is not None:
             self.skipped_steps = extra["skipped_steps"]
             self.consecutive_skips = extra["consecutive_skips"]
+            self.seed = extra.get("seed", self.seed)
 
 
 def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
