@@ -313,15 +313,22 @@ def test_a_full_nvme_disk_is_refused_before_the_step(tmp_path, monkeypatch) -> N
     ex.forward_backward(ids, labels)  # exactly enough
 
 
-def test_a_disk_full_during_the_step_leaves_no_spill_file(tmp_path) -> None:
-    """The first spill file is a link to /dev/full: the write fails with ENOSPC part-way, like a full disk."""
+def test_a_disk_full_during_the_step_leaves_no_spill_file(tmp_path, monkeypatch) -> None:
+    """The first spill file is /dev/full: the write fails with ENOSPC part-way, like a full disk."""
     if not Path("/dev/full").exists():
         pytest.skip("needs /dev/full")
+    import os
+
+    import lazytrain.runtime.store as store
+
     model = make_model("llama")
     ids, labels = make_batch()
     ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(nvme_dir=tmp_path))
-    ex.store.path(1).symlink_to("/dev/full")
-    with pytest.raises(LazyTrainError, match="cannot write NVMe spill file .*: No space left on device; free space"):
+    real_open = store.open_spill_file
+    opened = []
+    monkeypatch.setattr(store, "open_spill_file",
+                        lambda d: real_open(d) if opened else opened.append(1) or os.open("/dev/full", os.O_RDWR))
+    with pytest.raises(LazyTrainError, match="cannot write an NVMe spill file in .*: No space left on device; free"):
         ex.forward_backward(ids, labels)
     assert list(tmp_path.iterdir()) == [] and ex.device.used_bytes == 0
     ex.forward_backward(ids, labels)  # the next step runs: nothing of the failed one is left behind

@@ -13,6 +13,7 @@ Every planner (MILP or rule) returns this one frozen type; the simulator and the
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -192,14 +193,24 @@ class Plan:
             raise LazyTrainError(f"plan file is malformed: {type(err).__name__}: {err}") from None
 
     def save(self, path: str | Path) -> None:
+        """Write the plan file atomically: a temporary name, fsync, rename. A failure (disk full, read-only
+        directory) leaves the previous file as it was and no temporary behind."""
         path = Path(path)
+        text = json.dumps(self.to_dict(), indent=1) + "\n"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-            tmp.replace(path)  # atomic: a failed write never leaves half a plan behind
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
         except OSError as err:
-            raise LazyTrainError(f"cannot write plan to {path}: {err.strerror}") from None
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # nothing was created (read-only directory)
+            raise LazyTrainError(f"cannot write plan to {path}: {err.strerror or err}") from None
 
     @classmethod
     def load(cls, path: str | Path, spec: ModelSpec | None = None, workload: Workload | None = None) -> Plan:

@@ -17,6 +17,7 @@ Both export the same small interface (`Device`), so the executor has one code pa
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ from typing import Protocol
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file
 from lazytrain.units import format_bytes
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
@@ -356,17 +358,21 @@ class CudaDevice(_ArenaDevice):
 
 
 def check_nvme_dir(path: Path) -> None:
-    """Refuse a missing or unwritable NVMe directory before the first step, not in the middle of one."""
+    """Refuse a missing or unwritable NVMe directory before the first step, not in the middle of one, and remove
+    the spill files of runs that died there. The probe is a nameless spill file: nothing to clean up after it,
+    so a read-only directory gives its own error, not the cleanup's."""
     if not path.is_dir():
         raise LazyTrainError(f"NVMe directory {path} does not exist; create it or pass another nvme_dir")
-    probe = path / f".lazytrain-probe-{threading.get_ident()}"
     try:
-        probe.write_bytes(b"x" * 4096)
-        probe.unlink()
+        fd = open_spill_file(path)
+        try:
+            os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
     except OSError as err:
-        probe.unlink(missing_ok=True)
         raise LazyTrainError(f"NVMe directory {path} is not writable ({err.strerror}); pass a writable nvme_dir"
                              ) from None
+    clean_stale_spill_files(path)
 
 
 def check_nvme_space(path: Path, need_bytes: int) -> None:

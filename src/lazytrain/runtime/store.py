@@ -7,12 +7,17 @@
   parameters, re-packed before every step: fused optimizers (torch's fused AdamW, our 8-bit kernel) write
   parameters in place without bumping tensor version counters, so no cheaper staleness test is reliable.
 - `ActivationStore`: host buffers for `cpu` boundaries and files for `nvme` boundaries, with a CRC32
-  checked on read and every file removed when the step ends.
+  checked on read and every file closed when the step ends. Spill files have no name (O_TMPFILE, or
+  unlinked right after creation): SIGKILL, SIGTERM or a crash leave nothing behind, and nobody can
+  delete one mid-run; the kernel frees the blocks when the descriptor closes or the process ends.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import secrets
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +28,8 @@ import torch
 from lazytrain.errors import LazyTrainError
 
 ALIGN_BYTES = 4096
+SPILL_PREFIX = "lazytrain-"
+STALE_NAME = re.compile(r"^lazytrain-(\d+)-.*\.(spill|bin)$")  # pid in the name
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ class ActivationStore:
         self._host_empty = host_empty
         self._host: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # reused across steps
         self._crc: dict[int, int] = {}
-        self._files: dict[int, Path] = {}
+        self._files: dict[int, tuple[int, int]] = {}  # boundary -> (fd of its nameless spill file, bytes)
         self.host_bytes_in_use = 0
         self.peak_host_bytes = 0
         self.nvme_bytes_in_use = 0
@@ -133,48 +140,114 @@ class ActivationStore:
         self.host_bytes_in_use += num_bytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
 
-    def path(self, boundary: int) -> Path:
-        return self.nvme_dir / f"lazytrain-{os.getpid()}-{id(self):x}-boundary{boundary}.bin"
-
     def write(self, boundary: int, host: torch.Tensor) -> None:
-        """Write `host` to the boundary's file and remember its CRC32 (runs on the nvme_write link)."""
+        """Write `host` to a new spill file for the boundary and remember its CRC32 (runs on the nvme_write link)."""
         data = _bytes_view(host)
-        path = self.path(boundary)
+        fd = -1
         try:
-            with open(path, "wb") as f:
-                f.write(data)
+            fd = open_spill_file(self.nvme_dir)
+            done = 0
+            while done < len(data):  # os.pwrite may write less than asked
+                done += os.pwrite(fd, data[done:], done)
         except OSError as err:
-            path.unlink(missing_ok=True)  # a partial file (disk full) would outlive the step
-            raise LazyTrainError(f"cannot write NVMe spill file {path}: {err.strerror}; free space under "
-                                 f"{self.nvme_dir} or pass another nvme_dir") from None
+            if fd >= 0:
+                os.close(fd)  # the partial file (disk full) goes with its only reference
+            raise LazyTrainError(f"cannot write an NVMe spill file in {self.nvme_dir}: {err.strerror}; free space "
+                                 "there or pass another nvme_dir") from None
         self._crc[boundary] = zlib.crc32(data)
-        self._files[boundary] = path
+        self._files[boundary] = (fd, len(data))
         self.nvme_bytes_in_use += len(data)
         self.peak_nvme_bytes = max(self.peak_nvme_bytes, self.nvme_bytes_in_use)
 
     def read(self, boundary: int, host: torch.Tensor) -> None:
-        """Read the boundary's file into `host` and verify its CRC32 (runs on the nvme_read link)."""
+        """Read the boundary's spill file into `host` and verify its CRC32 (runs on the nvme_read link)."""
         data = _bytes_view(host)
-        path = self._files[boundary]
-        with open(path, "rb") as f:
-            n = f.readinto(data)
+        fd, _ = self._files[boundary]
+        n = 0
+        try:
+            while n < len(data):
+                got = os.preadv(fd, [data[n:]], n)
+                if got == 0:
+                    break
+                n += got
+        except OSError as err:
+            raise LazyTrainError(f"cannot read an NVMe spill file in {self.nvme_dir}: {err.strerror}; check the "
+                                 "disk under nvme_dir") from None
         if n != len(data) or zlib.crc32(data) != self._crc[boundary]:
-            raise LazyTrainError(f"NVMe spill file {path} is corrupt (read {n} of {len(data)} bytes, checksum "
-                                 "mismatch); check the disk under nvme_dir")
+            raise LazyTrainError(f"an NVMe spill file in {self.nvme_dir} is corrupt (read {n} of {len(data)} bytes, "
+                                 "checksum mismatch); check the disk under nvme_dir")
+
+    def fileno(self, boundary: int) -> int:
+        """The open descriptor of the boundary's spill file (it has no name; tests reach the bytes through it)."""
+        return self._files[boundary][0]
 
     def remove(self, boundary: int) -> None:
-        path = self._files.pop(boundary, None)
-        if path is not None:
-            self.nvme_bytes_in_use -= path.stat().st_size if path.exists() else 0
-            path.unlink(missing_ok=True)
+        entry = self._files.pop(boundary, None)
+        if entry is not None:
+            fd, num_bytes = entry
+            os.close(fd)  # the last reference: the file system frees the blocks
+            self.nvme_bytes_in_use -= num_bytes
         self._crc.pop(boundary, None)
 
     def end_step(self) -> None:
-        """Remove every spill file of the step (also after an error)."""
+        """Close every spill file of the step (also after an error)."""
         for boundary in list(self._files):
             self.remove(boundary)
         self.nvme_bytes_in_use = 0
         self.host_bytes_in_use = 0
+
+    def __del__(self) -> None:  # an executor dropped mid-step still returns its descriptors
+        for fd, _ in getattr(self, "_files", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def open_spill_file(directory: Path) -> int:
+    """A read-write file in `directory` that has no name, so nothing is left behind however the process ends.
+
+    Linux O_TMPFILE creates it nameless; where the file system lacks it, a named file is created and unlinked at
+    once (`clean_stale_spill_files` removes such a file if the process died in between).
+    """
+    try:
+        return os.open(directory, os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    path = directory / f"{SPILL_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.spill"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    os.unlink(path)
+    return fd
+
+
+def clean_stale_spill_files(directory: Path) -> list[Path]:
+    """Remove spill files left in `directory` by processes that no longer exist (pid in the name); returns them.
+
+    Covers named spill files of the fallback in `open_spill_file` and of LazyTrain versions before nameless
+    files (`lazytrain-<pid>-...-boundary<i>.bin`). A live process's files are never touched.
+    """
+    removed = []
+    for path in directory.glob(f"{SPILL_PREFIX}*"):
+        match = STALE_NAME.match(path.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass  # another process cleaned it first, or the directory is read-only (refused elsewhere)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
