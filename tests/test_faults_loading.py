@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from lazytrain.cli import main
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.weights import built_spec, load_model, resolve_model
-from lazytrain.spec.model import MAX_LAYERS, ModelSpec
+from lazytrain.spec.model import MAX_LAYERS, PRESET_DIR, ModelSpec
 
 RNG = random.Random(20261203)
 TRAIN = ["--corpus", "zen", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--eval-batches", "0",
@@ -77,6 +77,20 @@ def test_loaded_model_equals_from_pretrained(tmp_path, model_type, shard, tied):
     ids = torch.randint(0, config.vocab_size, (2, RNG.randrange(5, 20)))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3.6"])
+def test_moe_and_hybrid_presets_load_exactly(tmp_path, preset):
+    """GPT-OSS (MoE, sinks; no sdpa: left to transformers' choice) and Qwen3.5 (linear attention) as saved by
+    transformers: the keys map 1:1."""
+    raw = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    saved = _save(tmp_path, transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k[0] != "_"}))
+    model = _load(tmp_path)
+    for (name, p), q in zip(model.named_parameters(), saved.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    ids = torch.randint(0, raw["vocab_size"], (2, RNG.randrange(5, 20)))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, saved(ids).logits, rtol=0, atol=0)
 
 
 def test_bf16_weights_become_fp32_parameters(tmp_path):

@@ -154,13 +154,22 @@ def meta_model(config: PretrainedConfig) -> PreTrainedModel:
     """The causal LM `transformers` builds from `config`, on the meta device (shapes only, no memory)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {} if config._attn_implementation_internal else {"attn_implementation": DEFAULT_ATTENTION}
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention_kwargs(config))
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
         raise LazyTrainError(f"model {config._name_or_path!r}: transformers cannot build a causal LM from its "
                              f"config ({_first_line(err)})") from None
+
+
+def attention_kwargs(config: PretrainedConfig) -> dict[str, str]:
+    """sdpa unless the config names an implementation or the model class lacks sdpa (GPT-OSS: its sinks)."""
+    from transformers import AutoModelForCausalLM
+
+    if config._attn_implementation_internal:
+        return {}
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return {"attn_implementation": DEFAULT_ATTENTION} if getattr(model_class, "_supports_sdpa", False) else {}
 
 
 def built_spec(config: PretrainedConfig, model: PreTrainedModel | None = None) -> ModelSpec:
@@ -199,9 +208,8 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
         raise LazyTrainError(f"model {source.name!r}: {source.directory} has no {SINGLE_FILE} or {INDEX_FILE}; "
                              "point at a model with weights, or set init: random to train from the config alone")
     if init == "random" or not source.weight_files:
-        kwargs = {} if source.config._attn_implementation_internal else {"attn_implementation": DEFAULT_ATTENTION}
         torch.manual_seed(seed)
-        built = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, **kwargs)
+        built = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, **attention_kwargs(source.config))
     else:
         built = materialize(model if model is not None else meta_model(source.config), source.weight_files,
                             source.name)
