@@ -198,16 +198,18 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
     state = {k: v.detach().to(compute_dtype).clone().contiguous() for k, v in model.state_dict().items()}
     total_bytes = sum(t.numel() * t.element_size() for t in state.values())
     shard_bytes = min(SHARD_BYTES, max(1, total_bytes // 2 + 1))  # at least two shards: always an index
-    saved_dtype = model.config.dtype
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its progress bar is noise under ours
     try:
-        model.config.dtype = compute_dtype  # config.json names the dtype of the weights beside it
         model.save_pretrained(path, state_dict=state, max_shard_size=shard_bytes)
     finally:
-        model.config.dtype = saved_dtype
         if bar_was_on:
             hf_logging.enable_progress_bar()
+    # config.json names the dtype of the weights beside it (save_pretrained writes the fp32 masters' dtype)
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(compute_dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,

@@ -1,0 +1,182 @@
+"""Checkpoints (Contract 5): the layout, exact resume (also after SIGKILL), truncated checkpoints, rotation, a failed
+save that leaves the previous checkpoint intact, and the output-directory rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from lazytrain.cli import main
+from lazytrain.config import load_job_config
+from lazytrain.errors import LazyTrainError
+from lazytrain.train import checkpoint as checkpoint_module
+from lazytrain.train import train
+from lazytrain.train.checkpoint import incomplete_reason
+
+RNG = random.Random(20261203)
+# fp32 and a rule plan: the executor is exact and no solver is involved, so runs compare to 1e-6.
+BASE = dict(model="debug", corpus="zen", batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, dtype="fp32",
+            planner="megatrain", eval_batches=0, progress=False)
+ARGV = ["--model", "debug", "--corpus", "zen", "--batch-size", "4", "--seq-len", "32", "--dtype", "fp32",
+        "--planner", "megatrain", "--eval-batches", "0", "--no-progress"]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def _run(**values: object):
+    return train(load_job_config({**BASE, **values}))
+
+
+def test_checkpoint_layout_and_what_from_pretrained_loads(tmp_path):
+    seed = RNG.randrange(1000)
+    result = _run(steps=3, save_steps=2, dtype="bf16", seed=seed, output_dir=str(tmp_path / "run"))
+    ck = tmp_path / "run" / "checkpoint-3"
+    assert {p.name for p in (tmp_path / "run").iterdir()} >= {"checkpoint-2", "checkpoint-3", "metrics.jsonl",
+                                                               "summary.json", "plan.json"}
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2  # sharded
+    assert (ck / "generation_config.json").exists()
+    state = ck / "trainer_state"
+    assert {p.name for p in state.iterdir()} == {"master.safetensors", "optimizer.pt", "state.pt", "trainer.json",
+                                                 "plan.json", "manifest.json"}
+    assert json.loads((state / "trainer.json").read_text())["step"] == 3
+    assert incomplete_reason(ck) is None
+    # the HF folder is in the compute dtype and loads; the masters are the trainer's fp32 weights
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(ck, dtype="auto")
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    trained = dict(result.model.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, trained[name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_exported_fp32_checkpoint_gives_the_trainers_logits(tmp_path):
+    result = _run(steps=2, output_dir=str(tmp_path / "run"), seed=RNG.randrange(1000))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2")
+    gen = torch.Generator().manual_seed(RNG.randrange(2**31))
+    ids = torch.randint(0, 256, (2, RNG.randrange(5, 30)), generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, result.model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("8bit", marks=pytest.mark.slow)])
+def test_resume_continues_exactly(tmp_path, optimizer):
+    """Stop after 3 of 6 steps (a checkpoint at 3), resume with auto: every later loss equals the uninterrupted
+    run's; the resumed run's metrics.jsonl holds every step once."""
+    whole = _run(steps=6, optimizer=optimizer, output_dir=str(tmp_path / "whole"))
+    out = tmp_path / "parts"
+    _run(steps=6, optimizer=optimizer, save_steps=3, output_dir=str(out))
+    shutil.rmtree(out / "checkpoint-6")  # as if the run had died after step 3's checkpoint
+    resumed = _run(steps=6, optimizer=optimizer, save_steps=3, output_dir=str(out), resume_from_checkpoint="auto")
+    assert resumed.losses == pytest.approx(whole.losses, rel=0, abs=1e-6)
+    assert list(_losses(out)) == list(range(6))
+    assert [_losses(out)[s] for s in range(6)] == pytest.approx(whole.losses, rel=0, abs=1e-6)
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # three runs, one a subprocess: ~20 s on 2 idle cores, ~60 s on a loaded machine
+def test_sigkill_after_the_first_checkpoint_then_auto_resume_gives_the_same_losses(tmp_path):
+    steps = 12
+    whole = tmp_path / "whole"
+    assert main(["train", *ARGV, "--steps", str(steps), "--output-dir", str(whole)]) == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-c", "import sys; from lazytrain.cli import main; sys.exit(main(sys.argv[1:]))",
+           "train", "save_steps=2", *ARGV, "--steps", str(steps), "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-2").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (out / f"checkpoint-{steps}").exists()
+    assert main(["train", "save_steps=2", "resume_from_checkpoint=auto", *ARGV, "--steps", str(steps),
+                 "--output-dir", str(out)]) == 0
+    expected, got = _losses(whole), _losses(out)
+    assert list(got) == list(range(steps))
+    for step in range(steps):
+        assert got[step] == pytest.approx(expected[step], rel=0, abs=1e-6), step
+
+
+def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_name(tmp_path, capsys):
+    out = tmp_path / "run"
+    _run(steps=4, save_steps=2, output_dir=str(out))
+    shard = sorted((out / "checkpoint-4").glob("model-*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    capsys.readouterr()
+    assert main(["train", "resume_from_checkpoint=auto", *ARGV, "--steps", "4", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    note = [line for line in printed.splitlines() if "skipping" in line]
+    assert len(note) == 1 and "checkpoint-4" in note[0] and "truncated" in note[0]
+    assert "resume   from" in printed and "checkpoint-2" in printed
+    assert incomplete_reason(out / "checkpoint-4") is None  # written again, whole
+
+    with open(shard, "r+b") as f:
+        f.truncate(10)
+    assert main(["train", f"resume_from_checkpoint={out / 'checkpoint-4'}", *ARGV, "--steps", "4",
+                 "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: resume_from_checkpoint ") and "\n" not in err and "not a complete checkpoint" in err
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    out = tmp_path / "run"
+    _run(steps=5, save_steps=1, save_total_limit=2, output_dir=str(out))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    real_save = torch.save
+    calls = []
+
+    def full_disk(obj, path, *args, **kwargs):
+        calls.append(path)
+        if "checkpoint-4" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
+    with pytest.raises(LazyTrainError, match=r"cannot write checkpoint .*checkpoint-4 \(No space left on device\); "
+                                             r"checkpoint-2 is intact"):
+        _run(steps=4, save_steps=2, output_dir=str(out))
+    assert incomplete_reason(out / "checkpoint-2") is None
+    assert not (out / "checkpoint-4").exists() and not list(out.glob(".tmp-*"))
+
+
+def test_a_non_empty_output_dir_is_refused_untouched(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["train", *ARGV, "--steps", "1", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: output_dir ") and "\n" not in err and "overwrite_output_dir" in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert main(["train", "overwrite_output_dir=true", *ARGV, "--steps", "1", "--output-dir", str(out)]) == 0
+    assert (out / "checkpoint-1").is_dir() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_resume_from_a_named_missing_checkpoint_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "checkpoint-3"
+    assert main(["train", f"resume_from_checkpoint={missing}", *ARGV, "--steps", "1",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no such directory" in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
