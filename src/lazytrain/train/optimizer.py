@@ -138,7 +138,7 @@ def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, model: PreT
 # =====================================================================================================
 @dataclass
 class NonFinitePolicy:
-    """Counts non-finite steps; the `limit`-th in a row stops the run (NonFiniteRunError)."""
+    """Counts non-finite steps; `check` stops the run at the `limit`-th in a row (NonFiniteRunError)."""
 
     limit: int
     consecutive: int = 0
@@ -146,11 +146,13 @@ class NonFinitePolicy:
     first_where: str = ""  # where the current run of non-finite steps first appeared
 
     def skip(self, where: str, step: int) -> None:
-        """Count a skipped step; raise when it is the `limit`-th in a row."""
+        """Count a skipped step (`check` then stops the run when it is the `limit`-th in a row)."""
         self.skipped += 1
         self.consecutive += 1
         if self.consecutive == 1:
             self.first_where = f"{where} at step {step}"
+
+    def check(self) -> None:
         if self.consecutive >= self.limit:
             raise NonFiniteRunError(
                 f"{self.consecutive} steps in a row were non-finite (first: {self.first_where}); nothing was saved "

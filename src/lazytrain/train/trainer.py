@@ -44,6 +44,7 @@ from lazytrain.train.checkpoint import (
 from lazytrain.train.metrics import MetricsLog, plot_losses, say, write_json
 from lazytrain.train.optimizer import (
     NonFinitePolicy,
+    NonFiniteRunError,
     OverlapStepper,
     build_optimizer,
     lr_at,
@@ -232,8 +233,9 @@ class Trainer:
                     name = "SIGINT" if signals.received == 2 else "SIGTERM"
                     raise Interrupted(signals.received, f"{name} after step {self.state.step}: saved {path}; continue "
                                       "with resume_from_checkpoint=auto")
+                # no periodic save during a run of non-finite steps: the last good checkpoint stays the newest
                 if job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
-                        and self.state.step < job.optim.max_steps:
+                        and self.state.step < job.optim.max_steps and self.policy.consecutive == 0:
                     self.save()
         finally:
             bar.close()
@@ -275,7 +277,7 @@ class Trainer:
         where = self._overlap_nonfinite(loss) if overlap else nonfinite_where(ex, loss, grad_norm)
         if where is not None:
             self.model.zero_grad(set_to_none=True)
-            self.policy.skip(where, step)  # raises on the max_nonfinite_steps-th in a row
+            self.policy.skip(where, step)
             self.state.skipped_steps = self.policy.skipped
             say(f"skip     step {step}: non-finite {where}; no update ({self.policy.consecutive} in a row)")
         else:
@@ -299,6 +301,7 @@ class Trainer:
             row["eval_loss"] = self.evaluate()
         if step % job.metrics.logging_steps == 0 or where is not None or "eval_loss" in row:
             self.metrics.write(row)
+        self.policy.check()  # the max_nonfinite_steps-th non-finite step in a row stops the run
         return row
 
     def _overlap_nonfinite(self, loss: float) -> str | None:
@@ -309,7 +312,7 @@ class Trainer:
         bad = stepper.nonfinite_group if stepper.nonfinite_group != "loss" else None
         where = f"loss {loss}" if not math.isfinite(loss) else (f"gradients of {bad}" if bad else None)
         if where is not None and stepper.applied_groups:
-            raise LazyTrainError(f"non-finite {where} at step {self.state.step} after optimizer_mode overlap had "
+            raise NonFiniteRunError(f"non-finite {where} at step {self.state.step} after optimizer_mode overlap had "
                                  f"already updated {stepper.applied_groups} layer groups; the run stops without "
                                  "saving over the last good checkpoint; use optimizer_mode serial, which skips such "
                                  "steps")
