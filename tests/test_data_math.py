@@ -11,7 +11,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lazytrain.data.default_job import prepare_default_job, read_jsonl
-from lazytrain.data.math import exact_match, extract_final_number, math_problems, reference_answer, score
+from lazytrain.data.math import (
+    MAX_NEW_TOKENS,
+    exact_match,
+    extract_final_number,
+    math_problems,
+    reference_answer,
+    score,
+)
 from lazytrain.data.sft import load_sft
 from lazytrain.errors import LazyTrainError
 
@@ -64,6 +71,8 @@ def test_default_job_dir_loads_with_auto_classes_and_is_cached(tmp_path):
     data = load_sft(job.train_file, tok, cutoff_len=128, eval_dataset=job.eval_file)
     assert len(data.examples) == 200 and len(data.val) == 20 and data.num_truncated == 0
     assert read_jsonl(job.eval_file) == math_problems(200, 20, seed=1)[1]
+    train_rows = read_jsonl(job.train_file)  # every solution (and its EOS) fits the generation budget
+    assert max(len(tok(reference_answer(r), add_special_tokens=False).input_ids) for r in train_rows) < MAX_NEW_TOKENS
     prepare_default_job(tmp_path / "job", shapes=SHAPES, num_train=100, num_heldout=20, seed=1)  # a new recipe
     assert json.loads((tmp_path / "job" / "recipe.json").read_text())["num_train"] == 100
     (tmp_path / "other").mkdir()

@@ -42,6 +42,7 @@ SUB = (
      "{name} had {a} and lost {b}, so {a} - {b} = {c}."),
 )
 ANSWER_PREFIX = "The answer is"
+MAX_NEW_TOKENS = 48  # generation budget for exact match: solutions take at most 37 tokens of the default tokenizer
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
 
 
@@ -105,7 +106,7 @@ def score(predictions: Sequence[str], problems: Sequence[Row]) -> float:
 
 @torch.no_grad()
 def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: Sequence[Row], *,
-                     max_new_tokens: int, batch_size: int = 32) -> list[str]:
+                     max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 32) -> list[str]:
     """Greedy completions of each problem's prompt (its messages but the last, through the chat template)."""
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues at the right
     was_training = model.training
@@ -126,7 +127,7 @@ def generate_answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 
 
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: Sequence[Row], *,
-                max_new_tokens: int, batch_size: int = 32) -> float:
+                max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 32) -> float:
     """Fraction of problems whose greedy answer ends in the reference's final number (the paper's metric)."""
     answers = generate_answers(model, tokenizer, problems, max_new_tokens=max_new_tokens, batch_size=batch_size)
     return score(answers, problems)
