@@ -189,3 +189,29 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
         tokenize_rows([{"messages": CONVERSATION}], tok, cutoff_len=64)
     # plain text needs no template
     assert tokenize_rows([{"text": "Hi there"}], tok, cutoff_len=64).examples
+
+
+CHATML_WITH_GENERATION_TAGS = (  # ChatML marking the assistant spans for transformers' own mask
+    "{%- for message in messages -%}{%- if message['role'] == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+    "{%- else -%}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_masks_equal_transformers_assistant_tokens_mask_on_random_conversations(tokenizer_factory):
+    """An independent check: `apply_chat_template(return_assistant_tokens_mask=True)` on a template with
+    {% generation %} tags marks the same tokens (ours stop at the final EOS, without its trailing newline)."""
+    tok = tokenizer_factory()
+    tok.chat_template = CHATML_WITH_GENERATION_TAGS
+    for _ in range(10):
+        messages = [{"role": "system", "content": _random_words(RNG.randint(1, 5))}] if RNG.random() < 0.5 else []
+        for _ in range(RNG.randint(1, 4)):
+            messages += [{"role": "user", "content": _random_words(RNG.randint(1, 8))},
+                         {"role": "assistant", "content": _random_words(RNG.randint(1, 8))}]
+        [example] = tokenize_rows([{"messages": messages}], tok, cutoff_len=4096).examples
+        reference = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        assert example.input_ids == reference["input_ids"][:-1]
+        assert [label != IGNORE_INDEX for label in example.labels] == [
+            bool(m) for m in reference["assistant_masks"][:-1]]
