@@ -121,6 +121,14 @@ def test_each_format_loads_from_jsonl_and_is_detected(tmp_path, tokenizer_factor
                                                                        tok(q).input_ids + [tok.eos_token_id])]
 
 
+def test_rows_missing_a_column_read_as_none_are_skipped_or_empty(tmp_path, tokenizer_factory):
+    tok = tokenizer_factory()
+    rows = [{"instruction": "Hi there", "input": "12", "output": "7"}, {"instruction": "Hi there"}]
+    data = load_sft(_write(tmp_path / "a.jsonl", rows), tok, cutoff_len=512)  # datasets fills output: None
+    assert data.dataset_format == "alpaca" and len(data.examples) == 1 and data.num_skipped == 1
+    assert "None" not in tok.decode(data.examples[0].input_ids)
+
+
 def test_parquet_arrow_and_json_files_give_the_same_rows(tmp_path):
     rows = [{"instruction": _random_words(3), "output": _random_words(2)} for _ in range(5)]
     table = datasets.Dataset.from_list(rows)

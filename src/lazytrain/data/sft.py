@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
@@ -39,7 +39,6 @@ from lazytrain.errors import LazyTrainError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 FORMATS: tuple[str, ...] = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
 Message = dict[str, str]
 Row = dict[str, object]
@@ -124,36 +123,43 @@ def _check_columns(rows: Sequence[Row], fmt: str) -> None:
                              f"{', '.join(sorted(columns))}; set dataset_format (or auto)")
 
 
+def _text(value: object) -> str:
+    return "" if value is None else str(value)  # a column missing from some rows of a file reads as None
+
+
 def to_messages(row: Row, fmt: str) -> list[Message]:
     """A conversation from one row of a chat format (alpaca, sharegpt, messages, list-valued prompt_completion)."""
     if fmt == "alpaca":
-        messages = [{"role": "system", "content": str(row["system"])}] if row.get("system") else []
+        messages = [{"role": "system", "content": _text(row["system"])}] if row.get("system") else []
         for prompt, response in row.get("history") or []:
-            messages += [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": str(response)}]
-        instruction = str(row["instruction"]) + (f"\n{row['input']}" if row.get("input") else "")
-        return [*messages, {"role": "user", "content": instruction},
-                {"role": "assistant", "content": str(row["output"])}]
+            messages += [{"role": "user", "content": _text(prompt)}, {"role": "assistant", "content": _text(response)}]
+        instruction = _text(row["instruction"]) + (f"\n{row['input']}" if row.get("input") else "")
+        messages.append({"role": "user", "content": instruction})
+        if row["output"] is not None:  # a row without output has no response to learn: skipped
+            messages.append({"role": "assistant", "content": _text(row["output"])})
+        return messages
     if fmt == "prompt_completion":
         return [*row["prompt"], *row["completion"]]
     turns = row.get("messages") if row.get("messages") is not None else row.get("conversations")
     if not isinstance(turns, list):
         raise LazyTrainError(f"a {fmt} row has no list of turns: {json.dumps(row, default=str)[:120]}")
-    messages = [{"role": "system", "content": str(row["system"])}] if row.get("system") else []
+    messages = [{"role": "system", "content": _text(row["system"])}] if row.get("system") else []
     for turn in turns:
         if fmt == "sharegpt":
             role = SHAREGPT_ROLES.get(str(turn.get("from")))
             if role is None:
                 raise LazyTrainError(f"sharegpt turn with from={turn.get('from')!r}; expected one of "
                                      f"{', '.join(SHAREGPT_ROLES)}")
-            messages.append({"role": role, "content": str(turn.get("value", ""))})
+            messages.append({"role": role, "content": _text(turn.get("value"))})
         else:
-            messages.append({"role": str(turn.get("role")), "content": str(turn.get("content", ""))})
+            messages.append({"role": _text(turn.get("role")), "content": _text(turn.get("content"))})
     return messages
 
 
 # ---- tokenization ---------------------------------------------------------------------------------
 def use_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
-    """Give the tokenizer the named chat template, or check that it has its own."""
+    """Give the tokenizer the named chat template (so checkpoints save it with the tokenizer), or check that it
+    has its own."""
     if template is not None:
         if template not in TEMPLATES:
             raise LazyTrainError(f"unknown template {template!r}; use one of {', '.join(TEMPLATES)} or none to use "
