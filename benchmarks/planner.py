@@ -18,10 +18,11 @@ import statistics
 import sys
 import time
 
+from lazytrain.config import load_job_config
 from lazytrain.plan.budgets import Budgets
-from lazytrain.plan.command import admitted_budgets, largest_feasible_batch
 from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
 from lazytrain.plan.plan import TIERS
+from lazytrain.plan.planner import admitted, largest_feasible_batch
 from lazytrain.plan.rules import make_rule_plan
 from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
@@ -56,7 +57,7 @@ def bench_solve(time_limit_s: float = 120.0) -> None:
     hw = HardwareSpec.load("h800")
     for L in (32, 64, 80, 128):
         cost = CostModel(qwen36_with_layers(L), hw, Workload(72, 1024))
-        _, budgets = admitted_budgets(cost, PAPER_BUDGETS)
+        _, budgets = admitted(cost, PAPER_BUDGETS)
         inst = instance_from_cost(cost, budgets)
         for formulation in ("paper", "segment"):
             for solver in ("highs", "scip"):
@@ -80,7 +81,7 @@ def bench_solve_tight(time_limit_s: float = 120.0) -> None:
     cost = CostModel(ModelSpec.load("qwen3.6-27b"), HardwareSpec.load("h800"), Workload(72, 1024))
     for cap_gb, nvme_gb in ((50, 32), (45, 32), (40, 32), (40, 8), (36, 8)):
         budgets = Budgets(gpu_mem_cap_bytes=cap_gb * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=nvme_gb * GB)
-        _, budgets = admitted_budgets(cost, budgets)
+        _, budgets = admitted(cost, budgets)
         inst = instance_from_cost(cost, budgets)
         for formulation in ("paper", "segment"):
             runs = [solve_instance(inst, time_limit_s=time_limit_s, formulation=formulation) for _ in range(3)]
@@ -101,7 +102,7 @@ def bench_tflops() -> None:
     for preset, batch in PAPER_BATCH.items():
         spec = ModelSpec.load(preset)
         cost = CostModel(spec, hw, Workload(batch, 1024))
-        _, budgets = admitted_budgets(cost, PAPER_BUDGETS)
+        _, budgets = admitted(cost, PAPER_BUDGETS)
         plan = solve_milp(cost, budgets)
         rule = make_rule_plan("megatrain", spec, interval=4)
         sim = {(name, mode): simulate(p, cost, optimizer_mode=mode)
@@ -123,12 +124,12 @@ def bench_max_batch() -> None:
     hw = HardwareSpec.load("rtx3090")
     for preset in PAPER_BATCH:
         t0 = time.perf_counter()
-        cfg = dict(spec=ModelSpec.load(preset), hardware=hw, budgets=Budgets(), seq_len=1024, dtype="bf16",
-                   optimizer="fp32", interval=4, solver="highs", max_segment=8, time_limit_s=60.0, mip_rel_gap=0.0)
-        sizes = {rule or "milp": largest_feasible_batch(cfg, rule)
-                 for rule in (None, "megatrain", "keep-all", "recompute-all", "offload-all")}
-        cost = CostModel(cfg["spec"], hw, Workload(sizes["milp"], 1024))
-        _, budgets = admitted_budgets(cost, Budgets())
+        job = load_job_config({"seq_len": 1024, "dtype": "bf16", "optimizer": "adamw", "interval": 4})
+        spec = ModelSpec.load(preset)
+        sizes = {planner: largest_feasible_batch(job, spec, hw, planner)[0]
+                 for planner in ("milp", "megatrain", "keep-all", "recompute-all", "offload-all")}
+        cost = CostModel(spec, hw, Workload(sizes["milp"], 1024))
+        _, budgets = admitted(cost, Budgets())
         peak = simulate(solve_milp(cost, budgets), cost).peak_bytes["gpu"] / 2**30
         print(f"| {preset} | {sizes['milp']} | {sizes['megatrain']} | {sizes['keep-all']} | {sizes['recompute-all']} "
               f"| {sizes['offload-all']} | {sizes['milp'] - sizes['megatrain']:+d} | {peak:.2f} | "

@@ -75,7 +75,10 @@ def test_scip_solver(capsys) -> None:
 BAD = {
     "missing config": ["--model", "/no/such/dir/config.json"],
     "unknown preset": ["--model", "qwen9-999b"],
-    "no model": [],
+    "unknown key": ["learnin_rate=1e-5"],
+    "a plan file to plan": ["--plan", "plan.json"],
+    "link rate of a real machine": ["--model", "tiny-llama", "--hardware", "h800", "--h2d-gbps", "3"],
+    "json into a missing directory": ["--model", "tiny-llama", "--json", "/no/such/dir/plan.json"],
     "unknown hardware": ["--model", "tiny-llama", "--hardware", "tpu-v9"],
     "negative size": ["--model", "tiny-llama", "--gpu-mem-cap=-5GB"],
     "negative size, space-separated": ["--model", "tiny-llama", "--gpu-mem-cap", "-5GB"],
@@ -86,10 +89,11 @@ BAD = {
     "bad solver": ["--model", "tiny-llama", "--solver", "cplex"],
     "bad rule": ["--model", "tiny-llama", "--rule", "sometimes"],
     "bad gap": ["--model", "tiny-llama", "--mip-gap", "2"],
-    "infeasible gpu cap": ["--model", "qwen2.5-7b", "--hardware", "h800", "--gpu-mem-cap", "8GB"],
+    "infeasible gpu cap": ["--model", "qwen2.5-7b", "--hardware", "h800", "--gpu-mem-cap", "8GB", "--seq-len", "1024"],
     "infeasible host": ["--model", "qwen2.5-14b", "--hardware", "h800", "--cpu-mem", "64GB"],
     "infeasible activations": ["--model", "qwen2.5-7b", "--hardware", "h800", "--gpu-mem-cap", "60GB",
-                               "--cpu-act-budget", "0", "--max-segment", "1", "--batch-size", "128"],
+                               "--seq-len", "1024", "--cpu-act-budget", "0", "--max-segment", "1",
+                               "--batch-size", "128"],
 }
 
 
@@ -130,3 +134,102 @@ def test_trace_and_timeline_of_the_predicted_program(tmp_path, capsys) -> None:
     assert sum(e["name"].startswith("F") and e["cat"] == "compute" for e in ops) == 36  # every layer's forward
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in ops)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the job config: YAML, the default job, limits -------------------------------------------------------
+def test_no_arguments_plans_the_default_training_job(capsys) -> None:
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "model lazytrain-small (8 layers" in out and "hardware emulated" in out and "batch 8 x seq 256" in out
+    placement = out.splitlines()[3]
+    assert set(placement) - {"G"}, placement  # the emulated device's default budgets force a mix of tiers
+
+
+def test_a_yaml_job_plans_like_its_flags(tmp_path, capsys) -> None:
+    path = tmp_path / "paper.yaml"
+    path.write_text("model: qwen3.6-27b\nhardware: h800\nper_device_train_batch_size: 72\ncutoff_len: 1024\n"
+                    "plan:\n  gpu_mem_cap_bytes: 70GB\n  cpu_act_bytes: 15GB\n  nvme_act_bytes: 32GB\n"
+                    "learning_rate: 1e-5\nsave_steps: 100\n")  # training keys are part of the same job file
+    assert main(["plan", str(path)]) == 0
+    from_yaml = capsys.readouterr().out
+    assert main(PAPER) == 0
+    from_flags = capsys.readouterr().out
+    strip = [line for line in from_yaml.splitlines() if not line.startswith(("solver", "  "))]
+    assert strip == [line for line in from_flags.splitlines() if not line.startswith(("solver", "  "))]
+    assert main(["plan", str(path), "per_device_train_batch_size=8", "--seq-len", "512"]) == 0
+    assert "batch 8 x seq 512" in capsys.readouterr().out
+
+
+def test_json_path_is_checked_before_any_solve(tmp_path, capsys, monkeypatch) -> None:
+    import lazytrain.plan.planner as planner
+
+    solves = []
+    monkeypatch.setattr(planner, "solve_milp", lambda *a, **k: solves.append(a))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for path in (blocker / "plan.json", tmp_path / "missing" / "plan.json", tmp_path):
+        assert main(["plan", "--model", "tiny-llama", "--json", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --json") and err.count("\n") == 1, err
+    assert not solves and sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing left behind
+
+
+def test_plan_file_is_strict_json(tmp_path) -> None:
+    import math
+
+    from lazytrain.jsonio import dumps
+    from lazytrain.plan.plan import SolveReport
+
+    text = dumps({"a": math.nan, "b": [1.5, -math.inf], "c": (math.inf,)})
+    assert text == '{"a": null, "b": [1.5, null], "c": [null]}'
+    spec = ModelSpec.load("tiny-llama")
+    plan = Plan.from_tiers(spec, ["gpu"] * (spec.num_layers + 1))
+    path = tmp_path / "plan.json"
+    from dataclasses import replace
+
+    replace(plan, report=SolveReport(planner="milp", status="time_limit", gap=math.inf, objective=0.1)).save(path)
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    assert json.loads(path.read_text(), parse_constant=refuse)["solve"]["gap"] is None
+    assert Plan.load(path, spec=spec).report.gap is None
+
+
+def test_max_batch_where_nothing_fits_names_the_budget(capsys) -> None:
+    assert main(["plan", "--model", "tiny-llama", "--hardware", "emulated", "--seq-len", "64",
+                 "--gpu-mem-cap", "64KiB", "--max-batch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no batch fits, not even 1: device memory") and "--gpu-mem-cap" in err
+    assert err.count("\n") == 1
+
+
+def test_batch_auto_is_the_largest_the_planner_admits(capsys) -> None:
+    common = ["--model", "tiny-llama", "--hardware", "emulated", "--seq-len", "64", "--gpu-mem-cap", "2MiB"]
+    assert main(["plan", *common, "--max-batch"]) == 0
+    largest = int(capsys.readouterr().out.splitlines()[1].split()[-1])
+    assert main(["plan", *common, "per_device_train_batch_size=auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"per_device_train_batch_size auto: {largest}," in out and f"batch {largest} x seq 64" in out
+    assert main(["plan", "--model", "tiny-llama", "--batch-size", "auto"]) == 2  # emulated cap grows with batch
+    assert "needs gpu_mem_cap_bytes" in capsys.readouterr().err
+
+
+def test_time_limit_bounds_the_whole_planning(tmp_path, capsys) -> None:
+    """A 400-layer model takes seconds to build the MILP for: the limit counts that too, and ends it in one line."""
+    import time
+
+    config = json.loads((PRESET_DIR / "qwen2.5-7b.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 400}))
+    limit_s = 1.0
+    t0 = time.perf_counter()
+    code = main(["plan", "--model", str(tmp_path), "--hardware", "h800", "--batch-size", "8", "--seq-len", "1024",
+                 "--gpu-mem-cap", "70GB", "--time-limit", str(limit_s)])
+    elapsed = time.perf_counter() - t0
+    captured = capsys.readouterr()
+    assert elapsed < limit_s + 2.0, elapsed  # the limit, the alarm's 1 s grace, slack for a loaded machine
+    if code == 0:  # an incumbent in time: its status and gap are shown
+        assert "solver: highs" in captured.out and "gap" in captured.out
+    else:
+        assert code == 2 and captured.err.startswith("error: ") and captured.err.count("\n") == 1
+        assert "time limit" in captured.err or "time_limit_s" in captured.err

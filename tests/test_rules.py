@@ -129,7 +129,7 @@ def test_device_rows_equal_the_simulated_device_peak() -> None:
 def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:
     """At the MegaTrain rule's largest batch + 1 the MILP still finds a plan, at 3B, 7B, 14B and 27B."""
     from lazytrain.plan.budgets import Budgets
-    from lazytrain.plan.command import admitted_budgets
+    from lazytrain.plan.planner import admitted
     from lazytrain.spec.cost import CostModel
     from lazytrain.spec.hardware import HardwareSpec
 
@@ -141,7 +141,7 @@ def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:
         def rule_fits(batch: int, spec: ModelSpec = spec, tiers: tuple[str, ...] = tiers) -> bool:
             cost = CostModel(spec, hw, Workload(batch, 1024))
             try:
-                _, budgets = admitted_budgets(cost, Budgets())
+                _, budgets = admitted(cost, Budgets())
             except LazyTrainError:
                 return False
             return evaluate_tiers(tiers, instance_from_cost(cost, budgets)).feasible
@@ -154,6 +154,6 @@ def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if rule_fits(mid) else (lo, mid)
         cost = CostModel(spec, hw, Workload(lo + 1, 1024))
-        _, budgets = admitted_budgets(cost, Budgets())
+        _, budgets = admitted(cost, Budgets())
         plan = solve_instance(instance_from_cost(cost, budgets), mip_rel_gap=0.5)  # feasibility is the question
         assert plan.tiers[0] == "gpu", preset

@@ -726,10 +726,12 @@ SOLVERS = {"highs": _solve_highs, "scip": _solve_scip}
 # ---- public entry points ------------------------------------------------------------------------------
 def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
                    mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-                   formulation: str = "paper", start_tiers: Sequence[str] | None = None) -> MilpSolution:
+                   formulation: str = "paper", start_tiers: Sequence[str] | None = None,
+                   deadline_s: float | None = None) -> MilpSolution:
     """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers.
 
-    start_tiers: a plan's tiers to warm-start from (re-planning; HiGHS only, ignored by SCIP)."""
+    start_tiers: a plan's tiers to warm-start from (re-planning; HiGHS only, ignored by SCIP).
+    deadline_s (a `time.perf_counter()` instant): the solver gets at most what is left of it after the build."""
     if solver not in SOLVERS:
         raise LazyTrainError(f"solver {solver!r} is not one of {', '.join(SOLVERS)}")
     if not isinstance(max_segment, int) or max_segment < 1:
@@ -749,6 +751,12 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
     except _Infeasible as why:
         raise LazyTrainError(_infeasible_message(inst, max_segment, str(why))) from None
     m = form.m
+    if deadline_s is not None:
+        left_s = deadline_s - time.perf_counter()
+        if left_s <= 0:
+            raise LazyTrainError(f"building the MILP took {time.perf_counter() - t0:.1f} s, past the time limit; raise "
+                                 "--time-limit or lower --max-segment")
+        time_limit_s = min(time_limit_s, left_s)
     start = form.start_values(start_tiers) if start_tiers is not None else None
     status, values, objective, gap = SOLVERS[solver](m, time_limit_s, mip_rel_gap, start)
     seconds = time.perf_counter() - t0
@@ -872,7 +880,8 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
 
 def solve_milp(cost: Any, budgets: Any = None, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
                mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-               formulation: str = "paper", start_tiers: Sequence[str] | None = None) -> Plan:
+               formulation: str = "paper", start_tiers: Sequence[str] | None = None,
+               deadline_s: float | None = None) -> Plan:
     """Solve the paper-mode MILP for a CostModel under Budgets and return the Plan (Contract 1).
 
     formulation "paper" has the per-window reload variables h[i,w], r[i,w] of the paper; "segment" replaces them
@@ -880,7 +889,7 @@ def solve_milp(cost: Any, budgets: Any = None, *, max_segment: int = DEFAULT_MAX
     inst = instance_from_cost(cost, budgets)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
                               solver=solver, fixed_tiers=fixed_tiers, formulation=formulation,
-                              start_tiers=start_tiers)
+                              start_tiers=start_tiers, deadline_s=deadline_s)
     return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
 
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lazytrain import jsonio
 from lazytrain.errors import LazyTrainError
 from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.workload import Workload
@@ -196,7 +197,7 @@ class Plan:
         """Write the plan file atomically: a temporary name, fsync, rename. A failure (disk full, read-only
         directory) leaves the previous file as it was and no temporary behind."""
         path = Path(path)
-        text = json.dumps(self.to_dict(), indent=1) + "\n"
+        text = jsonio.dumps(self.to_dict(), indent=1) + "\n"  # strict JSON: an infinite gap is null
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
