@@ -117,7 +117,7 @@ def test_unknown_key_names_the_nearest(tmp_path):
     ({"max_steps": True}, "max_steps = True: expected an integer"),
     ({"max_steps": 0}, "max_steps = 0 is invalid: it must be an integer >= 1"),
     ({"adam_beta2": 1.0}, "adam_beta2 = 1.0 is invalid"),
-    ({"gpu_mem_cap": "lots"}, "gpu_mem_cap_bytes: cannot read 'lots' as a size"),
+    ({"gpu_mem_cap": "lots"}, "gpu_mem_cap = 'lots': cannot read as a size"),
     ({"gpu_mem_cap": "-5GB"}, "negative"),
     ({"lr": 1, "learning_rate": 2}, "learning_rate is given twice"),
 ])
@@ -125,6 +125,19 @@ def test_bad_values_are_one_line(values, needle):
     with pytest.raises(LazyTrainError) as err:
         load_job_config(values)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_errors_name_the_key_as_typed():
+    with pytest.raises(LazyTrainError, match=r"^--steps '0' is invalid|^--steps 0 is invalid"):
+        _parse(["--steps", "0"])
+    with pytest.raises(LazyTrainError, match=r"^--gpu-mem-cap 'lots': cannot read as a size"):
+        _parse(["--gpu-mem-cap", "lots"])
+    with pytest.raises(LazyTrainError, match=r"^lr = 'x': expected a number"):
+        _parse(["lr=x"])
+    with pytest.raises(LazyTrainError, match=r"^optim.max_steps = -1 is invalid"):
+        _parse(["optim.max_steps=-1"])
+    with pytest.raises(LazyTrainError, match=r"given twice"):
+        _parse(["--lr", "1e-5", "--learning-rate", "2e-5"])
 
 
 def test_malformed_yaml_is_one_line(tmp_path):
@@ -163,4 +176,13 @@ def test_every_field_has_a_flag():
     dests = {a.dest for a in parser._actions}
     for section in SECTIONS.values():
         for f in fields(section):
-            assert f"job.{f.name}" in dests
+            assert f"job.--{f.name.replace('_', '-')}" in dests
+
+
+def test_docs_list_every_key():
+    from pathlib import Path
+
+    from lazytrain.config import markdown_table
+
+    page = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    assert markdown_table() in page, "regenerate the table in docs/config.md from lazytrain.config.markdown_table()"

@@ -37,16 +37,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = _OneLineErrors(prog="lazytrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}",
                                 parser_class=_OneLineErrors)
-    modules = {}
+    modules, parsers = {}, {}
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         # Import only the chosen subcommand's module: `lazytrain plan` never pays for importing torch.
         if argv[:1] == [name] or any(a in ("-h", "--help") for a in argv[:1]):
             modules[name] = import_module(module)
-            modules[name].add_arguments(p)
-    args = parser.parse_args(argv)
+            modules[name].add_arguments(parsers[name])
     try:
+        if argv[:1] and argv[0] in SUBCOMMANDS:  # CONFIG.yaml and key=value words may stand between flags
+            args = parsers[argv[0]].parse_intermixed_args(argv[1:])
+            args.command = argv[0]
+        else:
+            args = parser.parse_args(argv)
         return int(modules[args.command].run(args) or 0)
     except LazyTrainError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -42,6 +42,17 @@ Optimizer = Literal["adamw", "hybrid8bit", "8bit"]
 COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid", "8bit": "8bit"}  # the CostModel's name for each
 DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 
+# Built-in model shapes of `model` (Llama, GQA, untied head, the byte tokenizer's vocabulary): `small` is the
+# default job, `debug` is for tests. Here, not in the trainer, so that `lazytrain plan` reads them without torch.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    # 12.8 M parameters: 8 layers x 1.57 M + 0.2 M embedding/head (byte vocabulary)
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
+                  num_key_value_heads=2),
+    # 0.2 M parameters: a few seconds per hundred steps on one core
+    "debug": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+
 
 # =====================================================================================================
 # sections
@@ -55,8 +66,8 @@ class ModelConfig:
     (`qwen2.5-7b`, `qwen3.6-27b`, ... see `lazytrain/spec/presets`), or a path to a `config.json` / HF model
     directory (its safetensors weights, when present, are where training starts)."""
     init: Literal["auto", "random"] = "auto"
-    """`auto`: a model directory's weights when it has them, else random (seeded); `random`: random even when
-    the directory holds weights."""
+    """`auto`: the model's weights (a directory or hub id without weights is refused; built-in shapes, planner
+    presets and a bare config.json start from a seeded random init); `random`: random from the config alone."""
 
     def __post_init__(self) -> None:
         _convert(self)
@@ -79,7 +90,7 @@ class DataConfig:
     """Compute the loss on prompt tokens too (default: only on the assistant's response tokens)."""
     cutoff_len: int = 256
     """Tokens per sequence (>= 2): examples are truncated to it and every batch row is exactly this long,
-    since the plan and the device arena are sized for it. Also `seq_len`."""
+    since the plan and the device arena are sized for it."""
     packing: bool = False
     """Pack several short examples into one row (positions restart per example, no attention across them)."""
     val_size: float | None = None
@@ -104,10 +115,10 @@ class PlanConfig:
 
     planner: Planner = "auto"
     """`auto` or `milp` (the MILP), or a rule: `megatrain` (every `interval`-th boundary kept, the rest
-    recomputed), `keep-all`, `recompute-all`, `offload-all`. Also `--rule`."""
+    recomputed), `keep-all`, `recompute-all`, `offload-all`."""
     plan_file: str | None = None
     """A saved plan (`lazytrain plan --json`) to run instead of planning; refused when made for another model
-    or workload. Also `plan`."""
+    or workload."""
     interval: int = 4
     """MegaTrain rule: keep every K-th boundary on the device (>= 1)."""
     solver: Literal["highs", "scip"] = "highs"
@@ -118,20 +129,20 @@ class PlanConfig:
     """Longest recompute segment the MILP considers, in layers (>= 1)."""
     time_limit_s: float = 60.0
     """Wall-time bound on the whole planning (model and cost building included), seconds; the best plan found
-    by then is used, with its gap. Also `time_limit`."""
+    by then is used, with its gap."""
     mip_rel_gap: float = 0.0
-    """Relative MIP gap at which the solver stops, in [0, 1); 0 = optimal. Also `mip_gap`."""
+    """Relative MIP gap at which the solver stops, in [0, 1); 0 = optimal."""
     gpu_mem_cap_bytes: int | None = None
     """Peak device memory cap, e.g. 70GB. None = the device's memory; on the emulated device the static device
     bytes plus 5 boundary activations (too small to keep every boundary: the plan mixes tiers)."""
     cpu_act_bytes: int | None = None
     """Host bytes for offloaded boundary activations. None = the host room left after weights, gradients and
-    optimizer states; on the emulated device 2 boundary activations. Also `cpu_act_budget`."""
+    optimizer states; on the emulated device 2 boundary activations."""
     nvme_act_bytes: int | None = None
     """NVMe bytes for spilled boundary activations; 0 = no NVMe tier. None = 0; on the emulated device 2
-    boundary activations. Also `nvme_act_budget`."""
+    boundary activations."""
     cpu_mem_bytes: int | None = None
-    """Total host memory the plan may assume, e.g. 2TB. None = the hardware's (or unchecked). Also `cpu_mem`."""
+    """Total host memory the plan may assume, e.g. 2TB. None = the hardware's (or unchecked)."""
     replan: bool = False
     """Re-plan during training when measured times disagree with the cost model."""
 
@@ -192,7 +203,7 @@ class OptimConfig:
     update runs as soon as its gradients land, under the device's work on the layers below (LazyTrain);
     training needs max_grad_norm 0 for it today."""
     learning_rate: float = 3e-3
-    """Peak learning rate (> 0), reached after the warm-up. Also `lr`."""
+    """Peak learning rate (> 0), reached after the warm-up."""
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after the warm-up: cosine (to learning_rate * min_lr_ratio), linear, or constant."""
     warmup_steps: int = 10
@@ -212,11 +223,11 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Global gradient-norm clip threshold (>= 0); 0 = no clipping."""
     max_steps: int = 120
-    """Optimizer steps to run (>= 1). Also `steps`."""
+    """Optimizer steps to run (>= 1)."""
     num_train_epochs: float | None = None
     """Passes over the training data (> 0); None = max_steps decides."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step (>= 1). Also `grad_accum`."""
+    """Micro-batches per optimizer step (>= 1)."""
     max_nonfinite_steps: int = 3
     """A step with a non-finite loss or gradient norm is skipped (no update); this many in a row (>= 1) stop the
     run with one line saying what was non-finite and where it first appeared."""
@@ -390,9 +401,9 @@ def _unknown(key: str, valid: Sequence[str], source: str, what: str) -> LazyTrai
     return LazyTrainError(f"{source}: unknown {what} {key!r}; {hint}")
 
 
-def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+def _flatten(values: Mapping[str, Any], source: str, spellings: dict[str, str] | None = None) -> dict[str, Any]:
     """Flat canonical keys from a flat or nested mapping; a key given twice (e.g. `lr` and `learning_rate`) is
-    refused."""
+    refused. `spellings` collects {canonical key: the key as written}."""
     if not isinstance(values, Mapping):
         raise LazyTrainError(f"{source}: expected a mapping of keys to values, got {type(values).__name__}")
     flat: dict[str, Any] = {}
@@ -402,6 +413,8 @@ def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
         if name in flat:
             raise LazyTrainError(f"{source}: {name} is given twice ({key!r} and an earlier spelling); keep one")
         flat[name] = value
+        if spellings is not None:
+            spellings[name] = str(key)
 
     for key, value in values.items():
         if key in SECTIONS and isinstance(value, Mapping):  # nested by section (`model` is also a key)
@@ -412,9 +425,24 @@ def _flatten(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
+class ConfigValueError(LazyTrainError):
+    """A value of the wrong type or out of range; the loader names the key as the user spelled it (`--lr`)."""
+
+    def __init__(self, key: str, value: Any, tail: str) -> None:
+        self.key, self.value, self.tail = key, value, tail
+        super().__init__(f"{key} = {value!r}{tail}")
+
+    def spelled(self, spelling: str) -> ConfigValueError:
+        """The same error under the spelling the user wrote: `--steps 0 ...` or `steps = 0 ...`."""
+        sep = " " if spelling.startswith("--") else " = "
+        error = ConfigValueError(spelling, self.value, self.tail)
+        error.args = (f"{spelling}{sep}{self.value!r}{self.tail}",)
+        return error
+
+
 def _need(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
-        raise LazyTrainError(f"{key} = {value!r} is invalid: it must be {rule}")
+        raise ConfigValueError(key, value, f" is invalid: it must be {rule}")
 
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -445,7 +473,7 @@ def _value(key: str, value: Any, hint: Any) -> Any:
         converted = _as(key, value, option)
         if converted is not _NO:
             return converted
-    raise LazyTrainError(f"{key} = {value!r}: expected {_type_name(hint)}")
+    raise ConfigValueError(key, value, f": expected {_type_name(hint)}")
 
 
 _NO = object()
@@ -469,7 +497,11 @@ def _as(key: str, value: Any, option: Any) -> Any:
         return _NO
     if option is int:
         if key.endswith("_bytes") and isinstance(value, int | float | str):
-            return parse_bytes(value, what=key)
+            try:
+                return parse_bytes(value, what=key)
+            except LazyTrainError as err:  # "cannot read 'lots' as a size" / "is negative"
+                raise ConfigValueError(key, value, ": " + str(err).split(": ", 1)[1].replace(f"{value!r} ", "")
+                                       ) from None
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -559,18 +591,26 @@ def parse_override(word: str) -> tuple[str, Any]:
 
 def load_job_config(*sources: str | Path | Mapping[str, Any], overrides: Sequence[str] = (),
                     flags: Mapping[str, Any] | None = None) -> JobConfig:
-    """The JobConfig from YAML files or mappings (in order), then `key=value` overrides, then flag values."""
+    """The JobConfig from YAML files or mappings (in order), then `key=value` overrides, then flags
+    ({flag as typed, e.g. `--lr`: value}). A bad value's error names the key as the user spelled it."""
     flat: dict[str, Any] = {}
+    spellings: dict[str, str] = {}
     for source in sources:
         if isinstance(source, Mapping):
-            flat.update(_flatten(source, "config"))
+            flat.update(_flatten(source, "config", spellings))
         else:
-            flat.update(_flatten(read_yaml(source), f"config file {source}"))
+            flat.update(_flatten(read_yaml(source), f"config file {source}", spellings))
     for word in overrides:
         key, value = parse_override(word)
         flat[key] = value
-    flat.update(flags or {})
-    return JobConfig.build(flat)
+        spellings[key] = word.partition("=")[0].strip()
+    flag_values = _flatten({flag.removeprefix("--"): v for flag, v in (flags or {}).items()}, "flags")
+    flat.update(flag_values)
+    spellings.update({canonical_key(flag.removeprefix("--")): flag for flag in flags or {}})
+    try:
+        return JobConfig.build(flat)
+    except ConfigValueError as err:
+        raise err.spelled(spellings.get(err.key, err.key)) from None
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) -> None:
@@ -588,14 +628,14 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = 
         for f in fields(section):
             if f.name in skipped:
                 continue
-            flags = [f"--{s.replace('_', '-')}" for s in spellings[f.name]]
-            hint = _hints(section)[f.name]
-            is_bool = hint is bool
+            is_bool = _hints(section)[f.name] is bool
             help_text = f"{docs.get(f.name, '')} (default: {default_of(f.name)!r})".replace("%", "%%")
-            group.add_argument(*flags, dest=f"job.{f.name}", default=argparse.SUPPRESS, metavar="VALUE",
-                               nargs="?" if is_bool else None, const="true" if is_bool else None,
-                               help=help_text)
-    parser.add_argument("--no-progress", dest="job.progress", action="store_const", const=False,
+            for i, spelling in enumerate(spellings[f.name]):  # one dest per spelling: errors name the one typed
+                flag = f"--{spelling.replace('_', '-')}"
+                group.add_argument(flag, dest=f"job.{flag}", default=argparse.SUPPRESS, metavar="VALUE",
+                                   nargs="?" if is_bool else None, const="true" if is_bool else None,
+                                   help=help_text if i == 0 else f"same as --{f.name.replace('_', '-')}")
+    parser.add_argument("--no-progress", dest="job.--progress", action="store_const", const=False,
                         default=argparse.SUPPRESS, help="no progress bar (progress=false)")
 
 
@@ -604,5 +644,21 @@ def job_config_from_args(args: argparse.Namespace) -> JobConfig:
     files, words = [], []
     for word in getattr(args, "config", []):
         (words if "=" in word else files).append(word)
-    flags = {k.removeprefix("job."): v for k, v in vars(args).items() if k.startswith("job.")}
+    flags = {k.removeprefix("job."): v for k, v in vars(args).items() if k.startswith("job.")}  # {"--lr": "1e-5"}
     return load_job_config(*files, overrides=words, flags=flags)
+
+
+def markdown_table() -> str:
+    """The key reference of docs/config.md, one table per section (a test keeps the page equal to this)."""
+    aliases: dict[str, list[str]] = {}
+    for alias, key in ALIASES.items():
+        aliases.setdefault(key, []).append(alias)
+    docs = field_docs()
+    out = []
+    for name, section in SECTIONS.items():
+        out += [f"### `{name}`: {section.__doc__.strip()}", "", "| key | default | meaning |", "|---|---|---|"]
+        for f in fields(section):
+            also = "".join(f" (also `{a}`)" for a in aliases.get(f.name, []))
+            out.append(f"| `{f.name}`{also} | `{default_of(f.name)!r}` | {docs[f.name].replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)

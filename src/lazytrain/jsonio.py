@@ -15,19 +15,21 @@ from typing import Any
 
 from lazytrain.errors import LazyTrainError
 
+Json = None | bool | int | float | str | list["Json"] | dict[str, "Json"]
 
-def finite_or_none(value: Any) -> Any:
+
+def finite_or_none(value: object) -> Json:
     """`value` with every non-finite float (at any depth of dicts, lists, tuples) replaced by None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {k: finite_or_none(v) for k, v in value.items()}
+        return {str(k): finite_or_none(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [finite_or_none(v) for v in value]
-    return value
+    return value  # type: ignore[return-value]
 
 
-def dumps(value: Any, **kwargs: Any) -> str:
+def dumps(value: object, **kwargs: Any) -> str:
     """`json.dumps` that never writes NaN or Infinity (they become null); other kwargs as json.dumps."""
     return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 

@@ -11,11 +11,11 @@ The picture needs matplotlib (the `viz` extra); imported lazily so the rest of L
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lazytrain import jsonio
 from lazytrain.errors import LazyTrainError
 
 ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "collective")
@@ -88,7 +88,7 @@ def write_trace(ops: Iterable[object], path: str | Path, *, process: str = "step
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(trace_events(ops, process=process)) + "\n")
+        tmp.write_text(jsonio.dumps(trace_events(ops, process=process)) + "\n")
         tmp.replace(path)
     except OSError as err:
         raise LazyTrainError(f"cannot write the trace to {path}: {err.strerror}") from None

@@ -27,6 +27,7 @@ from lazytrain.plan.planner import (
     largest_feasible_batch,
     make_plan,
     model_spec,
+    resolve_batch,
     resolve_hardware,
 )
 from lazytrain.plan.rules import make_rule_plan
@@ -72,13 +73,10 @@ def run(args: argparse.Namespace) -> int:
                 name = f"megatrain K={job.plan.interval}" if rule == "megatrain" else rule
                 print(f"  {name:<16} {largest_feasible_batch(job, spec, hardware, rule, deadline=deadline)[0]}")
             return 0
-        batch = job.data.per_device_train_batch_size
-        if batch == "auto":
-            batch, why = largest_feasible_batch(job, spec, hardware, job.plan.planner, deadline=deadline)
-            if batch == 0:
-                raise LazyTrainError(f"per_device_train_batch_size auto: no batch fits, not even 1: {why}")
-            print(f"per_device_train_batch_size auto: {batch}, the largest the planner admits (next: {why})")
-        cost = cost_model(job, spec, hardware, batch)
+        job, note = resolve_batch(job, deadline=deadline)
+        if note:
+            print(note)
+        cost = cost_model(job, spec, hardware, job.data.per_device_train_batch_size)
         admission, budgets = admitted(cost, default_budgets(job.plan, cost))
         plan = make_plan(job.plan, cost, budgets, deadline=deadline)
     own = _print_plan(job, cost, admission, plan)

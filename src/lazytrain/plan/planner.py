@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
-from lazytrain.config import COST_OPTIMIZER, RULES, JobConfig, PlanConfig, RuntimeConfig
+from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS, RULES, JobConfig, PlanConfig, RuntimeConfig
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import Admission, admit
 from lazytrain.plan.budgets import Budgets
@@ -90,8 +90,6 @@ def resolve_hardware(runtime: RuntimeConfig) -> HardwareSpec:
 def model_spec(model: str) -> ModelSpec:
     """A planner preset (no torch import), a built-in shape of `lazytrain train` (`small`), or a user's model
     (directory, config.json, cached hub id) validated and counted as `transformers` builds it (meta device)."""
-    from lazytrain.train import MODEL_PRESETS
-
     if model in MODEL_PRESETS:
         config = {"model_type": "llama", "vocab_size": BYTE_VOCAB, "tie_word_embeddings": False,
                   **MODEL_PRESETS[model]}
@@ -205,6 +203,21 @@ def largest_feasible_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSp
     return lo, reasons[hi]
 
 
+def resolve_batch(job: JobConfig, *, deadline: Deadline | None = None) -> tuple[JobConfig, str | None]:
+    """`per_device_train_batch_size: auto` -> the job at the largest batch its planner admits under the caps,
+    with a note for the report; any other job unchanged (None). The hardware's cost estimate decides: whether a
+    plan fits is a question of bytes, not of measured seconds."""
+    if job.data.per_device_train_batch_size != "auto":
+        return job, None
+    spec = model_spec(job.model.model)
+    batch, why = largest_feasible_batch(job, spec, resolve_hardware(job.runtime), job.plan.planner,
+                                        deadline=deadline)
+    if batch == 0:
+        raise LazyTrainError(f"per_device_train_batch_size auto: no batch fits, not even 1: {why}")
+    note = f"per_device_train_batch_size auto: {batch}, the largest the planner admits (next: {why})"
+    return replace(job, data=replace(job.data, per_device_train_batch_size=batch)), note
+
+
 # ---- the time limit ---------------------------------------------------------------------------------------
 class Deadline:
     """A wall-time bound on planning, from its start: `left_s()` for the solver, and (main thread, POSIX) an
@@ -212,6 +225,7 @@ class Deadline:
     with a one-line error. The solver itself stops at the end with its best incumbent, before the alarm."""
 
     GRACE_S = 1.0  # the alarm fires this long after the end: the solver's own limit comes first
+    REPEAT_S = 0.1  # and again every this often until planning has stopped
 
     def __init__(self, limit_s: float, knob: str = "time_limit_s") -> None:
         self.limit_s = limit_s
@@ -233,6 +247,8 @@ class Deadline:
                               "(--time-limit), or lower max_segment or the model size")
 
     def _alarm(self, signum: int, frame: FrameType | None) -> None:
+        if frame is not None and frame.f_code.co_name in ("__del__", "_remove"):  # a finalizer would swallow it
+            return  # (and print it); the repeating alarm raises in ordinary code a moment later
         raise self.error("while building the model, the cost model or the MILP")
 
     def __enter__(self) -> Deadline:
@@ -241,7 +257,8 @@ class Deadline:
         except (ValueError, AttributeError):  # not the main thread, or no SIGALRM: the solver limit only
             self._previous = None
             return self
-        signal.setitimer(signal.ITIMER_REAL, self.limit_s + self.GRACE_S)
+        # repeating: an exception raised while Python runs a finalizer is swallowed, so the alarm comes back
+        signal.setitimer(signal.ITIMER_REAL, self.limit_s + self.GRACE_S, self.REPEAT_S)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import LlamaConfig, PreTrainedModel
 
-from lazytrain.config import COST_OPTIMIZER
+from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import check_host_memory
 from lazytrain.plan.plan import Plan
+from lazytrain.plan.planner import cuda_hardware
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.weights import ModelSource, built_spec, load_model, meta_model, resolve_model
@@ -27,17 +28,6 @@ if TYPE_CHECKING:
     from lazytrain.train.planning import Planned
 
 Device = CudaDevice | EmulatedDevice
-
-# Built-in model shapes (Llama, GQA, untied head). `small` is the default job; `debug` is for tests.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    # 12.8 M parameters: 8 layers x 1.57 M + 0.2 M embedding/head (byte vocabulary)
-    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
-                  num_key_value_heads=2),
-    # 0.2 M parameters: a few seconds per hundred steps on one core
-    "debug": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2),
-}
-
 
 def workload_of(job: JobConfig) -> Workload:
     """The shape of every micro-batch the plan and the device arena are sized for."""
@@ -115,10 +105,7 @@ def build_hardware(job: JobConfig, kind: str) -> HardwareSpec:
     """The machine the plan is made for: the emulated preset with this CPU's host rates (`profile`) and the
     configured link rates; on CUDA the closest preset by GPU name, with the GPU's memory."""
     if kind == "cuda":
-        name = torch.cuda.get_device_name().lower()
-        preset = next((p for p in ("h800", "h200", "h100", "3090") if p in name), "h100")
-        preset = "rtx3090" if preset == "3090" else preset
-        return HardwareSpec.load(preset, gpu_mem_bytes=torch.cuda.get_device_properties(0).total_memory)
+        return cuda_hardware()  # the same machine `lazytrain plan` plans for
     return HardwareSpec.profile("emulated", seconds=0.1).with_overrides(
         h2d_gbps=job.runtime.h2d_gbps, d2h_gbps=job.runtime.d2h_gbps, nvme_read_gbps=job.runtime.nvme_read_gbps,
         nvme_write_gbps=job.runtime.nvme_write_gbps,

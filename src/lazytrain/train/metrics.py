@@ -13,31 +13,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from lazytrain.jsonio import Json, dumps
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
-
-Json = None | bool | int | float | str | list["Json"] | dict[str, "Json"]
-
 
 def say(text: str) -> None:
     """A line of the run's report on stdout, flushed so it lands before the progress bar (stderr)."""
     print(text, flush=True)
-
-
-def finite_or_none(value: object) -> Json:
-    """`value` with every non-finite float (at any depth of dicts, lists, tuples) replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite_or_none(v) for v in value]
-    return value  # type: ignore[return-value]
-
-
-def dumps(value: object, **kwargs: object) -> str:
-    """`json.dumps` that never writes NaN or Infinity (they become null)."""
-    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)  # type: ignore[arg-type]
 
 
 def write_json(path: Path, value: object) -> None:

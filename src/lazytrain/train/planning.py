@@ -12,21 +12,19 @@ import torch
 from transformers import PreTrainedModel
 
 from lazytrain.config import COST_OPTIMIZER
+from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
-from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import Plan, spec_of
-from lazytrain.plan.rules import make_rule_plan
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate
 from lazytrain.runtime.executor import Executor
 from lazytrain.spec.cost import CostModel
-from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.workload import Workload
 from lazytrain.train.build import build_device, build_hardware, workload_of
 from lazytrain.train.optimizer import build_optimizer, optimizer_step
 
 if TYPE_CHECKING:
-    from lazytrain.config import JobConfig, PlanConfig
+    from lazytrain.config import JobConfig
 
 @dataclass
 class Planned:
@@ -53,12 +51,10 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str,
     spec = spec_of(model)
     workload = workload_of(job)
     cost = calibrated_cost(job, model, kind, workload, probe_batch)
-    act = max(cost.boundary_bytes)
-    budgets = {
-        "gpu_mem_cap_bytes": job.plan.gpu_mem_cap_bytes or cost.static_device_bytes() + 5 * act,
-        "cpu_act_bytes": 2 * act if job.plan.cpu_act_bytes is None else job.plan.cpu_act_bytes,
-        "nvme_act_bytes": 2 * act if job.plan.nvme_act_bytes is None else job.plan.nvme_act_bytes,
-    }
+    defaults = planner.default_budgets(job.plan, cost)  # the same rule as `lazytrain plan`
+    budgets = {k: v for k, v in defaults.to_dict().items() if k != "host_mem_bytes"}
+    if budgets["gpu_mem_cap_bytes"] is None:  # a real device: its memory
+        budgets["gpu_mem_cap_bytes"] = cost.hardware.gpu_mem_bytes
     if job.plan.plan_file is not None:
         plan = Plan.load(job.plan.plan_file, spec, workload)
         how = f"loaded from {job.plan.plan_file} ({plan.report.planner})"
@@ -66,7 +62,12 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str,
             if getattr(job.plan, knob) is None and plan.budgets_bytes.get(knob) is not None:
                 budgets[knob] = plan.budgets_bytes[knob]  # the budgets the plan was solved under
     else:
-        plan, how = _solve(job.plan, cost, spec, workload, budgets)
+        # the one dispatcher of both commands; a rule over the default cap runs with the device sized to its peak
+        # (fit_device_cap), so only a user's cap makes a rule that does not fit an error
+        deadline = planner.Deadline(job.plan.time_limit_s)  # the solver gets what is left of the time limit
+        plan = planner.make_plan(job.plan, cost, Budgets(**budgets), deadline=deadline,
+                                 strict_rules=job.plan.gpu_mem_cap_bytes is not None)
+        how = planner.describe(plan)
     sim = _simulate(plan, cost, job.optim.optimizer_mode)
     plan = plan.with_prediction(sim.to_prediction())
     serial_s = sim.step_s if job.optim.optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
@@ -113,21 +114,6 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
                      ).with_device_constants(constant_bytes)
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
     return calibrate(cost, steps[1:], optimizer_s=statistics.median(samples[1:]), scale_flops=kind == "cuda")
-
-
-def _solve(options: PlanConfig, cost: CostModel, spec: ModelSpec, workload: Workload, budgets: dict[str, int]
-           ) -> tuple[Plan, str]:
-    """The MILP under the budgets (planner `auto`, `milp`), or a rule."""
-    if options.planner in ("auto", "milp"):
-        plan = solve_milp(cost, Budgets(**budgets), max_segment=options.max_segment, time_limit_s=options.time_limit_s,
-                          mip_rel_gap=options.mip_rel_gap, solver=options.solver, formulation=options.formulation)
-        r = plan.report
-        gap = f", gap {r.gap:.2%}" if r.gap is not None else ""
-        return plan, f"MILP ({r.solver}, {r.status}{gap}, {r.seconds:.2f} s)"
-    if options.planner == "megatrain":
-        plan = make_rule_plan("megatrain", spec, interval=options.interval, workload=workload)
-        return plan, f"MegaTrain rule (every {options.interval}th boundary)"
-    return make_rule_plan(options.planner, spec, workload=workload), f"{options.planner} rule"
 
 
 def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str) -> SimResult:

@@ -22,6 +22,7 @@ from lazytrain.config import JobConfig
 from lazytrain.data import ByteTokenizer, TokenData
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
+from lazytrain.plan.planner import resolve_batch
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.hf import IGNORE_INDEX, shift_labels
@@ -82,6 +83,9 @@ def train(job: JobConfig) -> TrainResult:
     """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary."""
     t_start = time.perf_counter()
     check_job(job)
+    job, note = resolve_batch(job)  # per_device_train_batch_size auto: the largest the planner admits
+    if note:
+        say(f"batch    {note}")
     out = prepare_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
                              overwrite=job.checkpoint.overwrite_output_dir,
                              default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
@@ -168,9 +172,6 @@ def train(job: JobConfig) -> TrainResult:
 def check_job(job: JobConfig) -> None:
     """What this job refuses before touching anything (one line each)."""
     job.refuse(NOT_YET, "train")
-    if job.data.per_device_train_batch_size == "auto":
-        raise LazyTrainError("per_device_train_batch_size auto: not supported by `lazytrain train` yet; give a "
-                             "number")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
     if job.optim.optimizer_mode == "overlap" and job.optim.max_grad_norm > 0:
