@@ -220,6 +220,10 @@ def test_time_limit_bounds_the_whole_planning(tmp_path, capsys) -> None:
     import time
 
     config = json.loads((PRESET_DIR / "qwen2.5-7b.json").read_text())
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    # imports are never interrupted (a half-imported module would break the process): do transformers' first
+    assert main(["plan", "--model", str(tmp_path / "small"), "--hardware", "h800", "--batch-size", "1"]) == 0
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 400}))
     limit_s = 1.0
     t0 = time.perf_counter()
@@ -227,7 +231,9 @@ def test_time_limit_bounds_the_whole_planning(tmp_path, capsys) -> None:
                  "--gpu-mem-cap", "70GB", "--time-limit", str(limit_s)])
     elapsed = time.perf_counter() - t0
     captured = capsys.readouterr()
-    assert elapsed < limit_s + 2.0, elapsed  # the limit, the alarm's 1 s grace, slack for a loaded machine
+    # the limit, the alarm's 1 s grace, and slack for a machine shared with other jobs; without the limit the
+    # build alone takes about 9 s (idle 2-core Xeon), several times that when loaded
+    assert elapsed < limit_s + 5.0, elapsed
     if code == 0:  # an incumbent in time: its status and gap are shown
         assert "solver: highs" in captured.out and "gap" in captured.out
     else:

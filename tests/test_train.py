@@ -87,10 +87,10 @@ def test_a_checkpoint_as_model_continues_from_its_weights(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--steps", "0"], "max_steps = 0"),
-    (["--batch-size", "-2"], "per_device_train_batch_size = -2"),
-    (["--lr", "0"], "learning_rate = 0"),
-    (["--gpu-mem-cap", "lots"], "gpu_mem_cap"),
+    (["--steps", "0"], "--steps 0"),  # errors name the key as typed
+    (["--batch-size", "-2"], "--batch-size -2"),
+    (["--lr", "0"], "--lr 0"),
+    (["--gpu-mem-cap", "lots"], "--gpu-mem-cap"),
     (["--corpus", "/nonexistent/corpus.txt"], "--corpus"),
     (["--model", "/nonexistent/config.json"], "'/nonexistent/config.json': no such file"),
     (["--seq-len", "100000"], "100000"),

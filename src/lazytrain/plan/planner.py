@@ -11,6 +11,7 @@ and the same planner (train's cost model is calibrated on its device; plan's is 
 
 `Deadline` bounds the whole planning wall time (building the model, the cost model and the MILP included):
 the solver gets what is left after the build, and a build that runs past the limit is stopped with one line.
+An import in progress (torch, transformers' modeling code) is not interrupted; the limit acts when it ends.
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ def resolve_batch(job: JobConfig, *, deadline: Deadline | None = None) -> tuple[
 
 
 # ---- the time limit ---------------------------------------------------------------------------------------
+UNSAFE_FRAMES = ("__del__", "_remove", "__exit__")  # where an exception from the alarm would be lost or harmful
+
+
 class Deadline:
     """A wall-time bound on planning, from its start: `left_s()` for the solver, and (main thread, POSIX) an
     alarm a little after the end that stops Python work still running (e.g. building a long model's MILP)
@@ -247,8 +251,12 @@ class Deadline:
                               "(--time-limit), or lower max_segment or the model size")
 
     def _alarm(self, signum: int, frame: FrameType | None) -> None:
-        if frame is not None and frame.f_code.co_name in ("__del__", "_remove"):  # a finalizer would swallow it
-            return  # (and print it); the repeating alarm raises in ordinary code a moment later
+        # Not inside an import (it would leave the module half-initialized) or a finalizer (which swallows and
+        # prints the exception): the repeating alarm raises in ordinary code a moment later.
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib") or frame.f_code.co_name in UNSAFE_FRAMES:
+                return
+            frame = frame.f_back
         raise self.error("while building the model, the cost model or the MILP")
 
     def __enter__(self) -> Deadline:
