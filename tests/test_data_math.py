@@ -15,6 +15,7 @@ from lazytrain.data.math import (
     MAX_NEW_TOKENS,
     exact_match,
     extract_final_number,
+    generate_answers,
     math_problems,
     reference_answer,
     score,
@@ -90,3 +91,17 @@ def test_exact_match_runs_greedy_generation_through_a_tiny_random_model(tmp_path
     value = exact_match(model, tok, problems, max_new_tokens=6, batch_size=4)
     assert 0.0 <= value <= 1.0 and model.training and tok.padding_side == "right"
 
+
+
+def test_batched_left_padded_generation_equals_one_problem_at_a_time(tmp_path):
+    """Left padding must not change a greedy answer: prompts of different lengths, batched or alone."""
+    job = prepare_default_job(tmp_path / "job", shapes=SHAPES, num_train=50, num_heldout=6, seed=4)
+    tok = AutoTokenizer.from_pretrained(job.model_dir)
+    torch.manual_seed(RNG.randrange(2**30))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job.model_dir))
+    problems = read_jsonl(job.eval_file)
+    prompts = [tok.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True) for r in problems]
+    lengths = {len(tok(prompt).input_ids) for prompt in prompts}
+    assert len(lengths) > 1  # the batch really is padded
+    alone = [generate_answers(model, tok, [row], max_new_tokens=8)[0] for row in problems]
+    assert generate_answers(model, tok, problems, max_new_tokens=8, batch_size=len(problems)) == alone
