@@ -159,6 +159,17 @@ def test_non_finite_weights_are_refused_at_load(tmp_path, bad):
     _one_line_error(lambda: _load(tmp_path), key, "non-finite")
 
 
+def test_huge_but_finite_weights_load(tmp_path):
+    """Values whose sum overflows fp32 are still finite: loaded, not refused."""
+    _save(tmp_path, _config())
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    key = RNG.choice(sorted(state))
+    state[key].view(-1)[:2] = 3e38
+    save_file(state, weights, metadata={"format": "pt"})
+    assert torch.equal(dict(_load(tmp_path).named_parameters())[key], state[key])
+
+
 def test_pickle_only_directory_says_safetensors(tmp_path):
     _config().save_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0")

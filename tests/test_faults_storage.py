@@ -238,7 +238,7 @@ def test_no_spill_file_outlives_a_killed_run(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240  # importing torch on a loaded machine takes a while
         while len(_open_spill_files(child.pid, nvme)) < 3:  # every nvme boundary spilled, none read back yet
             assert child.poll() is None, child.stderr.read().decode()
             assert time.monotonic() < deadline, "the child never spilled"

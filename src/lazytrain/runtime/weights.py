@@ -10,7 +10,7 @@
    plan are sized from that count, so a config `transformers` reads differently (a multimodal wrapper that
    falls back to its default sub-config) is refused instead of OOM-killed.
 3. `load_model` materializes the fp32 host parameters of that meta model tensor by tensor from memory-mapped
-   safetensors (`safe_open`, one shard mapped at a time): no second full copy of the model in RAM. Every
+   safetensors (`safe_open`, one tensor mapped at a time): no second full copy of the model in RAM. Every
    tensor is checked on the way: shape against the config, finite values, nothing missing. Buffers (rotary
    frequencies) are recomputed by the model's own `initialize_weights`, as `from_pretrained` does.
    `init="random"` (explicit) builds from the config alone, seeded; a directory or hub id without weights is
@@ -22,6 +22,7 @@ Every failure is a one-line LazyTrainError naming the file, tensor or key.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,8 +221,9 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
 def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> PreTrainedModel:
     """Fill a meta model's parameters, fp32 on the host, from safetensors files, one tensor at a time.
 
-    Each file is memory-mapped by `safe_open` while its tensors are copied (and converted) into freshly
-    allocated fp32 parameters, so the host holds the model once plus one tensor in flight. Tied parameters
+    Each tensor is read through a `safe_open` memory mapping of its own (closed once the tensor is copied and
+    converted into a freshly allocated fp32 parameter), so the process holds the model once plus one tensor
+    in flight, whatever the shard size. Tied parameters
     (one Parameter under two names) are filled once, from whichever name the file stores.
     """
     from safetensors import SafetensorError, safe_open
@@ -241,32 +243,32 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
 
     for path in files:
         try:
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    pid = key_to_param.get(key)
-                    if pid is None:
-                        if key in buffer_keys:
-                            _load_buffer(model, key, f.get_tensor(key), path, name)
-                        continue  # not a parameter of this model (e.g. an old rotary buffer): as from_pretrained
-                    if pid in loaded:
-                        continue  # the other name of a tied parameter
-                    meta = params[pid]
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(meta.shape):
-                        raise LazyTrainError(
-                            f"model {name!r}: tensor {key} in {path.name} has shape {list(shape)} but the config "
-                            f"makes it {list(meta.shape)}; the weights do not belong to this config")
-                    value = torch.empty(shape, dtype=torch.float32)
-                    value.copy_(f.get_tensor(key))  # the mapped (bf16/fp32) tensor, converted as it is copied
-                    if not bool(torch.isfinite(value).all()):
-                        bad = int((~torch.isfinite(value)).sum())
-                        raise LazyTrainError(f"model {name!r}: tensor {key} in {path.name} holds {bad:,} non-finite "
-                                             "values (NaN or inf); these weights cannot be trained from")
-                    param = torch.nn.Parameter(value, requires_grad=meta.requires_grad)
-                    param._is_hf_initialized = True  # initialize_weights below leaves it alone
-                    for module, attr in owners[pid]:
-                        module._parameters[attr] = param
-                    loaded.add(pid)
+            with safe_open(path, framework="pt") as f:  # the header: names and shapes, checked against the file size
+                shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            for key, shape in shapes.items():
+                pid = key_to_param.get(key)
+                if pid is None:
+                    if key in buffer_keys:
+                        _load_buffer(model, key, _mapped_tensor(path, key), path, name)
+                    continue  # not a parameter of this model (e.g. an old rotary buffer): as from_pretrained
+                if pid in loaded:
+                    continue  # the other name of a tied parameter
+                meta = params[pid]
+                if shape != tuple(meta.shape):
+                    raise LazyTrainError(
+                        f"model {name!r}: tensor {key} in {path.name} has shape {list(shape)} but the config "
+                        f"makes it {list(meta.shape)}; the weights do not belong to this config")
+                value = torch.empty(shape, dtype=torch.float32)
+                value.copy_(_mapped_tensor(path, key))  # the file's (bf16/fp32) tensor, converted as it is copied
+                # a NaN or inf anywhere makes the sum non-finite (one fast pass, no mask); count only then
+                if not math.isfinite(float(value.sum())) and (bad := int((~torch.isfinite(value)).sum())):
+                    raise LazyTrainError(f"model {name!r}: tensor {key} in {path.name} holds {bad:,} non-finite "
+                                         "values (NaN or inf); these weights cannot be trained from")
+                param = torch.nn.Parameter(value, requires_grad=meta.requires_grad)
+                param._is_hf_initialized = True  # initialize_weights below leaves it alone
+                for module, attr in owners[pid]:
+                    module._parameters[attr] = param
+                loaded.add(pid)
         except SafetensorError as err:
             raise LazyTrainError(f"model {name!r}: {path} is not a readable safetensors file ({_first_line(err)}); "
                                  "it is truncated or corrupt: copy or download it again") from None
@@ -286,6 +288,15 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
                 module.__dict__.pop("_is_hf_initialized", None)  # so initialize_weights visits it
     model.initialize_weights()
     return model
+
+
+def _mapped_tensor(path: Path, key: str) -> torch.Tensor:
+    """One tensor of a safetensors file, through a mapping opened for it alone: the pages it touched leave this
+    process's RSS when it closes, so a 5 GB shard never counts in full (they stay in the page cache)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(key)
 
 
 def _load_buffer(model: PreTrainedModel, key: str, value: torch.Tensor, path: Path, name: str) -> None:
