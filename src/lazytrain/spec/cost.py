@@ -7,7 +7,10 @@ Time model (per layer, forward, FLOPs over the achieved matmul rate):
     linear   2 * P_active_j * T                     (T = batch * seq tokens; MoE: top-k experts only)
     attention (full, causal)  4 * d_q * T * (seq + 1) / 2        QK^T and AV, half the square (causal);
               sliding window w: the mean of min(t + 1, w) keys instead of (seq + 1) / 2;
-              linear (Gated DeltaNet, chunk 64, head dim 128): 2 * (64 + 128) * 2 * hidden * T, no seq^2.
+              linear (Gated DeltaNet, chunk C = 64; value heads H_v, head dims d_k, d_v; q and k repeated to H_v):
+              H_v * T * (C (5 d_k + 3 d_v) + 6 d_k d_v): within a chunk k_beta k^T, q k^T, two triangular
+              solves and the attention times the corrected values; across chunks the state reads (q S,
+              k_cumdecay S) and its update (k^T v_new). Linear in T: no seq^2 term.
               GQA changes only the k/v projections, already in P_active.
     elementwise (RMSNorms, residual adds, rotary, SiLU*up as `transformers` runs them eagerly):
               bytes moved / `mem_gbps` (see _elementwise_bytes); ignored when mem_gbps is inf.
@@ -46,7 +49,9 @@ OPTIMIZERS = ("fp32", "hybrid", "8bit")
 HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid"
 QUANT_BLOCK = 256  # elements per absmax block of the 8-bit states (bitsandbytes' current block size)
 LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk_gated_delta_rule)
-LINEAR_ATTN_HEAD_DIM = 128
+# Whose chunked delta rule a linear-attention layer runs: flash-linear-attention's fused kernels (what
+# transformers uses on a GPU when `fla` is installed) or transformers' torch fallback (the CPU).
+LINEAR_ATTN_KERNELS = ("auto", "fla", "torch")
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
 
 
@@ -58,9 +63,16 @@ class CostModel:
     """Per-layer seconds and bytes of one training step (see the module docstring for the formulas)."""
 
     def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
-                 *, executor_layout: bool = False, head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> None:
+                 *, executor_layout: bool = False, head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
+                 linear_attention_kernel: str = "auto") -> None:
         if optimizer not in OPTIMIZERS:
             raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
+        if linear_attention_kernel not in LINEAR_ATTN_KERNELS:
+            raise LazyTrainError(f"linear_attention_kernel {linear_attention_kernel!r} is not one of "
+                                 f"{', '.join(LINEAR_ATTN_KERNELS)}")
+        if linear_attention_kernel == "auto":  # the emulated device runs on the CPU: transformers' torch fallback
+            linear_attention_kernel = "torch" if hardware.name == "emulated" else "fla"
+        self.linear_attention_kernel = linear_attention_kernel
         self.spec, self.hardware, self.workload, self.optimizer = spec, hardware, workload, optimizer
         self.executor_layout = executor_layout
         self.num_layers = L = spec.num_layers
@@ -90,7 +102,7 @@ class CostModel:
         self.grad_bytes = list(self.param_bytes)
         self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
         self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
-        self.working_bytes = [tokens * self._working_elements_per_token(j) * dtype_bytes for j in range(L)]
+        self.working_bytes = [tokens * self._working_bytes_per_token(j) for j in range(L)]
         # one chunk's logits in the compute dtype, their fp32 softmax and its gradient
         self.head_working_bytes = self.head_chunk_tokens * spec.vocab_size * (dtype_bytes + 8)
 
@@ -120,7 +132,8 @@ class CostModel:
         kind = spec.layer_types[j]
         d_q = spec.num_attention_heads * spec.head_dim
         if kind == "linear_attention":
-            mixing = 2.0 * (LINEAR_ATTN_CHUNK + LINEAR_ATTN_HEAD_DIM) * 2 * spec.hidden_size * tokens
+            heads, d_k, d_v = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+            mixing = heads * tokens * (LINEAR_ATTN_CHUNK * (5.0 * d_k + 3.0 * d_v) + 6.0 * d_k * d_v)
         else:
             window = spec.sliding_window if kind == "sliding_attention" and spec.sliding_window else seq
             mixing = 4.0 * d_q * tokens * mean_keys_per_query(seq, window)
@@ -146,17 +159,37 @@ class CostModel:
         per_token += 10 * self._mlp_width()
         return per_token * self.dtype_bytes / 2 * self.workload.tokens
 
-    def _working_elements_per_token(self, j: int) -> int:
-        """Autograd-saved tensors of one layer plus the largest transient of its backward, per token.
+    def _working_bytes_per_token(self, j: int) -> int:
+        """Autograd-saved tensors of one layer plus the largest transient of its backward, bytes per token.
 
         Saved: layer input, norm outputs, residual (4 h), q and attention output (2 d_q), k, v (2 d_kv),
         gate, up, SiLU(gate), their product (4 I); the backward adds about two I-wide gradients (2 I).
-        MoE adds the gathered token copies for the top-k experts (2 k h).
+        MoE adds the gathered token copies for the top-k experts (2 k h). All in the compute dtype.
+        A linear-attention (Gated DeltaNet) layer saves instead, in the compute dtype, 5 h + 4 I + the conv's
+        input and output (2 conv_dim) + 6 value_dim (z, the gated norm's inputs and outputs, out_proj's input),
+        and in fp32 (transformers' chunked delta rule upcasts) per value head 7 (d_k + d_v) (q, k, v, their
+        l2 norms and chunk copies, k_beta, v_beta, the solves' outputs), 5 C (the chunk's decay, UT system and
+        intra-chunk attention) and one d_k x d_v state per chunk (d_k d_v / C per token). No seq^2 term: it
+        was checked against the bytes autograd saves (tests/test_cost_linear_attention.py). With the fused
+        `fla` kernel the fp32 part is per value head C + 2 (the UT inverse, decay, beta) and the chunk states and
+        their gradients that its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured here.
         """
         spec = self.spec
-        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
         moe = 2 * spec.num_experts_per_tok * spec.hidden_size if spec.is_moe else 0
-        return 4 * spec.hidden_size + 2 * q + 2 * kv + 6 * self._mlp_width() + moe
+        h, width = spec.hidden_size, self._mlp_width()
+        if spec.layer_types[j] == "linear_attention":
+            heads, d_k, d_v = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+            key_dim = spec.linear_num_key_heads * d_k
+            value_dim = heads * d_v
+            compute = 5 * h + 4 * width + 2 * (2 * key_dim + value_dim) + 6 * value_dim + moe
+            states = heads * d_k * d_v // LINEAR_ATTN_CHUNK
+            if self.linear_attention_kernel == "fla":
+                fp32 = heads * (LINEAR_ATTN_CHUNK + 2) + 2 * states
+            else:
+                fp32 = heads * (7 * (d_k + d_v) + 5 * LINEAR_ATTN_CHUNK) + states
+            return compute * self.dtype_bytes + 4 * fp32
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        return (4 * h + 2 * q + 2 * kv + 6 * width + moe) * self.dtype_bytes
 
     def _optimizer_seconds(self, params: int) -> float:
         hw = self.hardware

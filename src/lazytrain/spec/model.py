@@ -121,6 +121,12 @@ class ModelSpec:
     sliding_window: int | None = None
     num_experts: int = 0  # MoE: experts stored per layer (0 = dense MLP)
     num_experts_per_tok: int = 0  # MoE: experts computed per token
+    # Gated DeltaNet shapes of the linear-attention layers (0 when there are none): the cost model's
+    # recurrence FLOPs and working set (q and k are repeated to the value heads).
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for knob in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -184,7 +190,8 @@ class ModelSpec:
     # ---- identity ---------------------------------------------------------------------------
     def fingerprint(self) -> str:
         """Stable hash of the shapes (not the name): two specs with equal shapes are the same model."""
-        shapes = {k: v for k, v in asdict(self).items() if k != "name"}
+        shapes = {k: v for k, v in asdict(self).items()
+                  if k != "name" and not (k.startswith("linear_") and v == 0)}  # absent: older hashes stand
         return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- construction -----------------------------------------------------------------------
@@ -332,6 +339,9 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
         "sliding_window": int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
         "num_experts": experts,
         "num_experts_per_tok": top_k,
+        **({"linear_num_key_heads": int(cfg.get("linear_num_key_heads", 16)), "linear_num_value_heads": v_heads,
+            "linear_key_head_dim": int(cfg.get("linear_key_head_dim", 128)), "linear_value_head_dim": v_head_dim}
+           if "linear_attention" in layer_types else {}),
     }
 
 
