@@ -12,9 +12,14 @@ group round exactly like the uninterrupted serial one.
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import torch
-from numba import njit
+from numba import carray, cfunc, njit, types
+from numba.core.ccallback import CFunc
+
+from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel
 
 _MASK32 = 0xFFFFFFFF
 
@@ -34,12 +39,16 @@ def rounding_key(seed: int, param_index: int, step: int) -> int:
     return _mix32(_mix32(_mix32(seed) ^ param_index) ^ step)
 
 
-@njit(cache=True, error_model="numpy")
-def _round_bits(src: np.ndarray, dst: np.ndarray, key: np.uint64) -> None:  # pragma: no cover - compiled
-    """dst[i] = upper 16 bits of (bits(src[i]) + 16 random bits): round toward zero or away from it
-    with probability given by the discarded low bits (sign-magnitude, so unbiased for negatives too)."""
+PARALLEL_MIN_NUMEL = 1 << 16  # smaller tensors are rounded on the calling thread only
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _round_bits(src, dst, key, start, end):  # pragma: no cover - compiled
+    """dst[i] = upper 16 bits of (bits(src[i]) + 16 random bits) for i in [start, end): round toward zero
+    or away from it with probability given by the discarded low bits (sign-magnitude: unbiased for
+    negatives too)."""
     mask = np.uint64(_MASK32)
-    for i in range(src.size):
+    for i in range(start, end):
         x = (np.uint64(i) * np.uint64(0x9E3779B1) + key) & mask  # counter -> hash input
         x ^= x >> np.uint64(16)
         x = (x * np.uint64(0x7FEB352D)) & mask
@@ -49,11 +58,40 @@ def _round_bits(src: np.ndarray, dst: np.ndarray, key: np.uint64) -> None:  # pr
         dst[i] = np.uint16((np.uint64(src[i]) + (x & np.uint64(0xFFFF))) >> np.uint64(16))
 
 
+#: Arguments of the rounding kernel (addresses from ndarray.ctypes.data); work items are element ranges.
+_ROUND_ARGS = np.dtype(
+    [("next_item", np.int64), ("src", np.int64), ("dst", np.int64), ("numel", np.int64), ("chunk", np.int64),
+     ("key", np.uint64)],
+    align=True,
+)
+
+
+def _round_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernel)
+    a = carray(data, 1, _ROUND_ARGS)[0]
+    src = carray(address(a.src), a.numel, np.uint32)
+    dst = carray(address(a.dst), a.numel, np.uint16)
+    while True:
+        first = fetch_add(data, a.chunk)
+        if first >= a.numel:
+            return
+        _round_bits(src, dst, a.key, first, min(a.numel, first + a.chunk))
+
+
+@cache
+def _kernel() -> CFunc:
+    return cfunc(types.void(types.voidptr), cache=True, error_model="numpy")(_round_kernel)
+
+
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int) -> None:
-    """Write fp32 `src` into bf16 `dst` (same shape, contiguous host tensors) with stochastic rounding."""
+    """Write fp32 `src` into bf16 `dst` (same shape, contiguous host tensors) with stochastic rounding, on
+    torch's OpenMP threads for large tensors (parallel.py); the result does not depend on the thread count."""
     if not (dst.dtype == torch.bfloat16 and src.dtype == torch.float32 and dst.shape == src.shape
             and dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("stochastic_round_: needs contiguous host tensors, fp32 source and bf16 destination")
     bits = src.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32)
     out = dst.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
-    _round_bits(bits, out, np.uint64(key & _MASK32))
+    n = bits.size
+    n_threads = 1 if n < PARALLEL_MIN_NUMEL else num_threads()
+    chunk = max(4096, -(-n // (8 * n_threads)))
+    args = np.array([(0, bits.ctypes.data, out.ctypes.data, n, chunk, key & _MASK32)], dtype=_ROUND_ARGS)
+    run_parallel(_kernel(), args, n_threads)
