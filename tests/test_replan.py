@@ -122,3 +122,18 @@ def test_emulated_run_replans_when_h2d_slows_4x_and_steps_faster_than_without() 
     assert any(s.step > 10 for s in replanner.switches)
     assert replanner.plan.tiers != plan.tiers
     assert statistics.median(runs[True][3][15:]) < statistics.median(runs[False][3][15:])
+
+
+def test_train_with_replan_on_writes_the_measured_and_predicted_traces(tmp_path) -> None:
+    import json
+
+    from lazytrain.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--model", "debug", "--corpus", "zen", "--batch-size", "4", "--seq-len", "32",
+                 "--eval-batches", "0", "--no-progress", "--steps", "3", "--output-dir", str(out), "replan=true"]) == 0
+    for name in ("step_trace_measured.json", "step_trace_predicted.json"):
+        events = json.loads((out / name).read_text())["traceEvents"]
+        lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert {"compute", "h2d", "d2h"} <= lanes
+        assert any(e["ph"] == "X" and e["cat"] == "compute" and e["name"] == "F0" for e in events)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,10 +14,12 @@ from transformers import PreTrainedModel
 from lazytrain.config import COST_OPTIMIZER
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.replan import Replanner
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.workload import Workload
 from lazytrain.train.build import build_device, build_hardware, workload_of
@@ -114,6 +116,26 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
                      ).with_device_constants(constant_bytes)
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
     return calibrate(cost, steps[1:], optimizer_s=statistics.median(samples[1:]), scale_flops=kind == "cuda")
+
+
+def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
+    """`replan: true`: re-solve (warm-started, same budgets and MILP options) when measured times drift."""
+    options = job.plan
+
+    def solve(cost: CostModel, start: tuple[str, ...]) -> Plan:
+        return solve_milp(cost, Budgets(**planned.budgets), max_segment=options.max_segment,
+                          time_limit_s=options.time_limit_s, mip_rel_gap=options.mip_rel_gap, solver=options.solver,
+                          formulation=options.formulation, start_tiers=start)
+
+    return Replanner(planned.cost, planned.plan, solve, optimizer_mode=job.optim.optimizer_mode)
+
+
+def replace_plan(planned: Planned, plan: Plan, cost: CostModel, optimizer_mode: str) -> Planned:
+    """The running plan after a switch, judged on the re-calibrated cost model."""
+    sim = _simulate(plan, cost, optimizer_mode)
+    serial_s = sim.step_s if optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
+    return replace(planned, plan=plan.with_prediction(sim.to_prediction()), cost=cost, sim=sim,
+                   how=f"re-planned ({plan.report.planner})", serial_step_s=serial_s)
 
 
 def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str) -> SimResult:

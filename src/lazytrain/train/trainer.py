@@ -53,14 +53,15 @@ from lazytrain.train.optimizer import (
     optimizer_step,
     set_lr,
 )
-from lazytrain.train.planning import Planned, make_plan
+from lazytrain.train.planning import Planned, make_plan, replace_plan, replanner_for
 from lazytrain.train.signals import Interrupted, StopSignals
 from lazytrain.units import format_bytes
+from lazytrain.viz import write_trace
 
 # Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
 # never ignored.
 NOT_YET = ("dataset_format", "template", "train_on_prompt", "packing", "val_size", "eval_dataset", "hardware",
-           "cpu_mem_bytes", "replan", "num_train_epochs", "world_size")
+           "cpu_mem_bytes", "num_train_epochs", "world_size")
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), each (B, T) int64 on the host
 
@@ -207,6 +208,7 @@ class Trainer:
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
         self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
         self.resumed = False
+        self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan else None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -272,6 +274,9 @@ class Trainer:
                 stalls[lane] = stalls.get(lane, 0.0) + seconds
             peak = max(peak, ex.last_step.peak_device_bytes)
         grad_norm = ex.last_step.grad_norm  # the norm the executor took as the gradients landed
+        if step == min(1, self.job.optim.max_steps - 1):  # one measured step (after a warm-up) beside its prediction
+            write_trace(ex.last_step.timeline, self.out / "step_trace_measured.json", process="measured step")
+            write_trace(self.planned.sim.events, self.out / "step_trace_predicted.json", process="predicted step")
 
         # ---- optimizer: skip a non-finite step (no parameter, state or schedule change) --------------------
         t_opt = time.perf_counter()
@@ -298,6 +303,12 @@ class Trainer:
             "step_s": step_s, "predicted_step_s": self.predicted_s, "optimizer_s": time.perf_counter() - t_opt,
             "stall_s": stalls, "peak_device_bytes": peak, "skipped": where,
         }
+        if self.replanner is not None and (plan := self.replanner.observe(ex.last_step)) is not None:
+            ex.set_plan(plan)  # from the next step on
+            self.planned = replace_plan(self.planned, plan, self.replanner.cost, job.optim.optimizer_mode)
+            self.predicted_s = self.planned.predicted_step_s(accum)
+            row["replan"] = self.replanner.switches[-1].message()
+            say(row["replan"])
         if job.metrics.eval_steps and (step + 1) % job.metrics.eval_steps == 0 and self.eval_set:
             row["eval_loss"] = self.evaluate()
         if step % job.metrics.logging_steps == 0 or where is not None or "eval_loss" in row:
