@@ -14,11 +14,13 @@ and cost building included); `--json` is checked before any work.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lazytrain.config import RULES, JobConfig, add_job_arguments, job_config_from_args
 from lazytrain.errors import LazyTrainError
 from lazytrain.jsonio import check_writable
+from lazytrain.plan.milp import instance_from_cost
 from lazytrain.plan.planner import (
     Deadline,
     admitted,
@@ -30,7 +32,7 @@ from lazytrain.plan.planner import (
     resolve_batch,
     resolve_hardware,
 )
-from lazytrain.plan.rules import make_rule_plan
+from lazytrain.plan.rules import make_rule_plan, milp_step_s
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.units import format_bytes
 
@@ -79,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
         cost = cost_model(job, spec, hardware, job.data.per_device_train_batch_size)
         admission, budgets = admitted(cost, default_budgets(job.plan, cost))
         plan = make_plan(job.plan, cost, budgets, deadline=deadline)
-    own = _print_plan(job, cost, admission, plan)
+    own, milp_s = _print_plan(job, cost, admission, plan)
     if args.json:
-        plan.with_prediction(own.to_prediction()).save(args.json)
+        plan.with_prediction(replace(own.to_prediction(), milp_step_s=milp_s)).save(args.json)
         print(f"plan written to {args.json}")
     if args.trace:
         from lazytrain.viz import write_trace
@@ -120,7 +122,7 @@ def _prediction_rows(job: JobConfig, cost: CostModel, plan: Plan) -> tuple[list[
     return rows, own
 
 
-def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan) -> SimResult:
+def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan) -> tuple[SimResult, float]:
     spec, hw, wl = cost.spec, cost.hardware, cost.workload
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}), optimizer {job.optim.optimizer}")
@@ -143,6 +145,9 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
         print(f"rule: {r.planner}{' K=' + str(r.options['interval']) if 'interval' in r.options else ''}, "
               f"MILP objective of its tiers {r.objective * 1e3:.2f} ms")
     rows, own = _prediction_rows(job, cost, plan)
+    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission), cost, optimizer_mode=job.optim.optimizer_mode)
+    print(f"step: MILP objective + constant {milp_s:.3f} s, simulated {own.step_s:.3f} s "
+          f"({100 * (milp_s - own.step_s) / own.step_s:+.2f}%)")
     print("prediction (simulator):")
     print(f"  {'plan':<16} {'optimizer':<9} {'step s':>8} {'TFLOPS':>7} {'tok/s':>8} {'peak gpu':>10}  exposed")
     for name, mode, res in rows:
@@ -150,4 +155,4 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
         over = "  OVER THE GPU CAP" if res.peak_bytes["gpu"] > admission.gpu_mem_cap_bytes else ""
         print(f"  {name:<16} {mode:<9} {res.step_s:>8.3f} {res.tflops:>7.1f} {res.tokens_per_s:>8.0f} "
               f"{format_bytes(res.peak_bytes['gpu']):>10}  {exposed}{over}")
-    return own
+    return own, milp_s

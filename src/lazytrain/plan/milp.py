@@ -12,7 +12,9 @@ Index sets
 
 Windows (where a transfer may overlap compute):
     Offload links (d2h, nvme_write) use FORWARD windows: window w < L is the forward of layer w, window L the
-    loss head. Boundary i exists once layer i-1 has run, so its offload may use windows w >= i.
+    loss head. Boundary i exists once layer i-1 has run. Its d2h uses window i only: the step program frees
+    boundary i's device copy once layer i has read it, after waiting for the d2h (so what does not fit in
+    window i is exposed, and the memory rows need not hold i longer); its nvme_write may use windows w >= i.
     Reload links (h2d, nvme_read) use BACKWARD windows: window w < L is the backward of layer w (its recompute
     forward, when boundary w+1 is recomputed, plus its autograd forward+backward), window L the loss head.
     The runtime issues the reload of boundary i (the start of segment (i, e)) when the backward of the segment
@@ -328,7 +330,8 @@ class _Formulation:
             self._fix_tiers()
         offloadable = range(1, L)
         use_nvme = nvme_ub > 0
-        self.d = {(i, w): m.var(f"d[{i},{w}]") for i in offloadable for w in self.offload_windows(i)}
+        # d2h of boundary i only in window i: the runtime frees i's device copy after layer i, waiting for its d2h
+        self.d = {(i, i): m.var(f"d[{i},{i}]") for i in offloadable}
         self.h = {} if self.per_segment else {(i, w): m.var(f"h[{i},{w}]") for i in offloadable
                                               for w in self.reload_windows(i)}
         nvme_movers = offloadable if use_nvme else range(0)
@@ -804,7 +807,8 @@ def _read_solution(form: _Formulation, values: list[float]) -> tuple[tuple[str, 
 def fifo_transfers(tiers: Sequence[str], inst: PlanningInstance) -> tuple[Transfer, ...]:
     """Window assignments in the runtime's order: each link is FIFO and issues a copy as soon as it can.
 
-    Offloads fill forward windows w >= i from the earliest; reloads fill the windows of the segment after
+    A d2h is in window i (the step program waits for it there); nvme writes fill forward windows w >= i from
+    the earliest; reloads fill the windows of the segment after
     (s, e) in the order the backward runs them (layer e2-1 first), or the loss head. For fixed tiers this
     hides as many bytes as the MILP's optimal d/h/q/r (a byte offloaded now stays eligible later; each
     backward window serves one reload), so it is an optimal assignment; bytes that cannot hide are put in
@@ -852,7 +856,7 @@ def fifo_transfers(tiers: Sequence[str], inst: PlanningInstance) -> tuple[Transf
 
     offloaded = [i for i, t in enumerate(tiers) if t in ("cpu", "nvme")]
     nvme = [i for i, t in enumerate(tiers) if t == "nvme"]
-    forward("d2h", inst.d2h_bytes_per_s, [0.0] * L + [inst.head_param_bytes], offloaded)
+    out.extend(Transfer(boundary=i, window=i, link="d2h", num_bytes=int(round(A[i]))) for i in offloaded)
     forward("nvme_write", inst.nvme_write_bytes_per_s, [0.0] * (L + 1), nvme)
     backward("h2d", inst.h2d_bytes_per_s, True, set(offloaded))
     backward("nvme_read", inst.nvme_read_bytes_per_s, False, set(nvme))

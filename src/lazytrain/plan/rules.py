@@ -15,6 +15,8 @@ from typing import Any
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.milp import PlanningInstance, baseline_exposure_s
 from lazytrain.plan.plan import Plan, SolveReport, spec_of
+from lazytrain.plan.sim import simulate
+from lazytrain.spec.cost import CostModel
 from lazytrain.spec.workload import Workload
 from lazytrain.units import format_bytes
 
@@ -123,7 +125,7 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
     if math.isfinite(inst.d2h_bytes_per_s):
         mandatory = [0.0] * L + [inst.head_param_bytes]
         slack = [inst.d2h_bytes_per_s * windows[w] - mandatory[w] for w in range(L + 1)]
-        exposed_bytes["d2h"] = _forward_exposed(offload, slack)
+        exposed_bytes["d2h"] = sum(max(0.0, offload[w] - max(0.0, slack[w])) for w in range(L + 1))  # window i only
     if math.isfinite(inst.nvme_write_bytes_per_s):
         exposed_bytes["nvme_write"] = _forward_exposed(nvme, [inst.nvme_write_bytes_per_s * t for t in windows])
 
@@ -180,3 +182,15 @@ def evaluate_objective(plan_or_tiers: Plan | Sequence[str], inst: PlanningInstan
     if not result.feasible:
         raise LazyTrainError(f"the plan breaks the planner's constraints: {result.violations[0]}")
     return result.objective
+
+
+def milp_step_s(tiers: Sequence[str], inst: PlanningInstance, cost: CostModel, *, optimizer_mode: str = "overlap"
+                ) -> float:
+    """The MILP's step seconds of `tiers`: its objective plus the constant it leaves out, that constant taken once
+    from the simulator at the placement that adds nothing (every boundary on the device, which the simulator
+    times whatever the cap). Where the MILP models the step program exactly this equals the simulated step."""
+    L = inst.num_layers
+    keep_all = ("gpu",) * (L + 1)
+    constant = simulate(Plan(tiers=keep_all, model_fingerprint=cost.spec.fingerprint()), cost,
+                        optimizer_mode=optimizer_mode).step_s - evaluate_tiers(keep_all, inst).objective
+    return evaluate_tiers(tiers, inst).objective + constant

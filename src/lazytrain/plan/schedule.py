@@ -256,7 +256,9 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, transfe
         own = seg_index[i]
         h2d_point = point(h2d_windows.get(i, []), own)
         if tiers[i] == "nvme":
-            read_point = max(point(read_windows.get(i, []), own), h2d_point)
+            # staged: the read goes into the host buffer a segment before its h2d enters the FIFO h2d lane, so a
+            # read still in flight does not hold the weight prefetch queued behind the h2d
+            read_point = max(point(read_windows.get(i, []), own), min(h2d_point + 1, head_point))
             reloads_at.setdefault(read_point, []).append(("nvme_read", i))
         reloads_at.setdefault(h2d_point, []).append(("h2d", i))
 

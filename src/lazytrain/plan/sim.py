@@ -57,7 +57,8 @@ class SimResult:
 
     def to_prediction(self) -> Prediction:
         return Prediction(step_s=self.step_s, tflops=self.tflops, tokens_per_s=self.tokens_per_s,
-                          peak_bytes=dict(self.peak_bytes), exposed_s=dict(self.exposed_s))
+                          peak_bytes=dict(self.peak_bytes), exposed_s=dict(self.exposed_s),
+                          simulated_step_s=self.step_s)
 
     def summary(self) -> str:
         stalls = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.exposed_s.items() if v > 0) or "none"

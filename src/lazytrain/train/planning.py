@@ -14,8 +14,9 @@ from transformers import PreTrainedModel
 from lazytrain.config import COST_OPTIMIZER
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
-from lazytrain.plan.milp import solve_milp
+from lazytrain.plan.milp import instance_from_cost, solve_milp
 from lazytrain.plan.plan import Plan, spec_of
+from lazytrain.plan.rules import milp_step_s
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate
 from lazytrain.runtime.executor import Executor
@@ -71,7 +72,9 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str,
                                  strict_rules=job.plan.gpu_mem_cap_bytes is not None)
         how = planner.describe(plan)
     sim = _simulate(plan, cost, job.optim.optimizer_mode)
-    plan = plan.with_prediction(sim.to_prediction())
+    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets)), cost,
+                         optimizer_mode=job.optim.optimizer_mode)
+    plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
     serial_s = sim.step_s if job.optim.optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
     return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, serial_step_s=serial_s)
 
