@@ -239,3 +239,14 @@ def test_time_limit_bounds_the_whole_planning(tmp_path, capsys) -> None:
     else:
         assert code == 2 and captured.err.startswith("error: ") and captured.err.count("\n") == 1
         assert "time limit" in captured.err or "time_limit_s" in captured.err
+
+
+def test_device_cuda_without_a_gpu_needs_named_hardware(capsys) -> None:
+    from lazytrain.plan.planner import cuda_visible
+
+    if cuda_visible():
+        pytest.skip("checks the message shown without a GPU")
+    assert main(["plan", "--model", "tiny-llama", "--device", "cuda"]) == 2
+    assert "no CUDA GPU; name the hardware" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny-llama", "--device", "cuda", "--hardware", "h800"]) == 0
+    assert "hardware h800" in capsys.readouterr().out

@@ -76,7 +76,11 @@ def resolve_hardware(runtime: RuntimeConfig) -> HardwareSpec:
     default = RuntimeConfig()
     links = {k: getattr(runtime, k) for k in LINK_KEYS}
     if runtime.hardware == "auto":
-        hardware = cuda_hardware() if runtime.device != "cpu" and cuda_visible() else HardwareSpec.load("emulated")
+        on_cuda = runtime.device != "cpu" and cuda_visible()
+        if runtime.device == "cuda" and not on_cuda:
+            raise LazyTrainError("device cuda with hardware auto, but this machine has no CUDA GPU; name the "
+                                 "hardware to plan for (e.g. hardware=h800) or use device auto")
+        hardware = cuda_hardware() if on_cuda else HardwareSpec.load("emulated")
     else:
         hardware = HardwareSpec.load(runtime.hardware)
     if is_emulated(hardware):
