@@ -301,14 +301,20 @@ class MetricsConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """Room for data parallelism (one executor per GPU); a single process today."""
+    """Data parallelism: `torchrun --nproc_per_node N -m lazytrain train ...` runs one executor per rank."""
 
     world_size: int = 1
-    """Processes (GPUs) training together (>= 1)."""
+    """Ranks training together (>= 1); 1 = as many as the launcher (torchrun) started; another number must equal
+    torchrun's WORLD_SIZE."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl on CUDA devices, gloo on the emulated device."""
+    collective_timeout_s: float = 300.0
+    """Seconds any collective may wait for the other ranks before the run stops naming the missing rank (> 0)."""
 
     def __post_init__(self) -> None:
         _convert(self)
         _need(self.world_size >= 1, "world_size", self.world_size, "an integer >= 1")
+        _need(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "a number > 0")
 
 
 SECTIONS: dict[str, type] = {

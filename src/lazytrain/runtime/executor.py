@@ -151,6 +151,9 @@ class Executor:
         self.device = device if device is not None else EmulatedDevice()
         self.compute_dtype = compute_dtype
         self.optimizer_hook = optimizer_hook
+        # grad_hook(group_index, params): on the optimizer link when a group's gradient is complete on a step's
+        # final micro-batch, before its norm is taken and the optimizer hook runs (data parallelism sums it here).
+        self.grad_hook: OptimizerHook | None = None
         self.cost = cost
         self.head_chunk_tokens = head_chunk_tokens
         off_host = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
@@ -516,6 +519,8 @@ class _Step:
         """A part of group `index`'s gradient is in `.grad`; run the hook when the group is complete."""
         self.arrivals[index] += 1
         if self.arrivals[index] == parts and self.final_micro_batch:
+            if self.ex.grad_hook is not None:
+                self.ex.grad_hook(index, self.ex.param_groups()[index])
             grads = [p.grad for p in self.ex.param_groups()[index] if p.grad is not None]
             self.grad_sq_norm += float(per_tensor_sq_norms(grads).sum())  # before the hook may step and drop them
         if self.arrivals[index] == parts and self.run_hook:

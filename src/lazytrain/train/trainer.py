@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lazytrain.config import JobConfig
 from lazytrain.data import ByteTokenizer, TokenData
+from lazytrain.distributed import RankBatches, Ranks, attach_executor, init_ranks, launched_world_size, save_once
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import resolve_batch
@@ -61,7 +62,7 @@ from lazytrain.viz import write_trace
 # Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
 # never ignored.
 NOT_YET = ("dataset_format", "template", "train_on_prompt", "packing", "val_size", "eval_dataset", "hardware",
-           "cpu_mem_bytes", "num_train_epochs", "world_size")
+           "cpu_mem_bytes", "num_train_epochs")
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), each (B, T) int64 on the host
 
@@ -87,10 +88,21 @@ def train(job: JobConfig) -> TrainResult:
     job, note = resolve_batch(job)  # per_device_train_batch_size auto: the largest the planner admits
     if note:
         say(f"batch    {note}")
-    out = prepare_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
-                             overwrite=job.checkpoint.overwrite_output_dir,
-                             default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+    # Data parallelism (torchrun): None for one process. Rank 0 prepares the output directory; the others log
+    # under out/rank-<r>/ and never write a checkpoint.
+    ranks = init_ranks(backend=job.parallel.backend, timeout_s=job.parallel.collective_timeout_s,
+                       cuda=pick_device_kind(job.runtime.device) == "cuda")
+    out = Path()
+    if ranks is None or ranks.is_main:
+        out = prepare_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
+                                 overwrite=job.checkpoint.overwrite_output_dir,
+                                 default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+    if ranks is not None:
+        out = Path(ranks.broadcast_object(str(out) if ranks.is_main else None, "the output directory"))
     resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out)
+    if ranks is not None and not ranks.is_main:
+        out = out / f"rank-{ranks.rank}"
+        out.mkdir(exist_ok=True)
     if job.runtime.nvme_dir is not None:  # like the output dir: refused before anything is built
         check_nvme_dir(Path(job.runtime.nvme_dir))
     torch.manual_seed(job.runtime.seed)
@@ -105,7 +117,10 @@ def train(job: JobConfig) -> TrainResult:
         if job.metrics.eval_batches and len(data.val) >= seq_len:
             eval_set = data.fixed_batches(job.metrics.eval_batches, batch_size, seq_len, seed=job.runtime.seed + 1)
         probe_batch = data.fixed_batches(1, batch_size, seq_len, seed=job.runtime.seed + 2, split="train")[0]
-        batches = CorpusBatches(data, batch_size, seq_len, seed=job.runtime.seed)
+        world = 1 if ranks is None else ranks.world_size
+        batches: CorpusBatches | RankBatches = CorpusBatches(data, batch_size * world, seq_len, seed=job.runtime.seed)
+        if ranks is not None:  # this rank's rows of the global batch
+            batches = RankBatches(batches, ranks, batch_size)
 
         # ---- model ----------------------------------------------------------------------------------
         source = model_source(job, tokenizer.vocab_size)
@@ -139,7 +154,7 @@ def train(job: JobConfig) -> TrainResult:
             fit_device_cap(job, plan, executor, device)
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
-                              eval_set=eval_set, out=out, tokenizer=None)
+                              eval_set=eval_set, out=out, tokenizer=None, ranks=ranks)
             if resume_from is not None:
                 trainer.resume(resume_from)
             eval_before = trainer.evaluate()
@@ -167,12 +182,18 @@ def train(job: JobConfig) -> TrainResult:
         f"({median_step / predicted:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
     say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json{', loss.png' if plotted else ''}, {final.name}/) "
         f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the steps)")
+    if ranks is not None:
+        ranks.close()
     return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
 
 
 def check_job(job: JobConfig) -> None:
     """What this job refuses before touching anything (one line each)."""
     job.refuse(NOT_YET, "train")
+    launched = launched_world_size()
+    if job.parallel.world_size not in (1, launched):
+        raise LazyTrainError(f"world_size {job.parallel.world_size} but {launched} rank(s) were launched; start "
+                             f"the run with torchrun --nproc_per_node {job.parallel.world_size} -m lazytrain train ...")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
     if job.optim.optimizer_mode == "overlap" and job.optim.max_grad_norm > 0:
@@ -192,11 +213,12 @@ class Trainer:
     model: PreTrainedModel
     executor: Executor
     planned: Planned
-    batches: CorpusBatches
+    batches: CorpusBatches | RankBatches
     eval_set: list[Batch]
     out: Path
     tokenizer: PreTrainedTokenizerBase | None = None  # saved with every checkpoint
     state: TrainerState = field(default_factory=TrainerState)
+    ranks: Ranks | None = None  # data parallelism: the collectives (None: one process)
 
     def __post_init__(self) -> None:
         if self.job.optim.optimizer_mode == "overlap":  # per-layer updates from the executor's optimizer stream
@@ -209,6 +231,8 @@ class Trainer:
         self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
         self.resumed = False
         self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan else None
+        if self.ranks is not None:
+            attach_executor(self.ranks, self.executor)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -230,11 +254,15 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {_fmt(row['loss'])}  {row['tokens_per_s']:,.0f} tok/s  "
                                     f"step {row['step_s']:.2f} s (pred {self.predicted_s:.2f})")
-                if signals.received is not None:
+                stop = signals.received is not None
+                if self.ranks is not None:  # every rank stops after the same step, or none does
+                    stop = not self.ranks.agree(not stop, f"the stop check after step {self.state.step}")
+                if stop:
                     signals.deferred = False
                     path = self.save()
-                    name = "SIGINT" if signals.received == 2 else "SIGTERM"
-                    raise Interrupted(signals.received, f"{name} after step {self.state.step}: saved {path}; continue "
+                    signum = signals.received or 15  # a rank told by another rank stops as if sent SIGTERM
+                    name = "SIGINT" if signum == 2 else "SIGTERM"
+                    raise Interrupted(signum, f"{name} after step {self.state.step}: saved {path}; continue "
                                       "with resume_from_checkpoint=auto")
                 # no periodic save during a run of non-finite steps: the last good checkpoint stays the newest
                 if job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
@@ -255,6 +283,8 @@ class Trainer:
         # ---- fetch: every micro-batch of the step first; the loss is a mean over the step's tokens ----------
         micro = [self.batches.next() for _ in range(accum)]
         num_tokens = sum(count_tokens(labels) for _, labels in micro)
+        if self.ranks is not None:  # the loss is a mean over the global batch's tokens
+            num_tokens = int(self.ranks.all_reduce_sum([num_tokens], f"the token count of step {step}")[0])
 
         # ---- stream forward + backward per micro-batch ----------------------------------------------------
         overlap = isinstance(self.optimizer, OverlapStepper)
@@ -277,6 +307,8 @@ class Trainer:
         if step == min(1, self.job.optim.max_steps - 1):  # one measured step (after a warm-up) beside its prediction
             write_trace(ex.last_step.timeline, self.out / "step_trace_measured.json", process="measured step")
             write_trace(self.planned.sim.events, self.out / "step_trace_predicted.json", process="predicted step")
+        if self.ranks is not None:  # each rank's share of the global mean; the gradients were summed as they landed
+            loss = self.ranks.all_reduce_sum([loss], f"the loss of step {step}")[0]
 
         # ---- optimizer: skip a non-finite step (no parameter, state or schedule change) --------------------
         t_opt = time.perf_counter()
@@ -343,11 +375,13 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
-        path = save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
-                               optimizers=self.optimizers, data_state=self.batches.state_dict(),
-                               plan=self.planned.plan, tokenizer=self.tokenizer,
-                               save_total_limit=self.job.checkpoint.save_total_limit)
-        return path
+        def write() -> Path:
+            return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
+                                   optimizers=self.optimizers, data_state=self.batches.state_dict(),
+                                   plan=self.planned.plan, tokenizer=self.tokenizer,
+                                   save_total_limit=self.job.checkpoint.save_total_limit)
+
+        return write() if self.ranks is None else save_once(self.ranks, self.state.step, write)
 
     def resume(self, path: Path) -> None:
         self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,

@@ -1,0 +1,48 @@
+"""Each rank's share of the global batch, resumable: the same global batches as one process.
+
+One process with `per_device_train_batch_size x world_size` draws global batch k from the seeded order; here
+every rank draws the same global batch k from the same seeded order (the order costs nothing next to a step)
+and keeps its rows `rank * B : (rank + 1) * B`. So the ranks together see exactly the single process's batches,
+and the position in the order (the source's state) is the same on every rank: one state resumes them all.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from lazytrain.distributed.ranks import Ranks
+from lazytrain.errors import LazyTrainError
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), each (B, T) int64 on the host
+
+
+class BatchSource(Protocol):
+    def next(self) -> Batch: ...
+    def state_dict(self) -> dict[str, object]: ...
+    def load_state_dict(self, state: dict[str, object]) -> None: ...
+
+
+class RankBatches:
+    """Rows `rank * batch_size : (rank + 1) * batch_size` of every global batch of `source`."""
+
+    def __init__(self, source: BatchSource, ranks: Ranks, batch_size: int) -> None:
+        self.source = source
+        self.ranks = ranks
+        self.rows = slice(ranks.rank * batch_size, (ranks.rank + 1) * batch_size)
+
+    def next(self) -> Batch:
+        input_ids, labels = self.source.next()
+        return input_ids[self.rows].contiguous(), labels[self.rows].contiguous()
+
+    def state_dict(self) -> dict[str, object]:
+        return {**self.source.state_dict(), "world_size": self.ranks.world_size}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        saved = int(state.get("world_size", 1))  # type: ignore[call-overload]
+        if saved != self.ranks.world_size:
+            raise LazyTrainError(f"the checkpoint was written by a run of {saved} ranks and this run has "
+                                 f"{self.ranks.world_size}; resume with torchrun --nproc_per_node {saved} (the data "
+                                 "order and the global batch depend on the world size)")
+        self.source.load_state_dict({k: v for k, v in state.items() if k != "world_size"})

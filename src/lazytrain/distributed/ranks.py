@@ -1,0 +1,145 @@
+"""The ranks of a data-parallel run (torch.distributed), and every collective the trainer makes.
+
+`torchrun --nproc_per_node N -m lazytrain train ...` starts N processes with RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT in the environment; `init_ranks` joins them into one process group (nccl on CUDA,
+gloo on the emulated device) with a timeout on every collective. Without those variables, or with
+WORLD_SIZE 1, it returns None and the run is exactly the single-process one.
+
+Every collective goes through `Ranks._collective`: a failure (a peer that died closes its sockets at once; a
+peer that hangs trips the timeout) becomes one `RankLost` line naming the rank(s) that did not answer, found by
+asking the rendezvous store which ranks are still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazytrain.errors import LazyTrainError
+
+T = TypeVar("T")
+ALIVE_WAIT_S = 3.0  # how long the survivors of a failed collective wait for each other's roll call
+
+
+class RankLost(LazyTrainError):
+    """A collective failed: a rank died, hung past the timeout or left."""
+
+
+@dataclass
+class Ranks:
+    """This process's place in the run: its rank, the world, the node, and the collectives."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- collectives ------------------------------------------------------------------------------
+    def all_reduce_sum(self, values: list[float], what: str) -> list[float]:
+        """Sums of `values` over the ranks, in float64 (token counts and losses, exactly for ints < 2**53)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
+        return t.tolist()
+
+    def reduce_grads(self, name: str, params: list[nn.Parameter]) -> None:
+        """Sum one layer group's `.grad` over the ranks in place (one flat buffer, one all-reduce).
+
+        Each rank's gradient is d(its token losses / the global token count): the sum is the global batch's."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._collective(f"all_reduce of {name}'s gradients", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def barrier(self, what: str) -> None:
+        self._collective(what, lambda: dist.barrier())
+
+    def broadcast_object(self, obj: T, what: str) -> T:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+    def agree(self, ok: bool, what: str) -> bool:
+        """True when every rank says ok (a min over the ranks): one rank's refusal stops them all."""
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        return bool(t.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- faults -----------------------------------------------------------------------------------
+    def _collective(self, what: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except RuntimeError as err:  # DistBackendError, gloo's connection errors and timeouts are RuntimeErrors
+            lost = self.lost_ranks()
+            who = (f"rank {', '.join(map(str, lost))}" if lost else "a rank") + " lost"
+            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+            raise RankLost(f"{who} during {what} (rank {self.rank} of {self.world_size} stops; "
+                           f"{first}); resume from the last checkpoint with resume_from_checkpoint=auto") from None
+
+    def lost_ranks(self) -> list[int]:
+        """The ranks that do not answer a roll call on the rendezvous store within ALIVE_WAIT_S (every survivor
+        of a failed collective calls it); [] when the store itself is gone (it lived on the lost rank)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"lazytrain/alive/{self.rank}", "1")
+            keys = [f"lazytrain/alive/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + ALIVE_WAIT_S
+            while time.monotonic() < deadline:
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                if not missing:
+                    return []
+                time.sleep(0.1)
+            return missing
+        except (RuntimeError, ValueError):
+            return []
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE as a launcher (torchrun) set it; 1 when run directly."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_ranks(*, backend: str, timeout_s: float, cuda: bool) -> Ranks | None:
+    """Join the process group torchrun described in the environment; None for a single process."""
+    world = launched_world_size()
+    if world == 1:
+        return None
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise LazyTrainError("parallel backend nccl needs CUDA devices; use backend gloo (or auto) on the emulated "
+                             "device")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    try:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world)
+    except (RuntimeError, ValueError) as err:
+        raise LazyTrainError(f"rank {rank} could not join the {world} ranks of the run within {timeout_s:g} s "
+                             f"({str(err).strip().splitlines()[0][:160]}); check the torchrun flags") from None
+    return Ranks(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                 backend=backend, timeout_s=timeout_s)

@@ -1,0 +1,140 @@
+"""Data parallelism: `torchrun --nproc_per_node 2 -m lazytrain train` (gloo, the emulated device) equals one
+process with the same global batch, step by step (losses, gradient norms) and in the final parameters."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from lazytrain.config import load_job_config  # noqa: E402
+from lazytrain.distributed import RankBatches, Ranks  # noqa: E402
+from lazytrain.errors import LazyTrainError  # noqa: E402
+from lazytrain.train import train  # noqa: E402
+
+MODELS = ["tiny-llama", "tiny-qwen2"]
+# fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps. The ranks sum
+# rows in another order than one process (float noise ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from
+# blowing the noise of a near-zero gradient up to a full +-lr step (with 1e-8: single elements off by ~4e-6).
+JOB = dict(dataset="zen", cutoff_len=32, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5,
+           max_grad_norm=0.5, dtype="fp32", planner="megatrain", eval_batches=0, seed=0, progress=False,
+           learning_rate=1e-3, warmup_steps=1, adam_epsilon=1e-6)
+WORLD = 2
+
+
+def _yaml(path: Path, values: dict) -> Path:
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()))
+    return path
+
+
+def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(str(checkpoint / "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _torchrun(config: Path, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(WORLD), "-m", "lazytrain", "train", str(config), f"output_dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
+    """Both models' 2-rank runs, launched together (each is mostly interpreter start-up)."""
+    root = tmp_path_factory.mktemp("dp")
+    runs = {m: (_torchrun(_yaml(root / f"{m}.yaml", dict(JOB, model=m)), root / m), root / m) for m in MODELS}
+    for model, (proc, _) in runs.items():
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{model}: torchrun exited {proc.returncode}\n{output[-3000:]}"
+    return {m: out for m, (_, out) in runs.items()}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model):
+    one = train(load_job_config(dict(JOB, model=model, per_device_train_batch_size=JOB["per_device_train_batch_size"]
+                                     * WORLD, output_dir=str(tmp_path / "one"))))
+    two = two_rank_runs[model]
+    rows_one, rows_two = _rows(one.output_dir / "metrics.jsonl"), _rows(two / "metrics.jsonl")
+    assert [r["step"] for r in rows_two] == list(range(JOB["max_steps"]))
+    for a, b in zip(rows_one, rows_two, strict=True):
+        assert b["tokens"] == a["tokens"]  # the global token count, summed over the ranks
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)  # the global norm: clipping agrees
+        assert a["grad_norm"] > JOB["max_grad_norm"]  # so clipping really acted
+    expected, got = _params(one.output_dir / "checkpoint-5"), _params(two / "checkpoint-5")
+    assert got.keys() == expected.keys()
+    start = _params_at_init(model)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+        assert not torch.equal(value, start[name]) or "norm" in name  # training moved them
+    # one checkpoint writer: rank 1 logs under rank-1/ and writes no checkpoint
+    assert not list((two / "rank-1").glob("checkpoint-*"))
+    assert _rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
+
+
+def _params_at_init(model: str) -> dict[str, torch.Tensor]:
+    from lazytrain.train.build import build_model, model_source
+
+    job = load_job_config(dict(JOB, model=model))
+    torch.manual_seed(job.runtime.seed)
+    built = build_model(job, model_source(job, 256))
+    return {k: v.detach().clone() for k, v in built.state_dict().items()}
+
+
+def _ranks(rank: int, world: int) -> Ranks:
+    return Ranks(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo", timeout_s=1)
+
+
+class _Source:
+    def __init__(self, batch: int) -> None:
+        self.gen, self.batch, self.consumed = torch.Generator().manual_seed(5), batch, 0
+
+    def next(self):
+        self.consumed += 1
+        ids = torch.randint(0, 100, (self.batch, 7), generator=self.gen)
+        return ids, ids.roll(1, dims=1)
+
+    def state_dict(self):
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        for _ in range(state["consumed"] - self.consumed):
+            self.next()
+
+
+def test_rank_shards_make_up_the_global_batch_and_resume():
+    world, batch = 3, 2
+    shards = [RankBatches(_Source(batch * world), _ranks(r, world), batch) for r in range(world)]
+    reference = _Source(batch * world)
+    for _ in range(3):
+        ids, labels = reference.next()
+        parts = [s.next() for s in shards]
+        assert torch.equal(torch.cat([p[0] for p in parts]), ids)
+        assert torch.equal(torch.cat([p[1] for p in parts]), labels)
+    resumed = RankBatches(_Source(batch * world), _ranks(1, world), batch)
+    resumed.load_state_dict(shards[1].state_dict())
+    assert torch.equal(resumed.next()[0], shards[1].next()[0])
+    with pytest.raises(LazyTrainError, match="3 ranks and this run has 2"):
+        RankBatches(_Source(batch * 2), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict())
+
+
+def test_a_world_size_that_was_not_launched_is_refused(tmp_path):
+    with pytest.raises(LazyTrainError, match="torchrun --nproc_per_node 4"):
+        train(load_job_config(dict(JOB, model="tiny-llama", world_size=4, output_dir=str(tmp_path / "x"))))
