@@ -131,10 +131,76 @@ def test_rank_shards_make_up_the_global_batch_and_resume():
     resumed = RankBatches(_Source(batch * world), _ranks(1, world), batch)
     resumed.load_state_dict(shards[1].state_dict())
     assert torch.equal(resumed.next()[0], shards[1].next()[0])
-    with pytest.raises(LazyTrainError, match="3 ranks and this run has 2"):
+    with pytest.raises(LazyTrainError, match=r"3 rank\(s\) and this run has 2"):
         RankBatches(_Source(batch * 2), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict())
 
 
 def test_a_world_size_that_was_not_launched_is_refused(tmp_path):
     with pytest.raises(LazyTrainError, match="torchrun --nproc_per_node 4"):
         train(load_job_config(dict(JOB, model="tiny-llama", world_size=4, output_dir=str(tmp_path / "x"))))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_ranks(config: Path, out: Path, *extra: str) -> list[subprocess.Popen]:
+    """The ranks as torchrun would start them (its environment), without the agent in between: what a rank
+    does about a lost peer is its own doing."""
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "lazytrain", "train", str(config), f"output_dir={out}",
+                                       *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return procs
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes_exactly(tmp_path):
+    import signal
+    import time
+
+    # a constant schedule: the learning rate of a step does not depend on max_steps (the reference stops earlier)
+    job = dict(JOB, model="tiny-llama", lr_scheduler_type="constant")
+    config = _yaml(tmp_path / "job.yaml", dict(job, max_steps=100_000, save_steps=2, collective_timeout_s=30))
+    out = tmp_path / "run"
+    rank0, rank1 = _spawn_ranks(config, out)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-4").exists():  # training, with checkpoints behind it
+        assert rank0.poll() is None and rank1.poll() is None, rank0.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    rank1.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, err = rank0.communicate(timeout=90)
+    rank1.communicate()
+    assert time.monotonic() - killed_at < 60
+    assert rank0.returncode not in (0, None)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "rank 1 lost" in lines[0], err[-2000:]
+    # nothing half-written: every checkpoint is complete, no temporary one left behind
+    assert not list(out.glob(".tmp-*"))
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    last = saved[-1]
+    assert (out / f"checkpoint-{last}" / "trainer_state" / "manifest.json").exists()
+
+    # resume from the last checkpoint (both ranks), two more steps == one process that never stopped
+    procs = _spawn_ranks(config, out, "resume_from_checkpoint=auto", f"max_steps={last + 2}")
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    one = train(load_job_config(dict(job, max_steps=last + 2, output_dir=str(tmp_path / "one"),
+                                     per_device_train_batch_size=JOB["per_device_train_batch_size"] * WORLD)))
+    expected, got = _params(one.output_dir / f"checkpoint-{last + 2}"), _params(out / f"checkpoint-{last + 2}")
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+    # and a different world size is refused with one line
+    refused = subprocess.run([sys.executable, "-m", "lazytrain", "train", str(config), f"output_dir={out}",
+                              "resume_from_checkpoint=auto", f"max_steps={last + 4}"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "resume with torchrun --nproc_per_node 2" in refused.stderr

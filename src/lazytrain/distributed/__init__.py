@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from lazytrain.distributed.batches import RankBatches
+from lazytrain.distributed.batches import RankBatches, check_world_size
 from lazytrain.distributed.ranks import RankLost, Ranks, init_ranks, launched_world_size
 from lazytrain.runtime.executor import Executor
 
-__all__ = ["RankBatches", "RankLost", "Ranks", "attach_executor", "init_ranks", "launched_world_size", "save_once"]
+__all__ = ["RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size", "init_ranks",
+           "launched_world_size", "save_once"]
 
 
 def attach_executor(ranks: Ranks, executor: Executor) -> None:

@@ -40,9 +40,14 @@ class RankBatches:
         return {**self.source.state_dict(), "world_size": self.ranks.world_size}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        saved = int(state.get("world_size", 1))  # type: ignore[call-overload]
-        if saved != self.ranks.world_size:
-            raise LazyTrainError(f"the checkpoint was written by a run of {saved} ranks and this run has "
-                                 f"{self.ranks.world_size}; resume with torchrun --nproc_per_node {saved} (the data "
-                                 "order and the global batch depend on the world size)")
+        check_world_size(state, self.ranks.world_size)
         self.source.load_state_dict({k: v for k, v in state.items() if k != "world_size"})
+
+
+def check_world_size(data_state: dict[str, object], world_size: int) -> None:
+    """Refuse to resume a checkpoint of another world size (its data position counts other global batches)."""
+    saved = int(data_state.get("world_size", 1))  # type: ignore[call-overload]
+    if saved != world_size:
+        raise LazyTrainError(f"the checkpoint was written by a run of {saved} rank(s) and this run has {world_size}; "
+                             f"resume with torchrun --nproc_per_node {saved} (the data order and the global batch "
+                             "depend on the world size)")

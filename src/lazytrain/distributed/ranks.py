@@ -48,10 +48,16 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collective buffers live: nccl reduces CUDA tensors only (named by index: the optimizer lane's
+        thread has its own current device)."""
+        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
     # ---- collectives ------------------------------------------------------------------------------
     def all_reduce_sum(self, values: list[float], what: str) -> list[float]:
         """Sums of `values` over the ranks, in float64 (token counts and losses, exactly for ints < 2**53)."""
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
         self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
         return t.tolist()
 
@@ -62,11 +68,11 @@ class Ranks:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.comm_device)
         self._collective(f"all_reduce of {name}'s gradients", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))  # (back to the host with nccl)
             offset += g.numel()
 
     def barrier(self, what: str) -> None:
@@ -80,7 +86,7 @@ class Ranks:
 
     def agree(self, ok: bool, what: str) -> bool:
         """True when every rank says ok (a min over the ranks): one rank's refusal stops them all."""
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.comm_device)
         self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
         return bool(t.item())
 

@@ -20,7 +20,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lazytrain.config import JobConfig
 from lazytrain.data import ByteTokenizer, TokenData
-from lazytrain.distributed import RankBatches, Ranks, attach_executor, init_ranks, launched_world_size, save_once
+from lazytrain.distributed import (
+    RankBatches,
+    Ranks,
+    attach_executor,
+    check_world_size,
+    init_ranks,
+    launched_world_size,
+    save_once,
+)
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import resolve_batch
@@ -386,6 +394,8 @@ class Trainer:
     def resume(self, path: Path) -> None:
         self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
                                                  optimizers=self.optimizers)
+        if self.ranks is None:  # (RankBatches checks its own)
+            check_world_size(data_state, 1)
         self.batches.load_state_dict(data_state)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
         self.resumed = True
