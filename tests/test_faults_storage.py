@@ -287,3 +287,21 @@ def test_the_named_fallback_is_unlinked_at_once(tmp_path, monkeypatch):
     store.read(2, back)
     assert torch.equal(back, x)
     store.end_step()
+
+
+def test_default_spill_dirs_of_dead_processes_are_removed(tmp_path, monkeypatch):
+    """The default nvme_dir carries the pid: a run killed with SIGKILL leaves it, the next device removes it."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"lazytrain-nvme-{dead.pid}-x1y2"
+    live = tmp_path / f"lazytrain-nvme-{os.getppid()}-abcd"
+    for path in (stale, live):
+        path.mkdir()
+        (path / "leftover").write_bytes(b"x")
+    device = EmulatedDevice()
+    assert device.nvme_dir.parent == tmp_path and device.nvme_dir.name.startswith(f"lazytrain-nvme-{os.getpid()}-")
+    assert not stale.exists() and live.exists()
+    device.close()

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file
+from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file, spill_dir
 from lazytrain.units import format_bytes
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
@@ -166,7 +166,7 @@ class _ArenaDevice:
         self._sizes: dict[int, int] = {}  # id(tensor) -> bytes counted for it
         self.links = {name: _Link(name, _bytes_per_s(rates_gbps.get(name))) for name in LINKS}
         if nvme_dir is None:
-            self.nvme_dir = Path(tempfile.mkdtemp(prefix="lazytrain-nvme-"))
+            self.nvme_dir = spill_dir(Path(tempfile.gettempdir()))
             weakref.finalize(self, shutil.rmtree, str(self.nvme_dir), True)
         else:
             self.nvme_dir = Path(nvme_dir)

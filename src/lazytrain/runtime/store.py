@@ -18,6 +18,8 @@ import errno
 import os
 import re
 import secrets
+import shutil
+import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from lazytrain.errors import LazyTrainError
 ALIGN_BYTES = 4096
 SPILL_PREFIX = "lazytrain-"
 STALE_NAME = re.compile(r"^lazytrain-(\d+)-.*\.(spill|bin)$")  # pid in the name
+SPILL_DIR_PREFIX = "lazytrain-nvme-"
+STALE_DIR = re.compile(r"^lazytrain-nvme-(\d+)-\w+$")
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,16 @@ def clean_stale_spill_files(directory: Path) -> list[Path]:
         except OSError:
             pass  # another process cleaned it first, or the directory is read-only (refused elsewhere)
     return removed
+
+
+def spill_dir(parent: Path) -> Path:
+    """A new spill directory `lazytrain-nvme-<pid>-<random>` under `parent` (the default nvme_dir), after removing
+    those of processes that no longer exist: normal exit removes a device's own, SIGKILL cannot."""
+    for path in parent.glob(f"{SPILL_DIR_PREFIX}*"):
+        match = STALE_DIR.match(path.name)
+        if match is not None and path.is_dir() and not _process_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SPILL_DIR_PREFIX}{os.getpid()}-", dir=parent))
 
 
 def _process_alive(pid: int) -> bool:
