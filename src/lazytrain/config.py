@@ -78,9 +78,11 @@ class ModelConfig:
 class DataConfig:
     """What the model is trained on, and the shape of every batch."""
 
-    dataset: str = "stdlib"
-    """Training data: `stdlib` (docstrings of Python's standard library), `zen` (the Zen of Python) or a path
-    to a UTF-8 text file (later: json/jsonl/parquet/arrow SFT files, see `dataset_format`)."""
+    dataset: str = "math"
+    """Training data: `math` (the embedded MetaMathQA-like SFT set; with a built-in model shape, the default
+    job's model directory and BPE tokenizer), a json/jsonl/parquet/arrow SFT file (see `dataset_format`), or
+    byte-level text for the built-in shapes: `stdlib` (docstrings of Python's standard library), `zen` (the Zen
+    of Python) or a .txt file."""
     dataset_format: DatasetFormat = "auto"
     """How rows of an SFT file are read: auto (detected from the columns), alpaca, sharegpt, messages,
     prompt_completion or text."""
@@ -91,8 +93,9 @@ class DataConfig:
     cutoff_len: int = 256
     """Tokens per sequence (>= 2): examples are truncated to it and every batch row is exactly this long,
     since the plan and the device arena are sized for it."""
-    packing: bool = False
-    """Pack several short examples into one row (positions restart per example, no attention across them)."""
+    packing: bool = True
+    """Pack several short examples into one row (positions restart per example, no attention across them); false
+    = one example per row, right-padded with an attention mask."""
     val_size: float | None = None
     """Held-out fraction of the dataset in (0, 1); None = the dataset's own split."""
     eval_dataset: str | None = None

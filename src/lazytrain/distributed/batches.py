@@ -8,14 +8,12 @@ and the position in the order (the source's state) is the same on every rank: on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
-import torch
-
+from lazytrain.data.loader import Batch, count_loss_tokens
 from lazytrain.distributed.ranks import Ranks
 from lazytrain.errors import LazyTrainError
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), each (B, T) int64 on the host
 
 
 class BatchSource(Protocol):
@@ -33,8 +31,13 @@ class RankBatches:
         self.rows = slice(ranks.rank * batch_size, (ranks.rank + 1) * batch_size)
 
     def next(self) -> Batch:
-        input_ids, labels = self.source.next()
-        return input_ids[self.rows].contiguous(), labels[self.rows].contiguous()
+        batch = self.source.next()
+        rows = [None if t is None else t[self.rows].contiguous()
+                for t in (batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)]
+        input_ids, labels, attention_mask, position_ids = rows
+        return replace(batch, input_ids=input_ids, labels=labels, attention_mask=attention_mask,
+                       position_ids=position_ids, num_tokens=count_loss_tokens(labels),
+                       num_examples=input_ids.shape[0] if position_ids is None else int((position_ids == 0).sum()))
 
     def state_dict(self) -> dict[str, object]:
         return {**self.source.state_dict(), "world_size": self.ranks.world_size}

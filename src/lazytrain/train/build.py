@@ -130,11 +130,11 @@ def build_executor(model: PreTrainedModel, planned: Planned, device: Device, job
     return Executor(model, planned.plan, device, compute_dtype=dtype, cost=planned.cost)
 
 
-def fit_device_cap(job: JobConfig, plan: Plan, executor: Executor, device: Device) -> None:
+def fit_device_cap(job: JobConfig, plan: Plan, executor: Executor, device: Device, *, masked: bool = False) -> None:
     """Check the plan's device peak (the executor's own replay of its allocations) against the cap, before any
     step. A user's --gpu-mem-cap is a hard limit; the default cap is ours, so a plan that does not fit it (a
     rule, a loaded plan) gets an arena of its own peak instead, with a note."""
-    need = executor.predicted_peak_bytes(job.data.per_device_train_batch_size, job.data.cutoff_len)
+    need = executor.predicted_peak_bytes(job.data.per_device_train_batch_size, job.data.cutoff_len, masked=masked)
     if need <= device.capacity_bytes:
         return
     if job.plan.gpu_mem_cap_bytes is not None:

@@ -66,18 +66,27 @@ class TrainerState:
 # =====================================================================================================
 # the output directory
 # =====================================================================================================
-def prepare_output_dir(output_dir: str | None, *, resume: bool, overwrite: bool, default: Path) -> Path:
-    """Create and probe the output directory before anything is built. An existing non-empty one is refused
-    unless the run resumes from it or `overwrite_output_dir` is set; then a previous run's checkpoints and
-    files are removed (so `auto` can never pick a checkpoint of another run)."""
+def check_output_dir(output_dir: str | None, *, resume: bool, overwrite: bool, default: Path) -> Path:
+    """The output directory, checked before anything is read, built or written (nothing is written here): an
+    existing non-empty one is refused unless the run resumes from it or `overwrite_output_dir` is set, and one
+    that cannot be created or written is refused."""
     out = Path(output_dir) if output_dir else default
     if out.exists() and not out.is_dir():
         raise LazyTrainError(f"output_dir {out} is not a directory; pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not resume:
-        if not overwrite:
-            raise LazyTrainError(f"output_dir {out} already exists and is not empty; set resume_from_checkpoint "
-                                 "auto to continue its run, overwrite_output_dir true to replace it, or pick a new "
-                                 "output_dir")
+    if out.is_dir() and any(out.iterdir()) and not resume and not overwrite:
+        raise LazyTrainError(f"output_dir {out} already exists and is not empty; set resume_from_checkpoint auto to "
+                             "continue its run, overwrite_output_dir true to replace it, or pick a new output_dir")
+    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "Not a directory" if not existing.is_dir() else "Permission denied"
+        raise LazyTrainError(f"output_dir {out} is not writable ({why}: {existing}); pass a writable output_dir")
+    return out
+
+
+def make_output_dir(out: Path, *, overwrite: bool) -> None:
+    """Create the output directory; with `overwrite_output_dir` a previous run's checkpoints and files go first
+    (so `auto` can never pick a checkpoint of another run); other files stay."""
+    if overwrite and out.is_dir():
         for old in out.iterdir():
             if old.name.startswith((PREFIX, f".tmp-{PREFIX}")) and old.is_dir():
                 shutil.rmtree(old)
@@ -91,7 +100,6 @@ def prepare_output_dir(output_dir: str | None, *, resume: bool, overwrite: bool,
     except OSError as err:
         raise LazyTrainError(f"output_dir {out} is not writable ({err.strerror}); pass a writable output_dir"
                              ) from None
-    return out
 
 
 # =====================================================================================================

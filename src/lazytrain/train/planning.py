@@ -48,12 +48,12 @@ class Planned:
         return (grad_accum - 1) * (self.serial_step_s - self.cost.total_optimizer_s) + self.sim.step_s
 
 
-def make_plan(job: JobConfig, model: PreTrainedModel, kind: str,
-              probe_batch: tuple[torch.Tensor, torch.Tensor]) -> Planned:
+def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tuple[torch.Tensor, torch.Tensor],
+              *, masked: bool = False) -> Planned:
     """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule)."""
     spec = spec_of(model)
     workload = workload_of(job)
-    cost = calibrated_cost(job, model, kind, workload, probe_batch)
+    cost = calibrated_cost(job, model, kind, workload, probe_batch, masked=masked)
     defaults = planner.default_budgets(job.plan, cost)  # the same rule as `lazytrain plan`
     budgets = {k: v for k, v in defaults.to_dict().items() if k != "host_mem_bytes"}
     if budgets["gpu_mem_cap_bytes"] is None:  # a real device: its memory
@@ -80,7 +80,7 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str,
 
 
 def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: Workload,
-                    probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
+                    probe_batch: tuple[torch.Tensor, torch.Tensor], *, masked: bool = False) -> CostModel:
     """A CostModel whose compute and optimizer seconds are measured on the device the run uses.
 
     Four steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
@@ -88,7 +88,8 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     five steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
     afterwards); `lazytrain.runtime.calibrate` turns them into the CostModel. On CUDA the executor's
     per-layer timers see asynchronous launches, so there the FLOP estimate is scaled by the measured step
-    time instead. Link rates are the configured (emulated) ones.
+    time instead. Link rates are the configured (emulated) ones. `masked`: the run's batches carry an attention
+    mask or position ids, whose device bytes the cost model then counts.
     """
     hardware = build_hardware(job, kind)
     dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
@@ -100,7 +101,8 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
         steps.append(executor.last_step)
     probe_device.close()
-    constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len).constant_bytes  # + eager masks
+    # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
+    constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len, masked=masked).constant_bytes
 
     snapshot = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(job, model)

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from lazytrain.config import JobConfig
-from lazytrain.data import ByteTokenizer, TokenData
+from lazytrain.data.loader import Batch, Loader, step_num_tokens
+from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
     RankBatches,
     Ranks,
@@ -34,7 +36,6 @@ from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import resolve_batch
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor
-from lazytrain.runtime.hf import IGNORE_INDEX, shift_labels
 from lazytrain.train.build import (
     build_device,
     build_executor,
@@ -46,11 +47,13 @@ from lazytrain.train.build import (
 )
 from lazytrain.train.checkpoint import (
     TrainerState,
+    check_output_dir,
     load_checkpoint,
-    prepare_output_dir,
+    make_output_dir,
     resume_checkpoint,
     save_checkpoint,
 )
+from lazytrain.train.data import CorpusBatches, load_data
 from lazytrain.train.metrics import MetricsLog, plot_losses, say, write_json
 from lazytrain.train.optimizer import (
     NonFinitePolicy,
@@ -69,11 +72,8 @@ from lazytrain.viz import write_trace
 
 # Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
 # never ignored.
-NOT_YET = ("dataset_format", "template", "train_on_prompt", "packing", "val_size", "eval_dataset", "hardware",
-           "cpu_mem_bytes", "num_train_epochs")
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), each (B, T) int64 on the host
-
+EXACT_MATCH_NEW_TOKENS = 48  # a solution ("... so 7 + 5 = 12. The answer is 12.") is ~35 tokens
+NOT_YET = ("hardware", "cpu_mem_bytes", "num_train_epochs")
 
 @dataclass
 class TrainResult:
@@ -96,54 +96,50 @@ def train(job: JobConfig) -> TrainResult:
     job, note = resolve_batch(job)  # per_device_train_batch_size auto: the largest the planner admits
     if note:
         say(f"batch    {note}")
-    # Data parallelism (torchrun): None for one process. Rank 0 prepares the output directory; the others log
+    # Data parallelism (torchrun): None for one process. Rank 0 checks the output directory; the others log
     # under out/rank-<r>/ and never write a checkpoint.
     ranks = init_ranks(backend=job.parallel.backend, timeout_s=job.parallel.collective_timeout_s,
                        cuda=pick_device_kind(job.runtime.device) == "cuda")
     out = Path()
     if ranks is None or ranks.is_main:
-        out = prepare_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
-                                 overwrite=job.checkpoint.overwrite_output_dir,
-                                 default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+        out = check_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
+                               overwrite=job.checkpoint.overwrite_output_dir,
+                               default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
     if ranks is not None:
         out = Path(ranks.broadcast_object(str(out) if ranks.is_main else None, "the output directory"))
     resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out)
     if ranks is not None and not ranks.is_main:
-        out = out / f"rank-{ranks.rank}"
-        out.mkdir(exist_ok=True)
+        out = out / f"rank-{ranks.rank}"  # made beside rank 0's, once the data and the model are built
     if job.runtime.nvme_dir is not None:  # like the output dir: refused before anything is built
         check_nvme_dir(Path(job.runtime.nvme_dir))
     torch.manual_seed(job.runtime.seed)
-    batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
 
     with StopSignals() as signals:
         # ---- data -----------------------------------------------------------------------------------
-        tokenizer = ByteTokenizer()
-        data = TokenData.from_corpus(job.data.dataset, tokenizer)
-        data.check_fits(seq_len, "train")
-        eval_set: list[Batch] = []
-        if job.metrics.eval_batches and len(data.val) >= seq_len:
-            eval_set = data.fixed_batches(job.metrics.eval_batches, batch_size, seq_len, seed=job.runtime.seed + 1)
-        probe_batch = data.fixed_batches(1, batch_size, seq_len, seed=job.runtime.seed + 2, split="train")[0]
         world = 1 if ranks is None else ranks.world_size
-        batches: CorpusBatches | RankBatches = CorpusBatches(data, batch_size * world, seq_len, seed=job.runtime.seed)
+        data = load_data(job, world_size=world)  # the loader draws global batches of B x world rows
+        job = data.job  # dataset math: the model is the default job's directory
+        batches: Loader | CorpusBatches | RankBatches = data.batches
         if ranks is not None:  # this rank's rows of the global batch
-            batches = RankBatches(batches, ranks, batch_size)
+            batches = RankBatches(data.batches, ranks, job.data.per_device_train_batch_size)
 
         # ---- model ----------------------------------------------------------------------------------
-        source = model_source(job, tokenizer.vocab_size)
+        source = model_source(job, data.vocab_size)
         model = build_model(job, source)
         num_params = sum(p.numel() for p in model.parameters())
         init = f"weights from {source.directory}" if starts_from_weights(job, source) else "random init"
-        say(f"model    {model.config._name_or_path or job.model.model}: {num_params / 1e6:.1f} M params, "
-            f"{model.config.num_hidden_layers} layers, {init} (seed {job.runtime.seed}); corpus {job.data.dataset}: "
-            f"{len(data.train):,} train / {len(data.val):,} held-out tokens (bytes)")
+        say(f"model    {source.directory or source.name}: {num_params / 1e6:.1f} M params, "
+            f"{model.config.num_hidden_layers} layers, {init} (seed {job.runtime.seed})")
+        say(data.summary)
+        exact_before = exact_match(model, data.tokenizer, data.math_eval) if data.math_eval else None
+        if exact_before is not None:
+            say(f"eval     exact match on {len(data.math_eval)} held-out problems before training: {exact_before:.1%}")
 
         # ---- plan -----------------------------------------------------------------------------------
         if resume_from is not None and job.plan.plan_file is None:  # the plan the run was executing
             job = replace(job, plan=replace(job.plan, plan_file=str(resume_from / "trainer_state" / "plan.json")))
         kind = pick_device_kind(job.runtime.device)
-        planned = make_plan(job, model, kind, probe_batch)
+        planned = make_plan(job, model, kind, data.probe, masked=data.masked)
         plan = planned.plan
         say(f"budgets  gpu cap {format_bytes(planned.budgets['gpu_mem_cap_bytes'])}, cpu act "
             f"{format_bytes(planned.budgets['cpu_act_bytes'])}, nvme act "
@@ -152,6 +148,7 @@ def train(job: JobConfig) -> TrainResult:
         say(f"plan     {plan.placement_map()}   {_counts(plan)}   ({planned.how})")
         predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
         say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
+        make_output_dir(out, overwrite=job.checkpoint.overwrite_output_dir and resume_from is None)
         plan.save(out / "plan.json")
         write_json(out / "train_config.json", job.to_dict())
 
@@ -159,14 +156,14 @@ def train(job: JobConfig) -> TrainResult:
         device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
         try:
             executor = build_executor(model, planned, device, job)
-            fit_device_cap(job, plan, executor, device)
+            fit_device_cap(job, plan, executor, device, masked=data.masked)
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
-                              eval_set=eval_set, out=out, tokenizer=None, ranks=ranks)
+                              eval_set=data.eval_set, out=out, tokenizer=data.tokenizer, ranks=ranks)
             if resume_from is not None:
                 trainer.resume(resume_from)
             eval_before = trainer.evaluate()
-            if eval_set:
+            if data.eval_set:
                 say(f"eval     held-out loss {'at resume' if resume_from else 'before training'}: {eval_before:.4f}")
 
             # ---- loop -------------------------------------------------------------------------------
@@ -178,13 +175,22 @@ def train(job: JobConfig) -> TrainResult:
         # ---- close: final checkpoint, summary -------------------------------------------------------
         signals.deferred = False  # a signal now stops the save; the previous checkpoint stays intact
         final = trainer.save()
+    exact_after = None
+    if data.math_eval:  # greedy decoding of the exported checkpoint, loaded as any HF model is
+        hf_logging.disable_progress_bar()  # its loading bar is noise under the report
+        exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+        exact_after = exact_match(exported, AutoTokenizer.from_pretrained(final), data.math_eval)
     summary = trainer.summary(num_params=num_params, eval_before=eval_before, eval_after=eval_after,
                               total_run_s=time.perf_counter() - t_start)
+    summary.update(exact_match_before=exact_before, exact_match_after=exact_after)
     write_json(out / "summary.json", summary)
     plotted = plot_losses(out / "metrics.jsonl", out / "loss.png")
     say(f"loss     first {_fmt(summary['first_loss'])} -> last {_fmt(summary['last_loss'])}"
-        + (f"; held-out {eval_before:.4f} -> {eval_after:.4f}" if eval_set else "")
+        + (f"; held-out {eval_before:.4f} -> {eval_after:.4f}" if data.eval_set else "")
         + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
+    if exact_after is not None:
+        say(f"eval     exact match on {len(data.math_eval)} held-out problems: {exact_before:.1%} before -> "
+            f"{exact_after:.1%} after (greedy decoding of {final.name} through transformers)")
     median_step = summary["median_step_s"]
     say(f"time     median step {median_step:.3f} s measured vs {predicted:.3f} s predicted "
         f"({median_step / predicted:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
@@ -221,7 +227,7 @@ class Trainer:
     model: PreTrainedModel
     executor: Executor
     planned: Planned
-    batches: CorpusBatches | RankBatches
+    batches: Loader | CorpusBatches | RankBatches
     eval_set: list[Batch]
     out: Path
     tokenizer: PreTrainedTokenizerBase | None = None  # saved with every checkpoint
@@ -290,7 +296,7 @@ class Trainer:
 
         # ---- fetch: every micro-batch of the step first; the loss is a mean over the step's tokens ----------
         micro = [self.batches.next() for _ in range(accum)]
-        num_tokens = sum(count_tokens(labels) for _, labels in micro)
+        num_tokens = step_num_tokens(micro)
         if self.ranks is not None:  # the loss is a mean over the global batch's tokens
             num_tokens = int(self.ranks.all_reduce_sum([num_tokens], f"the token count of step {step}")[0])
 
@@ -299,14 +305,15 @@ class Trainer:
         if overlap:
             self.optimizer.begin_step()
         loss, stalls, peak = 0.0, {}, 0
-        for i, (input_ids, labels) in enumerate(micro):
+        for i, batch in enumerate(micro):
             last = i == accum - 1
             if overlap and last and not math.isfinite(loss):
                 self.optimizer.nonfinite_group = "loss"  # the hooks of the last micro-batch apply nothing
             # Host sync: returns when every gradient of this micro-batch is in p.grad (overlap mode, last
             # micro-batch: also every layer's update). With num_tokens = the step's count, the returns add up to
             # the step's true token mean and the gradients accumulate to its gradient.
-            loss += float(ex.forward_backward(input_ids, labels, num_tokens=num_tokens or None,
+            loss += float(ex.forward_backward(batch.input_ids, batch.labels, attention_mask=batch.attention_mask,
+                                              position_ids=batch.position_ids, num_tokens=num_tokens or None,
                                               run_optimizer_hook=last))
             for lane, seconds in ex.last_step.stall_s.items():
                 stalls[lane] = stalls.get(lane, 0.0) + seconds
@@ -376,8 +383,9 @@ class Trainer:
         if not self.eval_set:
             return math.nan
         loss_sum, count = 0.0, 0
-        for input_ids, labels in self.eval_set:
-            batch_sum, batch_count = self.executor.forward_loss(input_ids, labels)  # host sync
+        for batch in self.eval_set:
+            batch_sum, batch_count = self.executor.forward_loss(  # host sync
+                batch.input_ids, batch.labels, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
             loss_sum, count = loss_sum + batch_sum, count + batch_count
         return loss_sum / count if count else math.nan
 
@@ -424,31 +432,10 @@ class Trainer:
         }
 
 
-# =====================================================================================================
-# data (today's text corpus; the data lane's Loader takes its place)
-# =====================================================================================================
-class CorpusBatches:
-    """A text corpus as a resumable batch source: seeded random windows; its state is how many it gave."""
-
-    def __init__(self, data: TokenData, batch_size: int, seq_len: int, seed: int) -> None:
-        self._stream = data.batches(batch_size, seq_len, seed=seed)
-        self.consumed = 0
-
-    def next(self) -> Batch:
-        self.consumed += 1
-        return next(self._stream)
-
-    def state_dict(self) -> dict[str, object]:
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        for _ in range(int(state["consumed"]) - self.consumed):  # type: ignore[call-overload]
-            self.next()
-
-
-def count_tokens(labels: torch.Tensor) -> int:
-    """Non-ignored label tokens after the HF shift (position t predicts t+1): the loss's denominator."""
-    return int((shift_labels(labels) != IGNORE_INDEX).sum())
+def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]
+                ) -> float:
+    """Fraction of held-out math problems whose greedy answer ends in the right number."""
+    return exact_match_of(model, tokenizer, problems, max_new_tokens=EXACT_MATCH_NEW_TOKENS)
 
 
 def _counts(plan: Plan) -> str:

@@ -1,0 +1,133 @@
+"""The run's data: what `dataset` names, turned into the loader, the held-out batches and the tokenizer.
+
+- `math` (the default): the embedded MetaMathQA-like set. With a built-in shape (`small`, `debug`) the model is
+  the default job's: `lazytrain.data.default_job` makes (once, cached) an HF model directory with a BPE
+  tokenizer trained on the set (digits split, ChatML template) and a Llama config of that shape; the model
+  starts from a seeded random init. Exact match of the final number is measured on its held-out problems.
+- `stdlib`, `zen` or a `.txt` file: the byte-level corpus of the built-in shapes (random windows, loss on every
+  token), as before SFT data existed.
+- any other path: an SFT file (json/jsonl/parquet/arrow) in `dataset_format`, tokenized with the model
+  directory's tokenizer and its chat template (or `template`); loss on assistant turns only unless
+  `train_on_prompt`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from lazytrain.config import MODEL_PRESETS, JobConfig
+from lazytrain.data.corpus import CORPORA, ByteTokenizer, TokenData
+from lazytrain.data.default_job import prepare_default_job, read_jsonl
+from lazytrain.data.loader import Batch, Loader, count_loss_tokens, eval_batches
+from lazytrain.data.sft import Row, load_sft
+from lazytrain.data.tokenizer import load_tokenizer
+from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.weights import resolve_model
+
+MATH = "math"  # the embedded math SFT set
+MATH_EVAL_PROBLEMS = 100  # held-out problems exact match is measured on (greedy decoding of each)
+
+
+@dataclass
+class RunData:
+    job: JobConfig  # the job, its model pointed at the default job's directory when that is used
+    batches: Loader | CorpusBatches
+    eval_set: list[Batch]
+    probe: tuple[torch.Tensor, torch.Tensor]  # one (input_ids, labels) of the run's shape, for calibration
+    tokenizer: PreTrainedTokenizerBase | None  # None: the byte tokenizer of the built-in corpora
+    vocab_size: int
+    masked: bool  # batches carry an attention_mask or position_ids
+    summary: str
+    math_eval: list[Row]  # held-out problems for exact match (empty unless dataset is math)
+
+
+def load_data(job: JobConfig, world_size: int = 1) -> RunData:
+    """world_size: data parallelism; the training batches are global ones of B x world_size rows (each rank
+    keeps its own rows), the held-out and probe batches stay per device."""
+    dataset, seed = job.data.dataset, job.runtime.seed
+    batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
+    if dataset in CORPORA or dataset.endswith(".txt"):
+        return _corpus_data(job, world_size)
+    math_eval: list[Row] = []
+    if dataset == MATH:
+        if job.model.model not in MODEL_PRESETS:
+            raise LazyTrainError(f"dataset math with model {job.model.model}: the embedded math set comes with its "
+                                 f"own tokenizer and model shapes ({', '.join(MODEL_PRESETS)}); give a dataset file "
+                                 "for your model")
+        prepared = prepare_default_job(_cache_dir() / f"default-job-{job.model.model}",
+                                       shapes=MODEL_PRESETS[job.model.model],
+                                       max_position_embeddings=max(1024, seq_len))
+        job = replace(job, model=replace(job.model, model=str(prepared.model_dir), init="random"),
+                      data=replace(job.data, dataset=str(prepared.train_file), eval_dataset=str(prepared.eval_file)))
+        math_eval = read_jsonl(prepared.eval_file)[:MATH_EVAL_PROBLEMS]
+    elif job.model.model in MODEL_PRESETS:
+        raise LazyTrainError(f"dataset {dataset}: model {job.model.model} is a built-in shape with the byte tokenizer "
+                             "only; give a model directory with its tokenizer (or dataset math, stdlib or zen)")
+    source = resolve_model(job.model.model)
+    if source.directory is None:
+        raise LazyTrainError(f"model {job.model.model}: an SFT dataset needs a model directory with its tokenizer")
+    tokenizer = load_tokenizer(source.directory)
+    d = job.data
+    sft = load_sft(d.dataset, tokenizer, dataset_format=d.dataset_format, template=d.template,
+                   train_on_prompt=d.train_on_prompt, cutoff_len=seq_len, val_size=d.val_size,
+                   eval_dataset=d.eval_dataset, seed=seed)
+    loader = Loader(sft.examples, batch_size=batch_size * world_size, seq_len=seq_len, packing=d.packing,
+                    pad_token_id=tokenizer.pad_token_id, seed=seed)
+    eval_set = eval_batches(sft.val, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
+                            pad_token_id=tokenizer.pad_token_id)[:job.metrics.eval_batches]
+    probe = Loader(sft.examples, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
+                   pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
+    return RunData(job=job, batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
+                   tokenizer=tokenizer, vocab_size=len(tokenizer), masked=True,
+                   summary=f"dataset  {dataset} ({sft.summary()})", math_eval=math_eval)
+
+
+def _corpus_data(job: JobConfig, world_size: int) -> RunData:
+    seed, batch_size, seq_len = job.runtime.seed, job.data.per_device_train_batch_size, job.data.cutoff_len
+    tokenizer = ByteTokenizer()
+    data = TokenData.from_corpus(job.data.dataset, tokenizer)
+    data.check_fits(seq_len, "train")
+    eval_set = []
+    if job.metrics.eval_batches and len(data.val) >= seq_len:
+        fixed = data.fixed_batches(job.metrics.eval_batches, batch_size, seq_len, seed=seed + 1)
+        eval_set = [_batch(*b) for b in fixed]
+    probe = data.fixed_batches(1, batch_size, seq_len, seed=seed + 2, split="train")[0]
+    return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=seed), eval_set=eval_set,
+                   probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size, masked=False,
+                   summary=f"corpus   {job.data.dataset}: {len(data.train):,} train / {len(data.val):,} held-out "
+                           "tokens (bytes)", math_eval=[])
+
+
+def _cache_dir() -> Path:
+    """Where the default job's model directory and data files are made once: $LAZYTRAIN_CACHE, else
+    ~/.cache/lazytrain."""
+    return Path(os.environ.get("LAZYTRAIN_CACHE", "~/.cache/lazytrain")).expanduser()
+
+
+class CorpusBatches:
+    """A text corpus as a resumable batch source: seeded random windows; its state is how many it gave."""
+
+    def __init__(self, data: TokenData, batch_size: int, seq_len: int, seed: int) -> None:
+        self._stream = data.batches(batch_size, seq_len, seed=seed)
+        self.consumed = 0
+
+    def next(self) -> Batch:
+        self.consumed += 1
+        return _batch(*next(self._stream))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for _ in range(state["consumed"] - self.consumed):
+            self.next()
+
+
+def _batch(input_ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+    return Batch(input_ids=input_ids, labels=labels, attention_mask=None, position_ids=None,
+                 num_tokens=count_loss_tokens(labels), num_examples=input_ids.shape[0])
