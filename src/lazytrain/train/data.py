@@ -30,7 +30,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.weights import resolve_model
 
 MATH = "math"  # the embedded math SFT set
-MATH_EVAL_PROBLEMS = 100  # held-out problems exact match is measured on (greedy decoding of each)
+MATH_EVAL_PROBLEMS = 64  # held-out problems exact match is measured on (greedy decoding of each)
 
 
 @dataclass

@@ -72,7 +72,7 @@ from lazytrain.viz import write_trace
 
 # Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
 # never ignored.
-EXACT_MATCH_NEW_TOKENS = 48  # a solution ("... so 7 + 5 = 12. The answer is 12.") is ~35 tokens
+EXACT_MATCH_NEW_TOKENS = 40  # a solution ("... so 7 + 5 = 12. The answer is 12.") is ~35 tokens
 NOT_YET = ("hardware", "cpu_mem_bytes", "num_train_epochs")
 
 @dataclass
@@ -435,7 +435,14 @@ class Trainer:
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]
                 ) -> float:
     """Fraction of held-out math problems whose greedy answer ends in the right number."""
-    return exact_match_of(model, tokenizer, problems, max_new_tokens=EXACT_MATCH_NEW_TOKENS)
+    # The training model has its KV cache off (config.use_cache, also saved in checkpoints); decoding without
+    # it recomputes the whole prefix for every new token.
+    saved = model.config.use_cache, model.generation_config.use_cache
+    model.config.use_cache = model.generation_config.use_cache = True
+    try:
+        return exact_match_of(model, tokenizer, problems, max_new_tokens=EXACT_MATCH_NEW_TOKENS)
+    finally:
+        model.config.use_cache, model.generation_config.use_cache = saved
 
 
 def _counts(plan: Plan) -> str:
