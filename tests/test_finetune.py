@@ -130,3 +130,19 @@ def test_bad_inputs_are_one_line_exit_2_and_leave_the_output_dir_untouched(tmp_p
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "keep.txt").write_text("mine")
     _refused(tmp_path, capsys, [cfg(model=str(model_dir), dataset=str(good))], "not empty")
+
+
+@pytest.mark.slow  # exact match decodes 64 problems twice: ~1 min on 2 idle cores
+def test_the_default_job_pipeline_on_the_debug_shape(tmp_path, monkeypatch, capsys):
+    """dataset math: a model directory with a trained tokenizer, SFT on the math set, exact match before and after
+    from the exported checkpoint, which loads with its tokenizer and chat template."""
+    monkeypatch.setenv("LAZYTRAIN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["train", "--model", "debug", "--steps", "3", "--eval-batches", "1", "--no-progress",
+                 "--output-dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0 <= summary["exact_match_before"] <= 1 and 0 <= summary["exact_match_after"] <= 1
+    assert "exact match on 64 held-out problems" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "checkpoint-3")
+    assert "<|im_start|>" in tokenizer.apply_chat_template([{"role": "user", "content": "1 + 2?"}], tokenize=False)
+    assert tokenizer.tokenize("123") == ["1", "2", "3"]  # digits split

@@ -97,7 +97,7 @@ def test_a_checkpoint_as_model_continues_from_its_weights(tmp_path, capsys):
     (["--nvme-dir", "/nonexistent/nvme"], "/nonexistent/nvme"),
     (["--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json"),
     (["--optimizer-mode", "overlap"], "max_grad_norm 0"),
-    (["packing=true"], "packing"),
+    (["num_train_epochs=2"], "num_train_epochs"),
     (["learning_rat=1e-3"], "did you mean 'learning_rate'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, needle):

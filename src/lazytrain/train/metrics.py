@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from lazytrain.errors import LazyTrainError
 from lazytrain.jsonio import Json, dumps
 
 if TYPE_CHECKING:
@@ -70,8 +71,6 @@ class MetricsLog:
 
 
 def _summary_writer(log_dir: Path) -> SummaryWriter:
-    from lazytrain.errors import LazyTrainError
-
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional

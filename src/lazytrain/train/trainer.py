@@ -440,7 +440,7 @@ def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prob
     saved = model.config.use_cache, model.generation_config.use_cache
     model.config.use_cache = model.generation_config.use_cache = True
     try:
-        return exact_match_of(model, tokenizer, problems, max_new_tokens=EXACT_MATCH_NEW_TOKENS)
+        return exact_match_of(model, tokenizer, problems)
     finally:
         model.config.use_cache, model.generation_config.use_cache = saved
 
