@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from lazytrain.config import load_job_config  # noqa: E402
+from lazytrain.data.loader import Example, Loader  # noqa: E402
 from lazytrain.distributed import RankBatches, Ranks  # noqa: E402
 from lazytrain.errors import LazyTrainError  # noqa: E402
 from lazytrain.train import train  # noqa: E402
@@ -102,37 +103,35 @@ def _ranks(rank: int, world: int) -> Ranks:
     return Ranks(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo", timeout_s=1)
 
 
-class _Source:
-    def __init__(self, batch: int) -> None:
-        self.gen, self.batch, self.consumed = torch.Generator().manual_seed(5), batch, 0
-
-    def next(self):
-        self.consumed += 1
-        ids = torch.randint(0, 100, (self.batch, 7), generator=self.gen)
-        return ids, ids.roll(1, dims=1)
-
-    def state_dict(self):
-        return {"consumed": self.consumed}
-
-    def load_state_dict(self, state):
-        for _ in range(state["consumed"] - self.consumed):
-            self.next()
+def _source(rows: int, packing: bool) -> Loader:
+    """A real loader over random examples of random lengths (packed: position_ids; padded: attention_mask)."""
+    gen = torch.Generator().manual_seed(5)
+    examples = []
+    for _ in range(40):
+        ids = torch.randint(0, 100, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen).tolist()
+        examples.append(Example(input_ids=ids, labels=[-100] + ids[1:]))
+    return Loader(examples, batch_size=rows, seq_len=8, packing=packing, pad_token_id=0, seed=3)
 
 
-def test_rank_shards_make_up_the_global_batch_and_resume():
+@pytest.mark.parametrize("packing", [True, False])
+def test_rank_shards_make_up_the_global_batch_and_resume(packing):
     world, batch = 3, 2
-    shards = [RankBatches(_Source(batch * world), _ranks(r, world), batch) for r in range(world)]
-    reference = _Source(batch * world)
+    shards = [RankBatches(_source(batch * world, packing), _ranks(r, world), batch) for r in range(world)]
+    reference = _source(batch * world, packing)
     for _ in range(3):
-        ids, labels = reference.next()
+        whole = reference.next()
         parts = [s.next() for s in shards]
-        assert torch.equal(torch.cat([p[0] for p in parts]), ids)
-        assert torch.equal(torch.cat([p[1] for p in parts]), labels)
-    resumed = RankBatches(_Source(batch * world), _ranks(1, world), batch)
+        for name in ("input_ids", "labels", "attention_mask", "position_ids"):
+            if getattr(whole, name) is None:
+                assert all(getattr(p, name) is None for p in parts)
+            else:
+                assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name))
+        assert sum(p.num_tokens for p in parts) == whole.num_tokens
+    resumed = RankBatches(_source(batch * world, packing), _ranks(1, world), batch)
     resumed.load_state_dict(shards[1].state_dict())
-    assert torch.equal(resumed.next()[0], shards[1].next()[0])
+    assert torch.equal(resumed.next().input_ids, shards[1].next().input_ids)
     with pytest.raises(LazyTrainError, match=r"3 rank\(s\) and this run has 2"):
-        RankBatches(_Source(batch * 2), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict())
+        RankBatches(_source(batch * 2, packing), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict())
 
 
 def test_a_world_size_that_was_not_launched_is_refused(tmp_path):
