@@ -48,7 +48,7 @@ def test_bad_config_is_one_line_and_exit_2(command: str, tmp_path) -> None:
 
 def test_train_refuses_a_key_it_does_not_act_on_yet(tmp_path) -> None:
     out = tmp_path / "run"
-    done = _run("train", "--model", "debug", "num_train_epochs=2", f"output_dir={out}")
+    done = _run("train", "--model", "debug", "hardware=h800", f"output_dir={out}")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
-    assert "num_train_epochs = 2.0: not supported by `lazytrain train` yet" in done.stderr
+    assert "hardware = 'h800': not supported by `lazytrain train` yet" in done.stderr
     assert not out.exists()

@@ -156,3 +156,25 @@ def test_bad_inputs_are_one_line_errors():
         loader.load_state_dict({"epoch": 0, "position": 1, "seed": 1, "num_examples": 5})
     with pytest.raises(LazyTrainError, match="labels"):
         Example([1, 2], [1])
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("epochs", [0.3, 1.0, 2.5])
+def test_num_train_epochs_become_the_steps_that_cover_them(packing, epochs):
+    from lazytrain.config import load_job_config
+    from lazytrain.train.trainer import steps_for_epochs
+
+    gen = torch.Generator().manual_seed(11)
+    examples = []
+    for _ in range(37):
+        ids = torch.randint(0, 50, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()
+        examples.append(Example(input_ids=ids, labels=[-100] + ids[1:]))
+    loader = Loader(examples, batch_size=3, seq_len=12, packing=packing, pad_token_id=0, seed=4)
+    job = load_job_config(dict(num_train_epochs=epochs, gradient_accumulation_steps=2, max_steps=999))
+    steps = steps_for_epochs(job, loader).optim.max_steps
+    progress = []
+    for _ in range(steps * 2):
+        loader.next()
+        progress.append(loader.epoch + loader.position / len(examples))
+    assert progress[-1] >= epochs  # the steps cover the epochs ...
+    assert steps == 1 or progress[(steps - 1) * 2 - 1] < epochs  # ... and one step fewer would not

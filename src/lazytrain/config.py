@@ -228,7 +228,8 @@ class OptimConfig:
     max_steps: int = 120
     """Optimizer steps to run (>= 1)."""
     num_train_epochs: float | None = None
-    """Passes over the training data (> 0); None = max_steps decides."""
+    """Passes over the training data (> 0, fractions allowed) of an SFT dataset; when set it decides the number of
+    optimizer steps and replaces max_steps. None = max_steps decides."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (>= 1)."""
     max_nonfinite_steps: int = 3

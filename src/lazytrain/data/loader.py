@@ -137,6 +137,11 @@ class Loader:
             self._order = self._permutation(self.epoch)
 
     def next(self) -> Batch:
+        rows = self._next_rows()
+        return _rows_to_batch(rows, seq_len=self.seq_len, packing=self.packing, pad_token_id=self.pad_token_id)
+
+    def _next_rows(self) -> list[list[Example]]:
+        """The examples of the next batch, row by row (the layout alone, no tensors)."""
         rows: list[list[Example]] = []
         for _ in range(self.batch_size):
             row, used = [self._peek()], len(self._peek().input_ids)
@@ -146,7 +151,7 @@ class Loader:
                 used += len(row[-1].input_ids)
                 self._advance()
             rows.append(row)
-        return _rows_to_batch(rows, seq_len=self.seq_len, packing=self.packing, pad_token_id=self.pad_token_id)
+        return rows
 
     __next__ = next
 
@@ -156,6 +161,17 @@ class Loader:
     def take(self, num_batches: int) -> list[Batch]:
         """The next `num_batches` batches: one optimizer step's micro-batches."""
         return [self.next() for _ in range(num_batches)]
+
+    def batches_for_epochs(self, epochs: float) -> int:
+        """Batches from the start until `epochs` passes over the examples are taken (the last batch may run into
+        the next epoch): what `num_train_epochs` turns into. Lays out a fresh loader's rows; builds no tensor."""
+        fresh = Loader(self.examples, batch_size=self.batch_size, seq_len=self.seq_len, packing=self.packing,
+                       pad_token_id=self.pad_token_id, seed=self.seed)
+        count = 0
+        while fresh.epoch + fresh.position / len(fresh.examples) < epochs:
+            fresh._next_rows()
+            count += 1
+        return count
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,

@@ -73,7 +73,7 @@ from lazytrain.viz import write_trace
 # Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
 # never ignored.
 EXACT_MATCH_NEW_TOKENS = 40  # a solution ("... so 7 + 5 = 12. The answer is 12.") is ~35 tokens
-NOT_YET = ("hardware", "cpu_mem_bytes", "num_train_epochs")
+NOT_YET = ("hardware", "cpu_mem_bytes")
 
 @dataclass
 class TrainResult:
@@ -119,6 +119,8 @@ def train(job: JobConfig) -> TrainResult:
         world = 1 if ranks is None else ranks.world_size
         data = load_data(job, world_size=world)  # the loader draws global batches of B x world rows
         job = data.job  # dataset math: the model is the default job's directory
+        if job.optim.num_train_epochs is not None:
+            job = steps_for_epochs(job, data.batches)
         batches: Loader | CorpusBatches | RankBatches = data.batches
         if ranks is not None:  # this rank's rows of the global batch
             batches = RankBatches(data.batches, ranks, job.data.per_device_train_batch_size)
@@ -199,6 +201,18 @@ def train(job: JobConfig) -> TrainResult:
     if ranks is not None:
         ranks.close()
     return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
+
+
+def steps_for_epochs(job: JobConfig, batches: Loader | CorpusBatches) -> JobConfig:
+    """`num_train_epochs` as optimizer steps (it replaces max_steps): the loader's batches that cover that many
+    passes over the training examples, in steps of `gradient_accumulation_steps` micro-batches."""
+    epochs = job.optim.num_train_epochs
+    if not isinstance(batches, Loader):
+        raise LazyTrainError(f"num_train_epochs {epochs}: dataset {job.data.dataset} is a text corpus read in random "
+                             "windows, with no epochs; set max_steps instead")
+    steps = max(1, math.ceil(batches.batches_for_epochs(epochs) / job.optim.gradient_accumulation_steps))
+    say(f"epochs   num_train_epochs {epochs:g} = {steps} optimizer steps (replaces max_steps {job.optim.max_steps})")
+    return replace(job, optim=replace(job.optim, max_steps=steps))
 
 
 def check_job(job: JobConfig) -> None:
