@@ -28,6 +28,7 @@ def test_non_finite_numbers_are_written_as_null_at_any_depth():
 
 
 def test_metrics_log_rows_tensorboard_and_plot(tmp_path):
+    pytest.importorskip("tensorboard")  # optional: pip install 'lazytrain[tensorboard]' (CI installs it)
     losses = [RNG.uniform(1, 5) for _ in range(6)]
     log = MetricsLog(tmp_path, tensorboard=True)
     for step, loss in enumerate(losses):
