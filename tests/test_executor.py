@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,28 +21,8 @@ NUM_LAYERS = 6
 
 
 def make_model(kind: str, num_layers: int = NUM_LAYERS, attn: str = "eager", seed: int = 0) -> torch.nn.Module:
-    """A tiny random-weight causal LM of the given family."""
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  attn_implementation=attn)
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, pad_token_id=3))
-    elif kind == "qwen2":
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
-    elif kind == "qwen3":
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=12))
-    elif kind == "mistral":
-        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=5))
-    else:
-        raise ValueError(kind)
-    with torch.no_grad():  # random norms too, so their gradients are not trivially uniform
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    """A tiny random-weight causal LM of the given family (tests/tiny_models.py builds every family)."""
+    return tiny_models.make_model(kind, num_layers=num_layers, attn=attn, seed=seed)
 
 
 def make_batch(batch: int = 3, seq_len: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

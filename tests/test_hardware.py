@@ -107,3 +107,14 @@ def test_available_host_memory_is_capped_by_a_cgroup_limit(monkeypatch) -> None:
 
     monkeypatch.setattr(hardware, "Path", CgroupPath)
     assert hardware.available_host_memory_bytes() == limit
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_is_bf16_unless_the_emulated_device_has_no_native_bf16(monkeypatch, native):
+    from lazytrain.spec import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    assert hardware.resolve_dtype("auto", emulated=False) == "bf16"  # a GPU computes in bf16 either way
+    assert hardware.resolve_dtype("auto", emulated=True) == ("bf16" if native else "fp32")
+    for explicit in ("bf16", "fp32", "fp16"):
+        assert hardware.resolve_dtype(explicit, emulated=True) == explicit

@@ -35,7 +35,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.units import parse_bytes
 
 Device = Literal["auto", "cpu", "cuda"]
-Dtype = Literal["bf16", "fp32", "fp16"]
+Dtype = Literal["auto", "bf16", "fp32", "fp16"]
 Planner = Literal["auto", "milp", "megatrain", "keep-all", "recompute-all", "offload-all"]
 RULES = ("megatrain", "keep-all", "recompute-all", "offload-all")
 Optimizer = Literal["adamw", "hybrid8bit", "8bit"]
@@ -168,9 +168,10 @@ class RuntimeConfig:
     """The machine the plan is made for: `auto` = the one this job runs on (the CUDA GPU's preset, else the
     emulated device with the `*_gbps` rates below), a preset (h800, rtx3090, h100, h200, emulated) or a
     YAML/JSON hardware file."""
-    dtype: Dtype = "bf16"
+    dtype: Dtype = "auto"
     """Compute / activation precision on the device: bf16 (fp32 master weights and gradients on the host),
-    fp32, or fp16 (planning only)."""
+    fp32, fp16 (planning only), or auto: bf16, except on the emulated device of a CPU without native bf16
+    (no avx512_bf16 / AMX), where fp32 runs several times faster."""
     h2d_gbps: float = 1.0
     """Emulated host -> device link rate, GB/s (> 0; `inf` = unthrottled). CUDA uses the real link."""
     d2h_gbps: float = 1.0

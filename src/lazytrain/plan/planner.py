@@ -32,7 +32,7 @@ from lazytrain.plan.milp import instance_from_cost, solve_milp
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.hardware import HardwareSpec, resolve_dtype
 from lazytrain.spec.model import ModelSpec, preset_names
 from lazytrain.spec.workload import Workload
 
@@ -108,7 +108,8 @@ def model_spec(model: str) -> ModelSpec:
 
 def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_size: int) -> CostModel:
     """The hardware's estimate of every time and byte for one step of `batch_size` x cutoff_len."""
-    workload = Workload(batch_size=batch_size, seq_len=job.data.cutoff_len, dtype=job.runtime.dtype)
+    dtype = resolve_dtype(job.runtime.dtype, emulated=hardware.name.startswith("emulated"))
+    workload = Workload(batch_size=batch_size, seq_len=job.data.cutoff_len, dtype=dtype)
     return CostModel(spec, hardware, workload, optimizer=COST_OPTIMIZER[job.optim.optimizer])
 
 

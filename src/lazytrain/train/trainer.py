@@ -36,6 +36,7 @@ from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import resolve_batch
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor
+from lazytrain.spec.hardware import resolve_dtype
 from lazytrain.train.build import (
     build_device,
     build_executor,
@@ -93,6 +94,11 @@ def train(job: JobConfig) -> TrainResult:
     """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary."""
     t_start = time.perf_counter()
     check_job(job)
+    dtype = resolve_dtype(job.runtime.dtype, emulated=pick_device_kind(job.runtime.device) == "cpu")
+    if dtype != job.runtime.dtype:  # dtype auto
+        if dtype == "fp32":
+            say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
+        job = replace(job, runtime=replace(job.runtime, dtype=dtype))
     job, note = resolve_batch(job)  # per_device_train_batch_size auto: the largest the planner admits
     if note:
         say(f"batch    {note}")
