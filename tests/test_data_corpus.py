@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lazytrain.data import (
+from lazytrain.data.corpus import (
     MIN_DOCSTRING_CHARS,
     ByteTokenizer,
     TokenData,

@@ -82,12 +82,17 @@ def test_default_job_dir_loads_with_auto_classes_and_is_cached(tmp_path):
         prepare_default_job(tmp_path / "other", shapes=SHAPES)
 
 
-def test_exact_match_runs_greedy_generation_through_a_tiny_random_model(tmp_path):
-    job = prepare_default_job(tmp_path / "job", shapes=SHAPES, num_train=100, num_heldout=6, seed=2)
+def _random_model_and_problems(tmp_path, *, num_train: int, seed: int):
+    """The default job's tokenizer, a freshly random model of its config, and its 6 held-out problems."""
+    job = prepare_default_job(tmp_path / "job", shapes=SHAPES, num_train=num_train, num_heldout=6, seed=seed)
     tok = AutoTokenizer.from_pretrained(job.model_dir)
     torch.manual_seed(RNG.randrange(2**30))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job.model_dir))
-    problems = read_jsonl(job.eval_file)
+    return tok, model, read_jsonl(job.eval_file)
+
+
+def test_exact_match_runs_greedy_generation_through_a_tiny_random_model(tmp_path):
+    tok, model, problems = _random_model_and_problems(tmp_path, num_train=100, seed=2)
     value = exact_match(model, tok, problems, max_new_tokens=6, batch_size=4)
     assert 0.0 <= value <= 1.0 and model.training and tok.padding_side == "right"
 
@@ -95,11 +100,7 @@ def test_exact_match_runs_greedy_generation_through_a_tiny_random_model(tmp_path
 
 def test_batched_left_padded_generation_equals_one_problem_at_a_time(tmp_path):
     """Left padding must not change a greedy answer: prompts of different lengths, batched or alone."""
-    job = prepare_default_job(tmp_path / "job", shapes=SHAPES, num_train=50, num_heldout=6, seed=4)
-    tok = AutoTokenizer.from_pretrained(job.model_dir)
-    torch.manual_seed(RNG.randrange(2**30))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job.model_dir))
-    problems = read_jsonl(job.eval_file)
+    tok, model, problems = _random_model_and_problems(tmp_path, num_train=50, seed=4)
     prompts = [tok.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True) for r in problems]
     lengths = {len(tok(prompt).input_ids) for prompt in prompts}
     assert len(lengths) > 1  # the batch really is padded

@@ -10,21 +10,4 @@ Modules (import the one you need; `sft` and `tokenizer` pull in `datasets` / `tr
 - `math`: the embedded MetaMathQA-like problem set and exact match of the final number.
 - `default_job`: the small HF model directory and math data files of `lazytrain train` with no arguments.
 
-The corpus names are re-exported here for code that still does `from lazytrain.data import ByteTokenizer`.
 """
-
-from lazytrain.data.corpus import (
-    CORPORA,
-    MIN_DOCSTRING_CHARS,
-    ByteTokenizer,
-    TokenData,
-    load_documents,
-    stdlib_docstrings,
-    zen_of_python,
-)
-from lazytrain.data.loader import IGNORE_INDEX, Batch, Example, Loader, eval_batches, step_num_tokens
-
-__all__ = [
-    "CORPORA", "IGNORE_INDEX", "MIN_DOCSTRING_CHARS", "Batch", "ByteTokenizer", "Example", "Loader", "TokenData",
-    "eval_batches", "load_documents", "stdlib_docstrings", "step_num_tokens", "zen_of_python",
-]
