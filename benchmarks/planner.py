@@ -19,11 +19,12 @@ import sys
 import time
 
 from lazytrain.config import load_job_config
+from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
 from lazytrain.plan.plan import TIERS
 from lazytrain.plan.planner import admitted, largest_feasible_batch
-from lazytrain.plan.rules import make_rule_plan
+from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
@@ -34,7 +35,6 @@ GB = 10**9
 PAPER_BUDGETS = Budgets(gpu_mem_cap_bytes=70 * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=32 * GB)
 PAPER_BATCH = {"qwen2.5-3b": 192, "qwen2.5-7b": 144, "qwen2.5-14b": 96, "qwen3.6-27b": 72}
 PAPER_MEGATRAIN_TFLOPS = {"qwen2.5-3b": 142.80, "qwen2.5-7b": 161.35, "qwen2.5-14b": 171.92, "qwen3.6-27b": 176.90}
-
 
 
 def tier_counts(tiers: tuple[str, ...]) -> str:
@@ -50,47 +50,48 @@ def qwen36_with_layers(num_layers: int) -> ModelSpec:
 
 
 def bench_solve(time_limit_s: float = 120.0) -> None:
-    print(f"## MILP solve time, 27B/H800 paper instance, layers varied (max segment 8, time limit {time_limit_s:g} s)")
-    print("| layers | formulation | solver | binaries | variables | constraints | seconds (median of 3) | status | "
-          "gap | objective s | tiers G/C/N/R |")
+    print(f"## MILP solve time, 27B/H800 paper instance, layers varied (max segment 8, time limit {time_limit_s:g} s, "
+          "serial optimizer)")
+    print("| layers | solver | binaries | variables | constraints | seconds (median of 3) | status | gap | step s | "
+          "simulated s | tiers G/C/N/R |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     hw = HardwareSpec.load("h800")
     for L in (32, 64, 80, 128):
         cost = CostModel(qwen36_with_layers(L), hw, Workload(72, 1024))
         _, budgets = admitted(cost, PAPER_BUDGETS)
-        inst = instance_from_cost(cost, budgets)
-        for formulation in ("paper", "segment"):
-            for solver in ("highs", "scip"):
-                repeats = 1 if (formulation == "paper" and L == 128) or solver == "scip" else 3
-                runs = [solve_instance(inst, time_limit_s=time_limit_s, solver=solver, formulation=formulation)
-                        for _ in range(repeats)]
-                r, tiers = runs[-1].report, runs[-1].tiers
-                counts = tier_counts(tiers)
-                seconds = statistics.median(x.report.seconds for x in runs)
-                print(f"| {L} | {formulation} | {solver} | {r.options['num_binaries']} | {r.num_variables} | "
-                      f"{r.num_constraints} | {seconds:.2f}{'' if repeats == 3 else ' (1 run)'} | {r.status} | "
-                      f"{r.gap:.2g} | {r.objective:.6f} | {counts} |")
-                sys.stdout.flush()
+        inst = instance_from_cost(cost, budgets, optimizer_mode="serial")
+        for solver in ("highs", "scip"):
+            repeats = 1 if solver == "scip" else 3
+            runs = [solve_instance(inst, time_limit_s=time_limit_s, solver=solver) for _ in range(repeats)]
+            best = runs[-1]
+            r, counts = best.report, tier_counts(best.tiers)
+            seconds = statistics.median(x.report.seconds for x in runs)
+            sim_s = evaluate_tiers(best.tiers, inst).step_s
+            print(f"| {L} | {solver} | {r.options['num_binaries']} | {r.num_variables} | {r.num_constraints} | "
+                  f"{seconds:.2f}{'' if repeats == 3 else ' (1 run)'} | {r.status} | {r.gap:.2g} | {best.step_s:.3f} | "
+                  f"{sim_s:.3f} | {counts} |")
+            sys.stdout.flush()
 
 
 def bench_solve_tight(time_limit_s: float = 120.0) -> None:
-    print("## MILP solve time, 27B/H800, batch 72, cpu act 15 GB, tighter gpu caps and nvme budgets")
-    print("| gpu cap | nvme act | formulation | solver | seconds (median of 3) | status | gap | objective s | "
-          "tiers G/C/N/R |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("## MILP solve time, 27B/H800, batch 72, cpu act 15 GB, tighter gpu caps and nvme budgets (serial)")
+    print("| gpu cap | nvme act | solver | seconds (median of 3) | status | gap | step s | tiers G/C/N/R |")
+    print("|---|---|---|---|---|---|---|---|")
     cost = CostModel(ModelSpec.load("qwen3.6-27b"), HardwareSpec.load("h800"), Workload(72, 1024))
-    for cap_gb, nvme_gb in ((50, 32), (45, 32), (40, 32), (40, 8), (36, 8)):
+    for cap_gb, nvme_gb in ((70, 32), (50, 32), (50, 8), (45, 32), (42, 8)):
         budgets = Budgets(gpu_mem_cap_bytes=cap_gb * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=nvme_gb * GB)
         _, budgets = admitted(cost, budgets)
-        inst = instance_from_cost(cost, budgets)
-        for formulation in ("paper", "segment"):
-            runs = [solve_instance(inst, time_limit_s=time_limit_s, formulation=formulation) for _ in range(3)]
-            r, tiers = runs[-1].report, runs[-1].tiers
-            counts = tier_counts(tiers)
-            seconds = statistics.median(x.report.seconds for x in runs)
-            print(f"| {cap_gb} GB | {nvme_gb} GB | {formulation} | highs | {seconds:.2f} | "
-                  f"{r.status} | {r.gap:.2g} | {r.objective:.4f} | {counts} |")
-            sys.stdout.flush()
+        inst = instance_from_cost(cost, budgets, optimizer_mode="serial")
+        try:
+            runs = [solve_instance(inst, time_limit_s=time_limit_s) for _ in range(3)]
+        except LazyTrainError as why:
+            print(f"| {cap_gb} GB | {nvme_gb} GB | highs | - | infeasible: {why} | | | |")
+            continue
+        r, counts = runs[-1].report, tier_counts(runs[-1].tiers)
+        seconds = statistics.median(x.report.seconds for x in runs)
+        print(f"| {cap_gb} GB | {nvme_gb} GB | highs | {seconds:.2f} | {r.status} | {r.gap:.2g} | "
+              f"{runs[-1].step_s:.3f} | {counts} |")
+        sys.stdout.flush()
 
 
 def bench_tflops() -> None:

@@ -126,8 +126,6 @@ class PlanConfig:
     """MegaTrain rule: keep every K-th boundary on the device (>= 1)."""
     solver: Literal["highs", "scip"] = "highs"
     """MILP solver: highs, or scip (needs PySCIPOpt)."""
-    formulation: Literal["paper", "segment"] = "paper"
-    """MILP reload rows: paper (per window, as the paper) or segment (per segment: same optimum, faster)."""
     max_segment: int = 8
     """Longest recompute segment the MILP considers, in layers (>= 1)."""
     time_limit_s: float = 60.0

@@ -1,72 +1,47 @@
-"""The paper-mode MILP: place every layer boundary on gpu / cpu / nvme / recompute, assign transfers to windows.
+"""The MILP: place every layer boundary on gpu / cpu / nvme / recompute so that the step is shortest.
 
-The formulation follows LazyTrain §2 (reference/lazytrain-paper.md) variable by variable, with the windows
-and the device memory stated exactly for the runtime schedule (shared schedule contract, Contract 2).
+The placement part follows LazyTrain §2 (reference/lazytrain-paper.md); the time part is the step program
+(plan/schedule.py) written as a sum of windows, so the objective *is* the simulated step (issue 10).
 
 Index sets
     j in J = {0..L-1}          layers; layer j maps boundary j -> j+1
     i in B = {0..L}            boundaries; 0 = embedding output, L = last layer output (both always gpu)
     (s, e) in E                candidate recompute edges, 0 <= s < e <= L, e - s <= K (max segment length)
-    w in W = {0..L}            compute windows. Window w < L is layer w; window L is the loss head
-                               (its forward and backward run back to back).
-
-Windows (where a transfer may overlap compute):
-    Offload links (d2h, nvme_write) use FORWARD windows: window w < L is the forward of layer w, window L the
-    loss head. Boundary i exists once layer i-1 has run. Its d2h uses window i only: the step program frees
-    boundary i's device copy once layer i has read it, after waiting for the d2h (so what does not fit in
-    window i is exposed, and the memory rows need not hold i longer); its nvme_write may use windows w >= i.
-    Reload links (h2d, nvme_read) use BACKWARD windows: window w < L is the backward of layer w (its recompute
-    forward, when boundary w+1 is recomputed, plus its autograd forward+backward), window L the loss head.
-    The runtime issues the reload of boundary i (the start of segment (i, e)) when the backward of the segment
-    after it, (e, e2), begins, and needs it before segment (i, e) begins; the last segment's start is
-    reloaded during the loss head. So boundary i may be reloaded in window w iff e <= w < e2 (exactly one
-    boundary of i+1..w is materialized), or w = L when e = L.
+    windows                    one per compute op of the step program, each fenced (every job it issues is
+                               waited for at its end): F_j (forward of layer j), H (loss head), R_j (recompute
+                               forward of layer j, runs iff boundary j+1 is recomputed), B_j (backward of layer j)
 
 Parameters (all from the CostModel; bytes, seconds, bytes/second)
     rho[j]      forward time of layer j             beta[j]   autograd re-forward + backward time of layer j
     rho[L]      loss head time (forward+backward)   A[i]      bytes of boundary i
-    p[j]        weight bytes of layer j (h2d)       p[L]      loss-head weight bytes
+    p[j]        weight (= gradient) bytes of layer j; p[L] the loss head's
+    land[j]     optimizer-lane job of group j's gradients (accumulation into .grad; in overlap mode also the
+                group's optimizer step); land[L] the head's
     M_G         device bytes for activations = gpu memory cap - static device bytes (weight and gradient
                 slots, the largest working set, boundary-gradient buffers)
     M_C, M_N    host DRAM / NVMe bytes for offloaded activations
-    B_D, B_H, B_W, B_R   d2h, h2d, NVMe write, NVMe read rates
+    B_D, B_H, B_W, B_R   d2h, h2d, NVMe write, NVMe read rates; a_X = 1 / B_X (0 for an unlimited link)
     U_F         static device bytes not yet allocated during the forward (gradient slots, boundary gradients)
     T_F, T_B    extra transient device bytes in the forward / backward (0 for the shared schedule)
-    R[s,e]      recompute time of edge (s, e) = sum_{j=s..e-2} rho[j]  (0 when e = s+1)
-    Window capacities and mandatory traffic (weights streamed by the window itself):
-      forward  C^D[w] = B_D rho[w],  G[w] = 0 (w < L), G[L] = p[L] (loss-head gradients);  C^W[w] = B_W rho[w]
-      backward C^H[w] = B_H (beta[w] + rho[w] (1 - z[w+1])),  P[w] = p[w] (2 - z[w+1])  (the recompute
-               forward streams the weights once more, Contract 2);  C^R[w] = B_R (beta[w] + rho[w] (1 - z[w+1]));
-               window L: C^H[L] = B_H rho[L], P[L] = p[L], C^R[L] = B_R rho[L].
-    Forward h2d (weights only) and backward d2h (gradients only) carry no activation: their exposure is a
-    constant of the model and, like the paper's baseline, is left out of the objective.
 
-Variables (the paper's symbols)
+Variables
     x[s,e] in {0,1}   edge (s, e) is a segment: s and e materialized, s+1..e-1 recomputed
     z[i] in {0,1}     boundary i is materialized;  g[i], c[i], n[i] in {0,1}: its home is gpu / cpu / nvme
-    d[i,w], h[i,w]    bytes of boundary i moved d2h (forward window w) / h2d (backward window w)
-    q[i,w], r[i,w]    bytes of boundary i written to / read from NVMe in window w
-    eps^D[w], eps^H[w], eps^W[w], eps^R[w] >= 0   bytes of window w's traffic not hidden under its compute
-    v[s',s] >= 0      = x[s',s] (c[s'] + n[s']): the backward of the segment starting at s holds the reload
-                      buffer of the previous segment's start s' (linearized: v >= x + c + n - 1)
+    v[s,e] >= 0       = x[s,e] (c[s] + n[s]): s is reloaded (h2d) in window B_e (H when e = L), and its device
+                      buffer is held while segment (e, .) runs backward (linearized: v >= x + c + n - 1)
+    vn[s,e] >= 0      = x[s,e] n[s]: s is read from NVMe in window B_{e+1} (H when e = L-1)
+    T[w] >= 0         seconds of window w
 
 Constraints (one `_add_<family>` each; equations repeated there)
     path, placement, capacity (cpu, nvme), gpu_memory (forward peak and every backward segment: the transient
-    memory of recompute blocks and reload buffers, the paper's weak spot 3), d2h/h2d/nvme windows, reload windows,
-    reload bounds (a valid inequality from the per-segment closed form: same optimum, stronger LP bound).
-
-Formulations
-    "paper" (default): the above, with the per-window reload variables h[i,w], r[i,w].
-    "segment": h and r replaced by one exposure per candidate segment (the closed form of the per-window LP, see
-    `_add_segment_reloads`); same optimum, about 5x fewer rows, much faster beyond ~80 layers.
+    memory of recompute blocks and reload buffers, the paper's weak spot 3), windows (each T[w] at least its
+    compute and each lane's load: weights, activations, gradients and the optimizer lane).
 
 Objective (seconds)
-    min sum R[s,e] x[s,e] + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i]
-        + sum_w ( Delta^D[w] / B_D + Delta^H[w] / B_H + eps^W[w] / B_W + eps^R[w] / B_R )
-    with Delta[w] = eps[w] - max(0, mandatory[w] - C[w]) evaluated with every boundary materialized: the exposure
-    that mandatory weight/gradient traffic causes anyway is subtracted as a constant, so the objective is the
-    time that boundary placement adds (recompute + exposed activation traffic + the weight re-stream of
-    recomputed layers). lambda_c (prefer gpu over cpu when both are free) is ours; the paper has lambda_z, lambda_n.
+    min sum_w T[w] + fixed + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i]
+    with `fixed` the windows every plan has alike (start, end, the serial optimizer step). Without the
+    tie-breakers (1e-5 s per materialized or cpu boundary, 1e-4 s per nvme boundary) it is the simulated step of
+    the plan's program: `MilpSolution.step_s`.
 """
 
 from __future__ import annotations
@@ -77,18 +52,25 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import TIERS, Plan, SolveReport, Transfer
+from lazytrain.plan.schedule import OPTIMIZER_MODES, Op, Shapes, StepProgram, build_program, segments_of
+from lazytrain.plan.sim import op_seconds
 from lazytrain.units import format_bytes
+
+if TYPE_CHECKING:
+    from lazytrain.plan.budgets import Budgets
+    from lazytrain.spec.cost import CostModel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEGMENT = 8
-FORMULATIONS = ("paper", "segment")
 INF = math.inf
+LINK_RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
+              "nvme_write": "nvme_write_bytes_per_s"}
 
 
 # ---- the instance: plain arrays, testable without a model ------------------------------------------
@@ -118,6 +100,11 @@ class PlanningInstance:
     lambda_n: float = 1e-4  # s per nvme boundary
     static_device_bytes: float = 0.0  # for messages only: what the cap lost to static memory
     gpu_mem_cap_bytes: float = 0.0  # for messages only
+    optimizer_mode: str = "overlap"  # the step program's: "serial" ends with the whole optimizer step
+    land_s: tuple[float, ...] = ()  # optimizer-lane job of group j = 0..L-1 and of the head (L): accumulation
+    # into .grad (and in overlap mode the group's optimizer step); () = none
+    embedding_s: float = 0.0  # the embedding backward on the host (and its group's optimizer step in overlap)
+    optimizer_step_s: float = 0.0  # mode "serial": the whole optimizer step after the backward
 
     def __post_init__(self) -> None:
         L = len(self.forward_s)
@@ -140,6 +127,39 @@ class PlanningInstance:
     def num_layers(self) -> int:
         return len(self.forward_s)
 
+    def land_seconds(self) -> tuple[float, ...]:
+        return self.land_s or (0.0,) * (self.num_layers + 1)
+
+    def op_seconds(self, op: Op) -> float:
+        """Seconds of one step-program op on this instance (what `sim.op_seconds` is on a CostModel)."""
+        if op.lane == "compute":
+            return {"forward": self.forward_s, "recompute": self.forward_s, "backward": self.backward_s}[op.kind][
+                op.target] if op.kind != "head" else self.head_s
+        if op.lane in LINK_RATES:
+            rate = getattr(self, LINK_RATES[op.lane])
+            return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
+        return {"land": lambda: self.land_seconds()[op.target], "embedding": lambda: self.embedding_s,
+                "step": lambda: self.optimizer_step_s}[op.kind]()
+
+    def program(self, tiers: Sequence[str]) -> StepProgram:
+        """The step program of `tiers` with this instance's bytes (no device memory: for timing)."""
+        L = self.num_layers
+        shapes = Shapes(boundary_bytes=tuple(round(a) for a in self.boundary_bytes),
+                        param_bytes=tuple(round(p) for p in self.param_bytes),
+                        head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0)
+        return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode)
+
+    def fixed_step_s(self) -> float:
+        """The windows every plan has alike: the start (h2d of boundary 0 and the first weights), the end (d2h of
+        B_0's gradients then of boundary 0's, with their optimizer-lane jobs chained) and the serial optimizer
+        step."""
+        aH = 1.0 / self.h2d_bytes_per_s if math.isfinite(self.h2d_bytes_per_s) else 0.0
+        aD = 1.0 / self.d2h_bytes_per_s if math.isfinite(self.d2h_bytes_per_s) else 0.0
+        A0, p0 = self.boundary_bytes[0], self.param_bytes[0]
+        start = aH * (A0 + p0)
+        end = aD * p0 + max(aD * A0, self.land_seconds()[0]) + self.embedding_s
+        return start + end + (self.optimizer_step_s if self.optimizer_mode == "serial" else 0.0)
+
     def window_s(self, w: int) -> float:
         """Forward compute time of window w (rho[w]; the loss head for w = L)."""
         return self.head_s if w == self.num_layers else self.forward_s[w]
@@ -157,14 +177,19 @@ class PlanningInstance:
         return max(on_device + self.bwd_transient_bytes, fwd)
 
 
-def instance_from_cost(cost: Any, budgets: Any = None, **options: Any) -> PlanningInstance:
+def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optimizer_mode: str = "overlap",
+                       **options: Any) -> PlanningInstance:
     """A PlanningInstance from a CostModel (spec/cost.py) and Budgets (plan/budgets.py).
 
     M_G = (budgets.gpu_mem_cap_bytes or the device's memory) - cost.static_device_bytes(); M_C = cpu activation
     budget (None = unlimited); M_N = nvme activation budget (None = unlimited, 0 = no nvme tier).
     U_F = the gradient slots and boundary-gradient buffers, which the schedule allocates only at the loss head.
-    `options` override PlanningInstance fields (e.g. lambda_z).
+    The optimizer-lane seconds are the simulator's for `optimizer_mode`. `options` override PlanningInstance
+    fields (e.g. lambda_z).
     """
+    if optimizer_mode not in OPTIMIZER_MODES:
+        raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
+    overlap = optimizer_mode == "overlap"
     L = int(cost.num_layers)
     gpu_cap = getattr(budgets, "gpu_mem_cap_bytes", None)
     if gpu_cap is None:
@@ -188,6 +213,10 @@ def instance_from_cost(cost: Any, budgets: Any = None, **options: Any) -> Planni
         nvme_write_bytes_per_s=float(cost.nvme_write_bytes_per_s),
         static_device_bytes=static,
         gpu_mem_cap_bytes=float(gpu_cap),
+        optimizer_mode=optimizer_mode,
+        land_s=tuple(op_seconds(Op(0, "optimizer", "land", j), cost, overlap) for j in range(L + 1)),
+        embedding_s=op_seconds(Op(0, "optimizer", "embedding", 0), cost, overlap),
+        optimizer_step_s=op_seconds(Op(0, "optimizer", "step"), cost, overlap),
     )
     breakdown = cost.device_breakdown() if hasattr(cost, "device_breakdown") else {}
     fields["fwd_unallocated_bytes"] = float(breakdown.get("grad_slots", 0) + breakdown.get("boundary_grads", 0))
@@ -203,7 +232,7 @@ class MilpSolution:
     tiers: tuple[str, ...]
     transfers: tuple[Transfer, ...]
     report: SolveReport
-    exposed_bytes: dict[str, tuple[float, ...]] = field(default_factory=dict)  # eps per link, per window
+    step_s: float  # the step seconds of the program the tiers give: the objective less the tie-breakers
 
 
 # ---- a solver-neutral sparse model ---------------------------------------------------------------
@@ -258,23 +287,15 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
 
 
 class _Formulation:
-    def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None,
-                 formulation: str = "paper") -> None:
+    def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None) -> None:
         self.unit = max(max(inst.boundary_bytes), 1.0)  # bytes per model unit
         inst = _scaled(inst, self.unit)
         self.inst, self.K, self.L = inst, max_segment, inst.num_layers
-        self.per_segment = formulation == "segment"
         self.m = _Model()
         self.fixed = tuple(fixed_tiers) if fixed_tiers is not None else None
         self.build_s: dict[str, float] = {}
-        families = [self._add_variables, self._add_path, self._add_placement, self._add_capacity,
-                    self._add_gpu_memory, self._add_d2h_windows, self._add_nvme_write_windows, self._add_objective]
-        if self.per_segment:
-            families += [self._add_segment_reloads]
-        else:
-            families += [self._add_h2d_windows, self._add_nvme_read_windows, self._add_reload_windows,
-                         self._add_reload_bounds]
-        for family in families:
+        for family in (self._add_variables, self._add_path, self._add_placement, self._add_capacity,
+                       self._add_gpu_memory, self._add_windows):
             t0 = time.perf_counter()
             family()
             self.build_s[family.__name__.removeprefix("_add_")] = time.perf_counter() - t0
@@ -296,26 +317,15 @@ class _Formulation:
                 values[var] = float(on)
         return values
 
-    def offload_windows(self, i: int) -> range:
-        """Forward windows that may carry boundary i's d2h / nvme write: w = i..L."""
-        return range(i, self.L + 1)
-
-    def reload_windows(self, i: int) -> list[int]:
-        """Candidate backward windows for boundary i's reload (the reload-window rows pick the segment after i's).
-
-        That segment ends at most 2K after i; window L (loss head) only if i's segment can be the last.
-        """
-        body = list(range(i + 1, min(self.L - 1, i + 2 * self.K - 1) + 1))
-        return body + ([self.L] if i >= self.L - self.K else [])
-
-    def _finite(self, rate: float) -> bool:
-        return math.isfinite(rate)
+    def _inverse(self, rate: float) -> float:
+        """Seconds per (scaled) byte of a link; an unlimited link moves anything in no time."""
+        return 1.0 / rate if math.isfinite(rate) else 0.0
 
     # -- families --
     def _add_variables(self) -> None:
         m, L, K, inst = self.m, self.L, self.K, self.inst
         # x[s,e]: candidate recompute edges, block length <= K.
-        self.x = {(s, e): m.var(f"x[{s},{e}]", 0, 1, inst.recompute_s(s, e), True)
+        self.x = {(s, e): m.var(f"x[{s},{e}]", 0, 1, 0.0, True)
                   for s in range(L) for e in range(s + 1, min(L, s + K) + 1)}
         self.z = [m.var(f"z[{i}]", 0, 1, inst.lambda_z, True) for i in range(L + 1)]
         self.g = [m.var(f"g[{i}]", 0, 1, 0.0, True) for i in range(L + 1)]
@@ -328,25 +338,6 @@ class _Formulation:
             m.lb[self.g[i]] = 1.0
         if self.fixed is not None:
             self._fix_tiers()
-        offloadable = range(1, L)
-        use_nvme = nvme_ub > 0
-        # d2h of boundary i only in window i: the runtime frees i's device copy after layer i, waiting for its d2h
-        self.d = {(i, i): m.var(f"d[{i},{i}]") for i in offloadable}
-        self.h = {} if self.per_segment else {(i, w): m.var(f"h[{i},{w}]") for i in offloadable
-                                              for w in self.reload_windows(i)}
-        nvme_movers = offloadable if use_nvme else range(0)
-        self.q = {(i, w): m.var(f"q[{i},{w}]") for i in nvme_movers for w in self.offload_windows(i)}
-        self.r = {} if self.per_segment else {(i, w): m.var(f"r[{i},{w}]") for i in nvme_movers
-                                              for w in self.reload_windows(i)}
-        windows = range(L + 1)
-        self.epsD = [m.var(f"epsD[{w}]") for w in windows] if self._finite(inst.d2h_bytes_per_s) else []
-        self.epsH = ([m.var(f"epsH[{w}]") for w in windows]
-                     if self._finite(inst.h2d_bytes_per_s) and not self.per_segment else [])
-        self.epsW = ([m.var(f"epsW[{w}]") for w in windows]
-                     if use_nvme and self._finite(inst.nvme_write_bytes_per_s) else [])
-        self.epsR = ([m.var(f"epsR[{w}]") for w in windows]
-                     if use_nvme and self._finite(inst.nvme_read_bytes_per_s) and not self.per_segment else [])
-
     def _fix_tiers(self) -> None:
         """Fix z, g, c, n (and so x) to a given tier list: evaluates a rule as a point of this MILP."""
         m, fixed = self.m, self.fixed
@@ -418,203 +409,89 @@ class _Formulation:
                     coefs[v] = A[s0]
             m.row(f"gpu_bwd[{s}]", coefs, hi=inst.gpu_act_bytes - inst.bwd_transient_bytes)
 
-    def _flow_rows(self, name: str, flow: dict[tuple[int, int], int], tiers: list[list[int]]) -> None:
-        # sum_w flow[i,w] = A[i] * (sum of the tier indicators that use this link)
-        A = self.inst.boundary_bytes
-        for i in range(1, self.L):
-            coefs = {v: 1.0 for (b, _), v in flow.items() if b == i}
-            for tier in tiers:
-                _add(coefs, tier[i], -A[i])
-            self.m.row(f"{name}_sum[{i}]", coefs, 0, 0)
+    def _add_windows(self) -> None:
+        """The step as the sum of its fenced windows (plan/schedule.py): each window lasts the longest of its
+        compute and each lane's chain of jobs, T[w] >= each, and the objective adds every T[w]. Bytes in model
+        units over rates in units/s are seconds; a(link) = 1 / rate. The loads, linear in x, z, c, n:
 
-    def _window_rows(self, name: str, flow: dict[tuple[int, int], int], eps: list[int], rate: float,
-                     mandatory_minus_capacity: list[tuple[float, dict[int, float]]]) -> None:
-        # sum_i flow[i,w] + mandatory[w] - C[w] <= eps[w] ; the last two may depend on z[w+1] (recompute).
-        for w in range(self.L + 1):
-            const, z_terms = mandatory_minus_capacity[w]
-            coefs = {v: 1.0 for (_, w2), v in flow.items() if w2 == w}
-            if not math.isfinite(rate):
-                continue  # unlimited link: nothing is ever exposed
-            for var, coef in z_terms.items():
-                _add(coefs, var, coef)
-            _add(coefs, eps[w], -1.0)
-            self.m.row(f"{name}[{w}]", coefs, hi=-const)
-
-    def _add_d2h_windows(self) -> None:
-        # sum_w d[i,w] = A[i] (c[i] + n[i]) ;  sum_{i <= w} d[i,w] + G[w] <= C^D[w] + eps^D[w]   (forward windows)
-        inst, L = self.inst, self.L
-        self._flow_rows("d2h", self.d, [self.c, self.n])
-        B = inst.d2h_bytes_per_s
-        rows = [(-B * inst.forward_s[w], {}) for w in range(L)] + [(inst.head_param_bytes - B * inst.head_s, {})]
-        self._window_rows("d2h_window", self.d, self.epsD, B, rows)
-
-    def _backward_rows(self, B: float, mandatory: bool) -> list[tuple[float, dict[int, float]]]:
-        """mandatory[w] - C[w] for backward windows as constant + z terms (recompute lengthens the window and, on
-        h2d, streams the layer's weights a second time)."""
-        inst, rows = self.inst, []
-        for w in range(self.L):
-            p = inst.param_bytes[w] if mandatory else 0.0
-            # P[w] - C[w] = 2 p - B (beta + rho) - z[w+1] (p - B rho)
-            const = 2 * p - B * (inst.backward_s[w] + inst.forward_s[w])
-            rows.append((const, {self.z[w + 1]: -(p - B * inst.forward_s[w])}))
-        head_p = inst.head_param_bytes if mandatory else 0.0
-        rows.append((head_p - B * inst.head_s, {}))
-        return rows
-
-    def _add_h2d_windows(self) -> None:
-        # sum_w h[i,w] = A[i] (c[i] + n[i]) ;  sum_i h[i,w] + P[w] <= C^H[w] + eps^H[w]   (backward windows)
-        self._flow_rows("h2d", self.h, [self.c, self.n])
-        B = self.inst.h2d_bytes_per_s
-        if math.isfinite(B):
-            self._window_rows("h2d_window", self.h, self.epsH, B, self._backward_rows(B, mandatory=True))
-
-    def _add_nvme_write_windows(self) -> None:
-        # sum_w q[i,w] = A[i] n[i] ;  sum_{i <= w} q[i,w] <= C^W[w] + eps^W[w]   (forward windows)
-        if not self.q:
-            return
-        inst = self.inst
-        self._flow_rows("nvme_write", self.q, [self.n])
-        B = inst.nvme_write_bytes_per_s
-        if math.isfinite(B):
-            rows = [(-B * inst.window_s(w), {}) for w in range(self.L + 1)]
-            self._window_rows("nvme_write_window", self.q, self.epsW, B, rows)
-
-    def _add_nvme_read_windows(self) -> None:
-        # sum_w r[i,w] = A[i] n[i] ;  sum_i r[i,w] <= C^R[w] + eps^R[w]   (backward windows)
-        if not self.r:
-            return
-        self._flow_rows("nvme_read", self.r, [self.n])
-        B = self.inst.nvme_read_bytes_per_s
-        if math.isfinite(B):
-            self._window_rows("nvme_read_window", self.r, self.epsR, B, self._backward_rows(B, mandatory=False))
-
-    def _add_reload_windows(self) -> None:
-        # Reload of boundary i only inside the segment after i's segment (i, e), i.e. e <= w < e2 with (e, e2) the
-        # next segment; or in the loss head (w = L) when (i, L) is the last segment:
-        #   h[i,w] <= A[i] sum_{i<e<=w} x[i,e]                            (i's segment has ended by window w)
-        #   h[i,w] <= A[i] (1 - x[i,e] + sum_{b>w} x[e,b])   for i<e<=w   (and the segment after it has not)
-        #   h[i,L] <= A[i] x[i,L]                                         (likewise r[i,w])
-        A, m, L, x = self.inst.boundary_bytes, self.m, self.L, self.x
-        for name, flow in (("h", self.h), ("r", self.r)):
-            for (i, w), v in flow.items():
-                if w == L:
-                    m.row(f"reload_{name}_head[{i}]", {v: 1.0, x[i, L]: -A[i]}, hi=0.0)
-                    continue
-                ends = [e for e in range(i + 1, w + 1) if (i, e) in x]
-                m.row(f"reload_{name}_after[{i},{w}]", {v: 1.0, **{x[i, e]: -A[i] for e in ends}}, hi=0.0)
-                for e in ends:
-                    coefs = {v: 1.0, x[i, e]: A[i]}
-                    for b in range(w + 1, L + 1):
-                        if (e, b) in x:
-                            coefs[x[e, b]] = -A[i]
-                    m.row(f"reload_{name}_before[{i},{w},{e}]", coefs, hi=A[i])
-
-    def _add_reload_bounds(self) -> None:
-        """formulation="paper": the segment closed form as valid inequalities on the per-window eps (same optimum;
-        a much stronger LP bound, so that long models prove optimality):
-          sum_w eps^H[w] >= sum_w max(0, P[w] - C[w]) + sum_{(e,e2)} eps^H[e,e2]     (see _add_segment_reloads)
-        """
-        self._add_segment_reloads(as_bounds=True)
-
-    def _add_segment_reloads(self, as_bounds: bool = False) -> None:
-        """formulation="segment": the reload links per segment instead of per window (same optimum, far fewer rows).
-
-        Each backward window serves only the reload of the previous segment's start, so for fixed tiers the
-        exposure of a reload link is
-          sum_w max(0, P[w] - C[w])  +  max(0, A[i] - sum_{w in the next segment} max(0, C[w] - P[w]))
-        (the closed form of the per-window LP). The first sum is linear in z (each recomputed layer w adds
-        delta[w] = max(0, P - C | z[w+1] = 0) - max(0, P - C | z[w+1] = 1), charged on the edges x[s,e]); the second
-        is an exposure per candidate segment (e, e2):
-          eps^H[e,e2] >= sum_i A[i] v[i,e] - S^H[e,e2] - A_max (1 - x[e,e2]),   S^H[e,e2] = sum_{w=e..e2-1} slack[w]
-          eps^H[L]    >= sum_i A[i] v[i,L] - S^H[L]                             (the loss head)
-        with v[i,e] >= x[i,e] + c[i] + n[i] - 1 (the reload of i runs in the segment after (i, e)); likewise
-        eps^R with n only and no weights on the NVMe link.
-        """
+          F_j   T >= rho[j], a_H p[j+1] (the next weights; the head's after F_{L-1}), a_D A[j] (c[j] + n[j]),
+                a_W A[j-1] n[j-1]
+          H     T >= rho[L], a_H (sum_s x[s,L] p[s] + sum_s A[s] v[s,L]), a_W A[L-1] n[L-1], a_R sum_s A[s] vn[s,L-1]
+          R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  sum_{e >= j+2} x[j,e] G[e]     (only when j+1 is recomputed)
+          B_j   T >= beta[j], a_H (p[j-1] (1 - z[j]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j]),
+                G[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
+        with G[k] = a_D p[k] + land[k] the d2h of group k's gradients chained with its optimizer-lane job (p[L],
+        land[L]: the loss head), v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in H when e = L),
+        vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H). The start
+        (boundary 0 and the first weights), the end (the last gradients, the embedding backward) and the serial
+        optimizer step are constants: the objective's offset. The last segment's start cannot be on nvme (its
+        read would chain with its h2d in H): n[s] + x[s,L] <= 1."""
         inst, m, L, x, A = self.inst, self.m, self.L, self.x, self.inst.boundary_bytes
-        a_max = max(A)
-        for (s0, s1), xv in x.items():  # v[i,L] too: the reload of the last segment's start, in the loss head
+        aH, aD = self._inverse(inst.h2d_bytes_per_s), self._inverse(inst.d2h_bytes_per_s)
+        aW, aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
+        p = [*inst.param_bytes, inst.head_param_bytes]  # p[L]: the loss head
+        land = inst.land_seconds()
+        G = [aD * p[k] + land[k] for k in range(L + 1)]
+        use_nvme = inst.nvme_act_bytes > 0
+        for (s0, s1), xv in x.items():  # v[s,L]: the last segment's start, reloaded in the head window
             if s0 > 0 and s1 == L:
                 v = m.var(f"v[{s0},{s1}]")
                 self.v[s0, s1] = v
                 m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
+                if use_nvme:
+                    m.row(f"last_start_not_nvme[{s0}]", {self.n[s0]: 1.0, xv: 1.0}, hi=1.0)
         self.vn = {}
-        if inst.nvme_act_bytes > 0 and math.isfinite(inst.nvme_read_bytes_per_s):
+        if use_nvme:
             for (s0, s1), xv in x.items():
-                if s0 > 0:
-                    vn = m.var(f"vn[{s0},{s1}]")
-                    self.vn[s0, s1] = vn
+                if s0 > 0 and s1 < L:
+                    vn = self.vn[s0, s1] = m.var(f"vn[{s0},{s1}]")
                     m.row(f"nvme_reload[{s0},{s1}]", {vn: -1.0, xv: 1.0, self.n[s0]: 1.0}, hi=1.0)
 
-        def window_over(B: float, weights: bool, w: int, recomputed: bool) -> float:
-            p = inst.param_bytes[w] * (2 if recomputed else 1) if weights else 0.0
-            return p - B * (inst.backward_s[w] + (inst.forward_s[w] if recomputed else 0.0))
-
-        for link, B, weights, indicator, per_window in (("H", inst.h2d_bytes_per_s, True, self.v, self.epsH),
-                                                        ("R", inst.nvme_read_bytes_per_s, False, self.vn, self.epsR)):
-            if not math.isfinite(B) or (link == "R" and not self.vn):
-                continue
-            cost = 0.0 if as_bounds else 1.0 / B
-            segment_eps = []
-            for (e, e2), xv in x.items():
-                slack = sum(max(0.0, -window_over(B, weights, w, w < e2 - 1)) for w in range(e, e2))
-                coefs = {iv: -A[i] for (i, e_), iv in indicator.items() if e_ == e}
+        def window(name: str, lb: float, loads: list[tuple[float, dict[int, float]]]) -> int:
+            """T >= lb and T >= const + sum coef var for every (const, coefs) in loads."""
+            T = m.var(name, lb=lb, cost=1.0)
+            for k, (const, coefs) in enumerate(loads):
+                coefs = {var: -coef for var, coef in coefs.items() if coef != 0.0}
                 if coefs:
-                    eps = m.var(f"eps{link}[{e},{e2}]", cost=cost)
-                    segment_eps.append(eps)
-                    coefs.update({eps: 1.0, xv: -a_max})
-                    m.row(f"reload_{link}[{e},{e2}]", coefs, lo=-slack - a_max)
-            head_slack = max(0.0, B * inst.head_s - (inst.head_param_bytes if weights else 0.0))
-            coefs = {iv: -A[i] for (i, e_), iv in indicator.items() if e_ == L}
-            if coefs:
-                eps = m.var(f"eps{link}[{L}]", cost=cost)
-                segment_eps.append(eps)
-                m.row(f"reload_{link}[{L}]", {**coefs, eps: 1.0}, lo=-head_slack)
-            # the mandatory part: per window max(0, P - C), i.e. its all-kept value + delta[w] (1 - z[w+1])
-            delta = [max(0.0, window_over(B, weights, w, True)) - max(0.0, window_over(B, weights, w, False))
-                     for w in range(L)]
-            if not as_bounds:  # charge the recompute-induced weight exposure on the edges (the rest is baseline)
-                for (s0, s1), xv in x.items():
-                    m.cost[xv] += sum(delta[s0:s1 - 1]) / B
-                continue
-            base = (sum(max(0.0, window_over(B, weights, w, False)) for w in range(L))
-                    + max(0.0, (inst.head_param_bytes if weights else 0.0) - B * inst.head_s))
-            coefs = {eps: 1.0 for eps in per_window}
-            for eps in segment_eps:
-                coefs[eps] = -1.0
-            for w in range(L):
-                _add(coefs, self.z[w + 1], delta[w])
-            m.row(f"reload_bound_{link}", coefs, lo=base + sum(delta))
+                    m.row(f"{name}_{k}", {T: 1.0, **coefs}, lo=const)
+                elif const > lb:
+                    m.lb[T] = const
+            return T
 
-    def _add_objective(self) -> None:
-        # + sum_w (eps^D/B_D + eps^H/B_H + eps^W/B_W + eps^R/B_R) - baseline, the baseline being the exposure of
-        # mandatory traffic with every boundary materialized: sum_w max(0, mandatory[w] - C[w]).
-        inst, m = self.inst, self.m
-        for eps, B in ((self.epsD, inst.d2h_bytes_per_s), (self.epsH, inst.h2d_bytes_per_s),
-                       (self.epsW, inst.nvme_write_bytes_per_s), (self.epsR, inst.nvme_read_bytes_per_s)):
-            for v in eps:
-                m.cost[v] = 1.0 / B
-        # formulation "segment" charges only the recompute-induced part of the mandatory h2d exposure (on x)
-        m.offset = -(_d2h_baseline_s(inst) if self.per_segment else baseline_exposure_s(inst))
+        def reads(e: int) -> dict[int, float]:
+            return {vn: aR * A[s] for (s, e2), vn in self.vn.items() if e2 == e}
 
-
-def _d2h_baseline_s(inst: PlanningInstance) -> float:
-    B = inst.d2h_bytes_per_s
-    return max(0.0, inst.head_param_bytes - B * inst.head_s) / B if math.isfinite(B) else 0.0
-
-
-def baseline_exposure_s(inst: PlanningInstance) -> float:
-    """Seconds of mandatory weight/gradient exposure on the windows the objective charges, with every boundary
-    materialized (no recompute): the constant the paper subtracts."""
-    L = inst.num_layers
-    total = 0.0
-    if math.isfinite(inst.d2h_bytes_per_s):  # forward windows carry gradients only in the loss head
-        total += max(0.0, inst.head_param_bytes - inst.d2h_bytes_per_s * inst.head_s) / inst.d2h_bytes_per_s
-    if math.isfinite(inst.h2d_bytes_per_s):
-        B = inst.h2d_bytes_per_s
-        total += sum(max(0.0, inst.param_bytes[w] - B * inst.backward_s[w]) for w in range(L)) / B
-        total += max(0.0, inst.head_param_bytes - B * inst.head_s) / B
-    return total
-
+        self.T: dict[str, int] = {}
+        for j in range(L):
+            loads = [(0.0, {self.c[j]: aD * A[j], self.n[j]: aD * A[j]})] if j > 0 else []
+            if j > 1:
+                loads.append((0.0, {self.n[j - 1]: aW * A[j - 1]}))
+            self.T[f"F{j}"] = window(f"T[F{j}]", max(inst.forward_s[j], aH * p[j + 1]), loads)
+        head_h2d = {xv: aH * p[s] for (s, e), xv in x.items() if e == L}
+        head_h2d.update({v: aH * A[s] for (s, e), v in self.v.items() if e == L})
+        loads = [(0.0, head_h2d), (0.0, reads(L - 1))]
+        if L > 1:
+            loads.append((0.0, {self.n[L - 1]: aW * A[L - 1]}))
+        self.T["H"] = window("T[H]", inst.head_s, loads)
+        for j in range(L - 1):  # R_j runs only when boundary j+1 is recomputed
+            busy = max(inst.forward_s[j], aH * p[j + 1])
+            grads = {xv: G[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
+            self.T[f"R{j}"] = window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy}), (0.0, grads)])
+        for j in range(L):
+            loads = [(G[j + 1], {self.z[j + 1]: -G[j + 1], x[j, j + 1]: G[j + 1]})]
+            if j > 0:
+                h2d = {self.z[j]: -aH * p[j - 1]}
+                for (s, e), xv in x.items():
+                    if e == j:
+                        _add(h2d, xv, aH * p[s])
+                for (s, e), v in self.v.items():
+                    if e == j:
+                        _add(h2d, v, aH * A[s])
+                loads.append((aH * p[j - 1], h2d))
+            if j > 1:
+                loads.append((0.0, reads(j - 1)))
+            self.T[f"B{j}"] = window(f"T[B{j}]", inst.backward_s[j], loads)
+        m.offset = inst.fixed_step_s()
 
 # ---- solvers ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -729,8 +606,7 @@ SOLVERS = {"highs": _solve_highs, "scip": _solve_scip}
 # ---- public entry points ------------------------------------------------------------------------------
 def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
                    mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-                   formulation: str = "paper", start_tiers: Sequence[str] | None = None,
-                   deadline_s: float | None = None) -> MilpSolution:
+                   start_tiers: Sequence[str] | None = None, deadline_s: float | None = None) -> MilpSolution:
     """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers.
 
     start_tiers: a plan's tiers to warm-start from (re-planning; HiGHS only, ignored by SCIP).
@@ -743,14 +619,12 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         raise LazyTrainError(f"time limit must be > 0 seconds, got {time_limit_s}")
     if not 0 <= mip_rel_gap < 1:
         raise LazyTrainError(f"relative MIP gap must be in [0, 1), got {mip_rel_gap}")
-    if formulation not in FORMULATIONS:
-        raise LazyTrainError(f"formulation {formulation!r} is not one of {', '.join(FORMULATIONS)}")
     t0 = time.perf_counter()
     if fixed_tiers is not None:  # a long recompute block of a rule must still be a candidate edge
         kept = [i for i, t in enumerate(fixed_tiers) if t != "recompute"]
         max_segment = max([max_segment, *(b - a for a, b in zip(kept, kept[1:], strict=False))])
     try:
-        form = _Formulation(inst, min(max_segment, inst.num_layers), fixed_tiers, formulation)
+        form = _Formulation(inst, min(max_segment, inst.num_layers), fixed_tiers)
     except _Infeasible as why:
         raise LazyTrainError(_infeasible_message(inst, max_segment, str(why))) from None
     m = form.m
@@ -770,97 +644,43 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
             f"the {solver} solver found no plan within {time_limit_s:g} s (status {status}); "
             "raise --time-limit or lower --max-segment"
         )
-    tiers, _, exposed = _read_solution(form, values)
-    transfers = fifo_transfers(tiers, inst)  # the solver's split among equally good windows is arbitrary
+    tiers = _read_tiers(form, values)
+    step_s = m.offset + sum(values[T] for T in form.T.values())
     report = SolveReport(
         planner="milp", solver=solver, status=status, objective=objective, gap=gap, seconds=seconds,
         num_variables=len(m.names), num_constraints=len(m.rows),
         options={"max_segment": max_segment, "time_limit_s": time_limit_s, "mip_rel_gap": mip_rel_gap,
-                 "formulation": formulation,
                  "num_binaries": sum(m.integer), "fixed_tiers": fixed_tiers is not None,
-                 "build_s": round(sum(form.build_s.values()), 4)},
+                 "build_s": round(sum(form.build_s.values()), 4), "step_s": step_s,
+                 "optimizer_mode": inst.optimizer_mode},
     )
-    return MilpSolution(tiers=tiers, transfers=transfers, report=report, exposed_bytes=exposed)
+    return MilpSolution(tiers=tiers, transfers=plan_transfers(tiers, inst), report=report, step_s=step_s)
 
 
-def _read_solution(form: _Formulation, values: list[float]) -> tuple[tuple[str, ...], tuple[Transfer, ...],
-                                                                       dict[str, tuple[float, ...]]]:
+def _read_tiers(form: _Formulation, values: list[float]) -> tuple[str, ...]:
     def on(var: int) -> bool:
         return values[var] > 0.5
 
-    tiers = []
-    for i in range(form.L + 1):
-        tier = "gpu" if on(form.g[i]) else "cpu" if on(form.c[i]) else "nvme" if on(form.n[i]) else "recompute"
-        tiers.append(tier)
-    transfers = []
-    for link, flow in (("d2h", form.d), ("h2d", form.h), ("nvme_write", form.q), ("nvme_read", form.r)):
-        for (i, w), v in sorted(flow.items()):
-            num_bytes = int(round(values[v] * form.unit))
-            if num_bytes >= 1024:  # solver noise below a KiB is dropped
-                transfers.append(Transfer(boundary=i, window=w, link=link, num_bytes=num_bytes))
-    exposed = {link: tuple(max(0.0, values[v] * form.unit) for v in eps)
-               for link, eps in (("d2h", form.epsD), ("h2d", form.epsH), ("nvme_write", form.epsW),
-                                 ("nvme_read", form.epsR)) if eps}
-    return tuple(tiers), tuple(transfers), exposed
+    return tuple("gpu" if on(form.g[i]) else "cpu" if on(form.c[i]) else "nvme" if on(form.n[i]) else "recompute"
+                 for i in range(form.L + 1))
 
 
-def fifo_transfers(tiers: Sequence[str], inst: PlanningInstance) -> tuple[Transfer, ...]:
-    """Window assignments in the runtime's order: each link is FIFO and issues a copy as soon as it can.
-
-    A d2h is in window i (the step program waits for it there); nvme writes fill forward windows w >= i from
-    the earliest; reloads fill the windows of the segment after
-    (s, e) in the order the backward runs them (layer e2-1 first), or the loss head. For fixed tiers this
-    hides as many bytes as the MILP's optimal d/h/q/r (a byte offloaded now stays eligible later; each
-    backward window serves one reload), so it is an optimal assignment; bytes that cannot hide are put in
-    the last eligible window, where they are exposed.
-    """
+def plan_transfers(tiers: Sequence[str], inst: PlanningInstance) -> tuple[Transfer, ...]:
+    """The windows the step program moves each offloaded boundary in (plan/schedule.py): d2h in forward window
+    i, nvme write in i+1 (L = the loss head); for segment (i, e) h2d in backward window e and nvme read in e+1
+    (L = the loss head, where the last segment's start reloads)."""
     L, A = inst.num_layers, inst.boundary_bytes
-    kept = [i for i, t in enumerate(tiers) if t != "recompute"]
     out: list[Transfer] = []
-
-    def forward(link: str, rate: float, mandatory: list[float], movers: list[int]) -> None:
-        queue: list[list[float]] = []
-        for w in range(L + 1):
-            if w in movers:
-                queue.append([w, A[w]])
-            room = rate * inst.window_s(w) - mandatory[w] if math.isfinite(rate) else INF
-            while queue and room > 0:
-                take = min(room, queue[0][1])
-                out.append(Transfer(boundary=int(queue[0][0]), window=w, link=link, num_bytes=int(round(take))))
-                room -= take
-                queue[0][1] -= take
-                if queue[0][1] <= 0.5:
-                    queue.pop(0)
-        for i, rest in queue:
-            out.append(Transfer(boundary=int(i), window=L, link=link, num_bytes=int(round(rest))))
-
-    def backward(link: str, rate: float, with_weights: bool, movers: set[int]) -> None:
-        for k, (s, e) in enumerate(zip(kept, kept[1:], strict=False)):
-            if s not in movers:
-                continue
-            windows = [L] if e == L else list(range(kept[k + 2] - 1, e - 1, -1))
-            rest = A[s]
-            for w in windows:
-                if w == L:
-                    room = rate * inst.head_s - (inst.head_param_bytes if with_weights else 0.0)
-                else:
-                    recomputed = tiers[w + 1] == "recompute"
-                    p = inst.param_bytes[w] * (2 if recomputed else 1) if with_weights else 0.0
-                    room = rate * (inst.backward_s[w] + (inst.forward_s[w] if recomputed else 0.0)) - p
-                take = rest if not math.isfinite(rate) or w == windows[-1] else min(rest, max(0.0, room))
-                if take > 0.5:
-                    out.append(Transfer(boundary=s, window=w, link=link, num_bytes=int(round(take))))
-                rest -= take
-                if rest <= 0.5:
-                    break
-
-    offloaded = [i for i, t in enumerate(tiers) if t in ("cpu", "nvme")]
-    nvme = [i for i, t in enumerate(tiers) if t == "nvme"]
-    out.extend(Transfer(boundary=i, window=i, link="d2h", num_bytes=int(round(A[i]))) for i in offloaded)
-    forward("nvme_write", inst.nvme_write_bytes_per_s, [0.0] * (L + 1), nvme)
-    backward("h2d", inst.h2d_bytes_per_s, True, set(offloaded))
-    backward("nvme_read", inst.nvme_read_bytes_per_s, False, set(nvme))
-    return tuple(t for t in out if t.num_bytes > 0)
+    for i, e in segments_of(tuple(tiers)):
+        if i == 0 or tiers[i] not in ("cpu", "nvme"):
+            continue
+        num_bytes = int(round(A[i]))
+        out.append(Transfer(boundary=i, window=i, link="d2h", num_bytes=num_bytes))
+        if tiers[i] == "nvme":
+            out.append(Transfer(boundary=i, window=i + 1, link="nvme_write", num_bytes=num_bytes))
+            out.append(Transfer(boundary=i, window=min(e + 1, L), link="nvme_read", num_bytes=num_bytes))
+        out.append(Transfer(boundary=i, window=e, link="h2d", num_bytes=num_bytes))
+    return tuple(out)
 
 
 def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -> str:
@@ -882,19 +702,27 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
     )
 
 
-def solve_milp(cost: Any, budgets: Any = None, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
-               mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-               formulation: str = "paper", start_tiers: Sequence[str] | None = None,
-               deadline_s: float | None = None) -> Plan:
-    """Solve the paper-mode MILP for a CostModel under Budgets and return the Plan (Contract 1).
-
-    formulation "paper" has the per-window reload variables h[i,w], r[i,w] of the paper; "segment" replaces them
-    by one exposure per candidate segment (same optimum; much smaller for long models)."""
-    inst = instance_from_cost(cost, budgets)
+def solve_milp(cost: CostModel, budgets: Budgets | None = None, *, max_segment: int = DEFAULT_MAX_SEGMENT,
+               time_limit_s: float = 60.0, mip_rel_gap: float = 0.0, solver: str = "highs",
+               fixed_tiers: Sequence[str] | None = None, start_tiers: Sequence[str] | None = None,
+               deadline_s: float | None = None, optimizer_mode: str = "overlap") -> Plan:
+    """Solve the MILP for a CostModel under Budgets and return the Plan (Contract 1); its report's
+    `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode`."""
+    inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
-                              solver=solver, fixed_tiers=fixed_tiers, formulation=formulation,
-                              start_tiers=start_tiers, deadline_s=deadline_s)
+                              solver=solver, fixed_tiers=fixed_tiers, start_tiers=start_tiers, deadline_s=deadline_s)
     return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
+
+
+def milp_step_s(tiers: Sequence[str], inst: PlanningInstance) -> float | None:
+    """The MILP's step seconds of fixed `tiers` (its objective without the tie-breakers), whatever the memory
+    budgets (a rule's plan may be over the cap); None for tiers the MILP does not express (the last segment's
+    start on nvme: the program chains its read, spill and h2d in the head window)."""
+    starts = [s for s, _ in segments_of(tuple(tiers))]
+    if tiers[starts[-1]] == "nvme":
+        return None
+    relaxed = replace(inst, gpu_act_bytes=INF, cpu_act_bytes=INF, nvme_act_bytes=INF if "nvme" in tiers else 0.0)
+    return solve_instance(relaxed, fixed_tiers=tiers, max_segment=inst.num_layers).step_s
 
 
 def to_plan(solution: MilpSolution, spec: Any, workload: Any = None, budgets: Any = None) -> Plan:

@@ -68,7 +68,7 @@ class Prediction:
     peak_bytes: dict[str, int]  # per tier: "gpu", "cpu", "nvme"
     exposed_s: dict[str, float]  # stall per stream: "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"
     simulated_step_s: float | None = None  # the simulator's step of the plan's step program (= step_s)
-    milp_step_s: float | None = None  # the MILP objective + the step constant it leaves out (plan/rules.py)
+    milp_step_s: float | None = None  # the MILP's step seconds of the tiers (plan/milp.py milp_step_s)
 
 
 @dataclass(frozen=True)

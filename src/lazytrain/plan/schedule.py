@@ -13,35 +13,36 @@ Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: gradi
 and, in overlap mode, the optimizer step of each group as it completes), collective (room for data parallelism).
 
 Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
-s..e-2, backward e-1..s; use u streams into weight slot u % 2):
-  start     alloc 2 weight slots and boundary 0; issue h2d boundary 0, h2d weights of use 0; wait boundary 0;
-            alloc the constants (rotary tables, positions, masks).
-  use u     issue h2d of use u+1's weights (its slot was freed by use u-1), wait for use u's weights.
-  forward   window w = layer w: (offloads the plan puts in window w are issued first: d2h, and for nvme an
-            nvme_write after it) use w; alloc working set; run F_w; alloc boundary w+1; free working set;
-            then every offloaded boundary whose last d2h window is w: wait its d2h, free it; a recomputed
-            boundary w (w > 0) is freed once F_w has consumed it.
-  head      alloc 2 gradient slots; issue the reloads planned for the head window; use; alloc the head working
-            set and the gradient of boundary L; run H; free the working set; issue d2h of the head's gradients
-            and an optimizer-lane job adding them into .grad.
-  backward  per segment (s, e), last first: issue the reloads planned for this segment (nvme_read into the
-            host buffer, then h2d into a freshly allocated device buffer, after the read); wait for boundary
-            s's reload; R_s..R_{e-2}: use, alloc working set, run, alloc boundary j+1, free working set;
-            B_{e-1}..B_s: use, alloc working set, run, alloc the gradient of boundary j, wait for the d2h of
-            gradient producer g-2 (two gradient slots), free working set, issue d2h of the weight gradients
-            and their optimizer-lane job, free boundary j+1 and its gradient.
-  end       issue d2h of the gradient of boundary 0 and the embedding backward on the optimizer lane; wait for
-            the d2h; free boundary 0 and its gradient; wait for every issued job; free constants and slots.
+s..e-2, backward e-1..s; use u streams into weight slot u % 2). Every compute op is one *window*: the jobs the
+window issues start as it starts, and the window ends with a wait for all of them (a fence), so a window lasts
+max(its compute, each lane's chain of jobs) and the step is the sum of its windows -- exactly what the MILP
+(plan/milp.py) adds up. No job runs across a window boundary.
+  start     alloc 2 weight slots and boundary 0; h2d boundary 0 and the weights of use 0; fence; alloc the
+            constants (rotary tables, positions, masks).
+  F_j       h2d of use j+1's weights (into the slot use j-1 freed); d2h of boundary j if it is offloaded; the
+            nvme write of boundary j-1 if it is on nvme (its d2h was done in F_{j-1}); alloc working set; run;
+            alloc boundary j+1; free working set (and boundary j if recomputed); fence; an offloaded boundary j
+            leaves the device.
+  H         alloc 2 gradient slots and the device buffer of the last segment's start if offloaded; h2d of the
+            next use's weights; nvme write of boundary L-1; the nvme read staged for B_{L-1}; the reload h2d of
+            the last segment's start (after its read, in this window, if it is on nvme); alloc the head working
+            set and the gradient of boundary L; run; free the working set; fence.
+  R_j, B_j  per segment (s, e), last first, after allocating the device buffer for the reload of the next
+            segment's start s' (if offloaded; held from here): each window issues the next use's weights and
+            the d2h of the previous window's weight gradients (head or B) chained with their optimizer-lane job
+            (accumulation into .grad, and in overlap mode the group's optimizer step); B_j also stages the
+            nvme read of the start of the segment ending at j-1 into the host buffer (one window before its
+            h2d), and B_s issues the reload h2d of s'. R_j: alloc working set, run, alloc boundary j+1, free
+            working set. B_j: alloc working set, run, alloc the gradient of boundary j, free working set,
+            boundary j+1 and its gradient. Fence.
+  end       d2h of B_0's gradients and their optimizer job, d2h of the gradient of boundary 0 and the embedding
+            backward on the optimizer lane; fence; free boundary 0, its gradient, constants and slots.
             Mode "serial": then the optimizer step of every group on the optimizer lane, waited for
             (MegaTrain's code; the executor leaves it to its caller).
 
-Transfer windows (Plan.transfers; none = the defaults). Offload windows are forward windows (w = layer w);
-reload windows backward windows (w < L: layer w's backward and its recompute; w = L: the loss head). A
-boundary's d2h is issued at the start of the earliest window the plan names for it (default: window i, the
-layer that reads it) and its device copy is freed at the end of the latest (default i). A reload is issued
-at the start of the segment holding the earliest (in run order) window the plan names for it (default: the
-segment after the boundary's own, or the head for the last segment's start); an nvme_read may be named
-earlier than its h2d, so the read is staged in the host buffer before its h2d enters the FIFO h2d lane.
+Transfer windows (what `Plan.transfers` records): the d2h of boundary i in F_i, its nvme write in F_{i+1} (H
+for i = L-1), its nvme read in B_{e+1} (H for e = L-1) and its h2d in B_e, with (i, e) its segment; the last
+segment's start reloads in H.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from typing import TYPE_CHECKING
 from lazytrain.errors import LazyTrainError
 
 if TYPE_CHECKING:
-    from lazytrain.plan.plan import Transfer
     from lazytrain.spec.cost import CostModel
 
 LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "collective")
@@ -203,16 +203,8 @@ class _Builder:
         self.actions.append(Action("free", buffer=(kind, index), num_bytes=int(num_bytes)))
 
 
-def _windows(transfers: tuple[Transfer, ...], link: str) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for t in transfers:
-        if t.link == link:
-            out.setdefault(t.boundary, []).append(t.window)
-    return out
-
-
-def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, transfers: tuple[Transfer, ...] = (),
-                  optimizer_mode: str = "overlap", forward_only: bool = False) -> StepProgram:
+def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimizer_mode: str = "overlap",
+                  forward_only: bool = False) -> StepProgram:
     """The step program of `tiers` (L+1 entries) with `shapes`' bytes; see the module docstring.
 
     forward_only: evaluation -- the forward with every boundary freed once the next exists, then the loss head
@@ -229,150 +221,134 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, transfe
     b = _Builder()
     if forward_only:
         return _forward_only(tiers, shapes, uses, b)
+    start_of = {e: s for s, e in segments}  # segment end -> its start
 
-    # ---- where the plan puts each transfer ----------------------------------------------------------
-    offloaded = [i for i in range(1, L) if tiers[i] in OFFLOADED]
-    d2h_windows = _windows(transfers, "d2h")
-    offload_at: dict[int, list[int]] = {}  # forward window -> boundaries whose d2h is issued before it
-    free_after: dict[int, list[int]] = {}  # forward window -> offloaded boundaries freed after it
-    for i in offloaded:
-        named = [w for w in d2h_windows.get(i, []) if i <= w < L] or [i]
-        offload_at.setdefault(min(named), []).append(i)
-        free_after.setdefault(max(named), []).append(i)
-    # backward points: len(segments) = the head, idx = the start of segment idx (run order: head, n-1, ..., 0)
-    head_point = len(segments)
-    seg_of_window = {w: idx for idx, (s, e) in enumerate(segments) for w in range(s, e)}
-    seg_index = {s: idx for idx, (s, _) in enumerate(segments)}
-
-    def point(windows: list[int], own: int) -> int:
-        named = [head_point if w >= L else seg_of_window[w] for w in windows]
-        return max(own, max(named)) if named else min(own + 1, head_point)
-
-    h2d_windows, read_windows = _windows(transfers, "h2d"), _windows(transfers, "nvme_read")
-    reloads_at: dict[int, list[tuple[str, int]]] = {}  # point -> [(link, boundary)] in issue order
-    for i in offloaded:
-        if i not in seg_index:  # an offloaded boundary always starts a segment
-            raise LazyTrainError(f"boundary {i} is offloaded but no segment starts there")
-        own = seg_index[i]
-        h2d_point = point(h2d_windows.get(i, []), own)
-        if tiers[i] == "nvme":
-            # staged: the read goes into the host buffer a segment before its h2d enters the FIFO h2d lane, so a
-            # read still in flight does not hold the weight prefetch queued behind the h2d
-            read_point = max(point(read_windows.get(i, []), own), min(h2d_point + 1, head_point))
-            reloads_at.setdefault(read_point, []).append(("nvme_read", i))
-        reloads_at.setdefault(h2d_point, []).append(("h2d", i))
-
-    # ---- helpers -------------------------------------------------------------------------------------
-    weights: dict[int, int] = {}
+    # ---- one fenced window per compute op ---------------------------------------------------------------
+    window: list[int] = []  # jobs issued in the current window; all are waited for at its end
     offload_d2h: dict[int, int] = {}
-    host_ready: dict[int, int] = {}
     reads: dict[int, int] = {}
-    reloaded: dict[int, list[int]] = {}
-    pending: list[int] = []
-    grad_d2h: list[int] = []
+    weights: dict[int, int] = {}
+    grads: list[tuple[int, int]] = []  # (group, bytes) whose gradients wait in a gradient slot
+
+    def issue(lane: str, kind: str, target: int = -1, num_bytes: int = 0, after: tuple[int | None, ...] = (),
+              use: int = -1) -> int:
+        op = b.issue(lane, kind, target, num_bytes, after, use)
+        window.append(op)
+        return op
+
+    def fence() -> None:
+        for op in window:
+            b.wait(op)
+        window.clear()
 
     def issue_weights(u: int) -> None:
-        if u < len(uses) and u not in weights:
+        if u < len(uses):
             kind, j = uses[u]
-            nbytes = shapes.head_param_bytes if kind == "head" else P[j]
-            weights[u] = b.issue("h2d", "weights", j, nbytes, use=u)
+            weights[u] = issue("h2d", "weights", j, shapes.head_param_bytes if kind == "head" else P[j], use=u)
 
-    def begin_use(u: int) -> None:
-        issue_weights(u)
-        issue_weights(u + 1)  # prefetch into the other slot, overlapping use u
-        b.wait(weights.pop(u))
+    def send_grads() -> None:
+        """d2h of the last gradient-producing use's gradients, then their optimizer-lane job (a chain)."""
+        if grads:
+            j, nbytes = grads.pop()
+            d2h = issue("d2h", "grads", j, nbytes)
+            issue("optimizer", "land", j, after=(d2h,))
 
-    def offload(i: int) -> None:
-        d2h = b.issue("d2h", "offload", i, A[i])
-        offload_d2h[i] = host_ready[i] = d2h
-        if tiers[i] == "nvme":
-            host_ready[i] = b.issue("nvme_write", "spill", i, A[i], after=(d2h,))
-            pending.append(host_ready[i])
+    def reload(s: int) -> None:
+        """h2d of offloaded boundary s into its device buffer (allocated when its segment's successor began)."""
+        ready = reads.get(s, offload_d2h[s])
+        if tiers[s] == "nvme" and s not in reads:  # read and copy chained in one window
+            ready = reads[s] = issue("nvme_read", "read", s, A[s], after=(offload_d2h[s],))
+        issue("h2d", "reload", s, A[s], after=(ready,))
 
-    def issue_reloads(at: int) -> None:
-        for link, i in reloads_at.get(at, []):
-            if link == "nvme_read":
-                reads[i] = b.issue("nvme_read", "read", i, A[i], after=(host_ready[i],))
-            else:
-                b.alloc("boundary", i, A[i])  # the device buffer exists from the reload's issue
-                after = reads.get(i, host_ready[i])
-                reloaded[i] = [*([reads[i]] if i in reads else []), b.issue("h2d", "reload", i, A[i], after=(after,))]
+    def stage(e: int) -> None:
+        """nvme read of the start of the segment ending at e into the host buffer, a window before its h2d."""
+        s = start_of.get(e, 0)
+        if s > 0 and tiers[s] == "nvme":
+            reads[s] = issue("nvme_read", "read", s, A[s], after=(offload_d2h[s],))
 
-    def send_grads(j: int, nbytes: int) -> None:
-        d2h = b.issue("d2h", "grads", j, nbytes)
-        grad_d2h.append(d2h)
-        pending.append(d2h)
-        pending.append(b.issue("optimizer", "land", j, after=(d2h,)))
+    def compute(kind: str, j: int, u: int) -> None:
+        b.alloc("working", j, shapes.working_bytes[j])
+        b.run(kind, j, u)
 
-    # ---- step start ----------------------------------------------------------------------------------
+    # ---- step start: boundary 0 and the first weights ----------------------------------------------------
     b.alloc("weight_slots", -1, 2 * W)
     b.alloc("boundary", 0, A[0])
-    upload0 = b.issue("h2d", "boundary0", 0, A[0])
+    issue("h2d", "boundary0", 0, A[0])
     issue_weights(0)
-    b.wait(upload0)
+    fence()
     b.alloc("constants", -1, shapes.constant_bytes)
 
-    # ---- forward -------------------------------------------------------------------------------------
+    # ---- forward: window F_j --------------------------------------------------------------------------------
     for j in range(L):
-        for i in offload_at.get(j, []):
-            offload(i)
-        begin_use(j)
-        b.alloc("working", j, shapes.working_bytes[j])
-        b.run("forward", j, j)
+        issue_weights(j + 1)
+        if j > 0 and tiers[j] in OFFLOADED:
+            offload_d2h[j] = issue("d2h", "offload", j, A[j])
+        if j > 1 and tiers[j - 1] == "nvme":
+            offload_d2h[j - 1] = issue("nvme_write", "spill", j - 1, A[j - 1], after=(offload_d2h[j - 1],))
+        compute("forward", j, j)
         b.alloc("boundary", j + 1, A[j + 1])
         b.free("working", j, shapes.working_bytes[j])
         if j > 0 and tiers[j] == "recompute":
             b.free("boundary", j, A[j])  # consumed by layer j, regenerated in the backward
-        for i in free_after.get(j, []):
-            b.wait(offload_d2h[i])  # an offloaded boundary leaves the device once its d2h is done
-            b.free("boundary", i, A[i])
+        fence()
+        if j > 0 and tiers[j] in OFFLOADED:
+            b.free("boundary", j, A[j])  # its d2h is done: the host holds it
 
-    # ---- loss head -----------------------------------------------------------------------------------
-    u = L
+    # ---- loss head: window H ----------------------------------------------------------------------------
     b.alloc("grad_slots", -1, 2 * W)
-    issue_reloads(head_point)
-    begin_use(u)
+    last_start = segments[-1][0]
+    if last_start > 0 and tiers[last_start] in OFFLOADED:
+        b.alloc("boundary", last_start, A[last_start])  # the device buffer exists from the reload's issue
+    issue_weights(L + 1)
+    if L > 1 and tiers[L - 1] == "nvme":
+        offload_d2h[L - 1] = issue("nvme_write", "spill", L - 1, A[L - 1], after=(offload_d2h[L - 1],))
+    stage(L - 1)
+    if last_start > 0 and tiers[last_start] in OFFLOADED:
+        reload(last_start)
     b.alloc("working", L, shapes.head_working_bytes)
     b.alloc("grad", L, A[L])
-    b.run("head", L, u)
+    b.run("head", L, L)
     b.free("working", L, shapes.head_working_bytes)
-    send_grads(L, shapes.head_param_bytes)
-    u += 1
+    fence()
+    grads.append((L, shapes.head_param_bytes))
 
-    # ---- backward ------------------------------------------------------------------------------------
+    # ---- backward: per segment (s, e), last first; windows R_s..R_{e-2}, B_{e-1}..B_s ----------------------
+    u = L + 1
     for idx in range(len(segments) - 1, -1, -1):
         s, e = segments[idx]
-        issue_reloads(idx)
-        for op in reloaded.pop(s, []):
-            b.wait(op)
+        previous = segments[idx - 1][0] if idx > 0 else 0  # the start of the segment that runs next
+        if previous > 0 and tiers[previous] in OFFLOADED:
+            b.alloc("boundary", previous, A[previous])  # its reload's device buffer, held from here
         for j in range(s, e - 1):  # regenerate boundaries s+1..e-1
-            begin_use(u)
-            b.alloc("working", j, shapes.working_bytes[j])
-            b.run("recompute", j, u)
+            issue_weights(u + 1)
+            send_grads()
+            compute("recompute", j, u)
             b.alloc("boundary", j + 1, A[j + 1])
             b.free("working", j, shapes.working_bytes[j])
+            fence()
             u += 1
         for j in range(e - 1, s - 1, -1):
-            begin_use(u)
-            b.alloc("working", j, shapes.working_bytes[j])
-            b.run("backward", j, u)
+            issue_weights(u + 1)
+            send_grads()
+            stage(j - 1)
+            if j == s and previous > 0 and tiers[previous] in OFFLOADED:
+                reload(previous)
+            compute("backward", j, u)
             b.alloc("grad", j, A[j])
-            if len(grad_d2h) >= 2:
-                b.wait(grad_d2h[-2])  # gradient slot of producer g-2 still draining
             b.free("working", j, shapes.working_bytes[j])
-            send_grads(j, P[j])
             b.free("boundary", j + 1, A[j + 1])
             b.free("grad", j + 1, A[j + 1])
+            fence()
+            grads.append((j, P[j]))
             u += 1
 
-    # ---- end: embedding backward on the host, drain every lane -------------------------------------
-    grad0 = b.issue("d2h", "grad0", 0, A[0])
-    pending.append(b.issue("optimizer", "embedding", 0, after=(grad0,)))
-    b.wait(grad0)
+    # ---- end: the last gradients, the embedding backward on the host -------------------------------------
+    send_grads()
+    grad0 = issue("d2h", "grad0", 0, A[0])
+    issue("optimizer", "embedding", 0, after=(grad0,))
+    fence()
     b.free("grad", 0, A[0])
     b.free("boundary", 0, A[0])
-    for op in pending:
-        b.wait(op)
     b.free("constants", -1, shapes.constant_bytes)
     b.free("grad_slots", -1, 2 * W)
     b.free("weight_slots", -1, 2 * W)
@@ -383,11 +359,9 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, transfe
 
 
 def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str = "overlap") -> StepProgram:
-    """The program of a Plan (its tiers and transfer windows) or a bare tier list, with a CostModel's shapes."""
+    """The program of a Plan (its tiers) or a bare tier list, with a CostModel's shapes."""
     tiers = getattr(plan_or_tiers, "tiers", plan_or_tiers)
-    transfers = getattr(plan_or_tiers, "transfers", ())
-    return build_program(tuple(tiers), Shapes.from_cost(cost), transfers=tuple(transfers),
-                         optimizer_mode=optimizer_mode)
+    return build_program(tuple(tiers), Shapes.from_cost(cost), optimizer_mode=optimizer_mode)
 
 
 def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], b: _Builder) -> StepProgram:

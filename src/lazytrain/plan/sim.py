@@ -18,6 +18,7 @@ recycles them across steps). NVMe: each spill file from its write start to step 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lazytrain.errors import LazyTrainError
@@ -154,37 +155,9 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
             raise LazyTrainError(f"plan has {plan.num_layers} layers but the cost model has {cost.num_layers}")
         program = program_for(plan, cost, optimizer_mode=optimizer_mode)
     overlap = program.optimizer_mode == "overlap"
-    r = _Replay()
-    jobs: dict[int, _Job] = {}
-    host_activation = 0
-    r.mem("cpu", cost.static_host_bytes())
-    forward_backward_s = None
-    for action in program.actions:
-        if action.verb == "alloc":
-            r.mem("gpu", action.num_bytes)
-        elif action.verb == "free":
-            r.mem("gpu", -action.num_bytes)
-        elif action.verb == "run":
-            op = program.ops[action.op]
-            r.compute(op.name, op_seconds(op, cost, overlap))
-        elif action.verb == "wait":
-            r.wait(jobs[action.op])
-        else:
-            op = program.ops[action.op]
-            if op.kind == "step":
-                forward_backward_s = r.now
-            job = r.issue(op.lane, op.name, op_seconds(op, cost, overlap), op.num_bytes,
-                          after=tuple(jobs[a] for a in op.after))
-            jobs[op.index] = job
-            if op.kind == "offload":  # the host buffer: cpu-tier store or nvme staging, recycled across steps
-                r.mem("cpu", op.num_bytes)
-                if program.tiers[op.target] == "cpu":
-                    host_activation += op.num_bytes
-            elif op.kind == "spill":
-                r.mem("nvme", op.num_bytes, at=job.start)
+    r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost, overlap),
+                                                     cost.static_host_bytes())
     step_s = r.now
-    if forward_backward_s is None:
-        forward_backward_s = step_s
     busy = dict.fromkeys(STREAMS, 0.0)
     for job in r.jobs:
         busy[job.stream] += job.end - job.start
@@ -193,3 +166,43 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
                      tflops=cost.tflops(step_s), tokens_per_s=cost.tokens_per_s(step_s), exposed_s=dict(r.exposed),
                      busy_s=busy, peak_bytes=dict(r.peak), memory_trace=r.trace, events=events,
                      optimizer_mode=program.optimizer_mode, host_activation_bytes=host_activation)
+
+
+def step_seconds(program: StepProgram, seconds_of: Callable[[Op], float]) -> tuple[float, dict[str, float]]:
+    """The step seconds and per-lane exposed seconds of `program` with op times from `seconds_of` (the same
+    replay as `simulate`; the planner's tests time programs of plain-number instances with it)."""
+    r, _, _ = _replay(program, seconds_of, 0)
+    return r.now, dict(r.exposed)
+
+
+def _replay(program: StepProgram, seconds_of: Callable[[Op], float], static_host_bytes: int
+            ) -> tuple[_Replay, float, int]:
+    """One pass over the program's actions: (the replay, the forward_backward seconds, host activation bytes)."""
+    r = _Replay()
+    jobs: dict[int, _Job] = {}
+    host_activation = 0
+    r.mem("cpu", static_host_bytes)
+    forward_backward_s = None
+    for action in program.actions:
+        if action.verb == "alloc":
+            r.mem("gpu", action.num_bytes)
+        elif action.verb == "free":
+            r.mem("gpu", -action.num_bytes)
+        elif action.verb == "run":
+            op = program.ops[action.op]
+            r.compute(op.name, seconds_of(op))
+        elif action.verb == "wait":
+            r.wait(jobs[action.op])
+        else:
+            op = program.ops[action.op]
+            if op.kind == "step":
+                forward_backward_s = r.now
+            job = r.issue(op.lane, op.name, seconds_of(op), op.num_bytes, after=tuple(jobs[a] for a in op.after))
+            jobs[op.index] = job
+            if op.kind == "offload":  # the host buffer: cpu-tier store or nvme staging, recycled across steps
+                r.mem("cpu", op.num_bytes)
+                if program.tiers[op.target] == "cpu":
+                    host_activation += op.num_bytes
+            elif op.kind == "spill":
+                r.mem("nvme", op.num_bytes, at=job.start)
+    return r, r.now if forward_backward_s is None else forward_backward_s, host_activation

@@ -231,7 +231,7 @@ class Executor:
     def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False) -> StepProgram:
         """The step program this executor runs for a batch of this shape (the plan's tiers and windows)."""
         return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked),
-                             transfers=self.plan.transfers, forward_only=forward_only)
+                             forward_only=forward_only)
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
         """The shared CostModel's byte sizes (working sets), so the planner, simulator and arena agree."""

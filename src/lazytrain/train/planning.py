@@ -14,9 +14,8 @@ from transformers import PreTrainedModel
 from lazytrain.config import COST_OPTIMIZER
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
-from lazytrain.plan.milp import instance_from_cost, solve_milp
+from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
 from lazytrain.plan.plan import Plan, spec_of
-from lazytrain.plan.rules import milp_step_s
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate
 from lazytrain.runtime.executor import Executor
@@ -69,11 +68,12 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
         # (fit_device_cap), so only a user's cap makes a rule that does not fit an error
         deadline = planner.Deadline(job.plan.time_limit_s)  # the solver gets what is left of the time limit
         plan = planner.make_plan(job.plan, cost, Budgets(**budgets), deadline=deadline,
-                                 strict_rules=job.plan.gpu_mem_cap_bytes is not None)
+                                 strict_rules=job.plan.gpu_mem_cap_bytes is not None,
+                                 optimizer_mode=job.optim.optimizer_mode)
         how = planner.describe(plan)
     sim = _simulate(plan, cost, job.optim.optimizer_mode)
-    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets)), cost,
-                         optimizer_mode=job.optim.optimizer_mode)
+    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets),
+                                                        optimizer_mode=job.optim.optimizer_mode))
     plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
     serial_s = sim.step_s if job.optim.optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
     return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, serial_step_s=serial_s)
@@ -130,7 +130,7 @@ def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
     def solve(cost: CostModel, start: tuple[str, ...]) -> Plan:
         return solve_milp(cost, Budgets(**planned.budgets), max_segment=options.max_segment,
                           time_limit_s=options.time_limit_s, mip_rel_gap=options.mip_rel_gap, solver=options.solver,
-                          formulation=options.formulation, start_tiers=start)
+                          start_tiers=start, optimizer_mode=job.optim.optimizer_mode)
 
     return Replanner(planned.cost, planned.plan, solve, optimizer_mode=job.optim.optimizer_mode)
 
