@@ -3,6 +3,7 @@
     python benchmarks/planner.py            # everything (about 5 minutes on a 2-core CPU)
     python benchmarks/planner.py solve      # solve times for 32/64/80/128 layers, HiGHS and SCIP
     python benchmarks/planner.py tight      # 27B with tighter gpu caps, where recompute is needed
+    python benchmarks/planner.py instances  # the issue-10 instances: MILP step vs simulated step, both modes
     python benchmarks/planner.py tflops     # simulated TFLOPS, MILP vs rule, at the paper's batch sizes (H800)
     python benchmarks/planner.py maxbatch   # largest feasible batch on the rtx3090 preset, MILP vs rules
 
@@ -94,6 +95,29 @@ def bench_solve_tight(time_limit_s: float = 120.0) -> None:
         sys.stdout.flush()
 
 
+INSTANCES = (("qwen3.6-27b", "h800", 72, 1024, 70, 15, 32, {}), ("qwen3.6-27b", "h800", 72, 1024, 50, 15, 8, {}),
+             ("qwen3.6-27b", "h800", 72, 1024, 70, 15, 32, {"d2h_gbps": 1.5}),
+             ("qwen2.5-7b", "h800", 8, 2048, 30, 40, 0, {}), ("qwen2.5-7b", "rtx3090", 4, 1024, 24, 40, 0, {}))
+
+
+def bench_instances() -> None:
+    print("## MILP plan, MILP step and simulated step of named instances (gpu cap / cpu act / nvme act in GB)")
+    print("| model | hardware | batch x seq | budgets | optimizer | tiers G/C/N/R | MILP step s | simulated s | "
+          "solve s | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for preset, hardware, batch, seq, cap, cpu, nvme, overrides in INSTANCES:
+        cost = CostModel(ModelSpec.load(preset), HardwareSpec.load(hardware, **overrides), Workload(batch, seq))
+        budgets = Budgets(gpu_mem_cap_bytes=cap * GB, cpu_act_bytes=cpu * GB, nvme_act_bytes=nvme * GB)
+        for mode in ("serial", "overlap"):
+            plan = solve_milp(cost, budgets, optimizer_mode=mode)
+            sim = simulate(plan, cost, optimizer_mode=mode)
+            name = hardware + "".join(f" {k}={v}" for k, v in overrides.items())
+            print(f"| {preset} | {name} | {batch} x {seq} | {cap}/{cpu}/{nvme} | {mode} | {tier_counts(plan.tiers)} | "
+                  f"{plan.report.options['step_s']:.3f} | {sim.step_s:.3f} | {plan.report.seconds:.2f} | "
+                  f"{sim.peak_bytes['gpu'] / 2**30:.1f} |")
+            sys.stdout.flush()
+
+
 def bench_tflops() -> None:
     print("## Simulated TFLOPS at the paper's batch sizes, H800 preset, gpu cap 70 GB, cpu act 15 GB, nvme 32 GB")
     print("| model | batch | paper MegaTrain | rule serial | rule overlap | MILP serial | MILP overlap | "
@@ -139,11 +163,12 @@ def bench_max_batch() -> None:
 
 
 def main(argv: list[str]) -> None:
-    which = argv or ["solve", "tight", "tflops", "maxbatch"]
+    which = argv or ["solve", "tight", "instances", "tflops", "maxbatch"]
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}; "
           f"command: python benchmarks/planner.py {' '.join(argv)}".rstrip())
     for name in which:
-        {"solve": bench_solve, "tight": bench_solve_tight, "tflops": bench_tflops, "maxbatch": bench_max_batch}[name]()
+        {"solve": bench_solve, "tight": bench_solve_tight, "instances": bench_instances, "tflops": bench_tflops,
+         "maxbatch": bench_max_batch}[name]()
         print()
 
 
