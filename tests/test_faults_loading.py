@@ -93,6 +93,74 @@ def test_moe_and_hybrid_presets_load_exactly(tmp_path, preset):
         torch.testing.assert_close(model(ids).logits, saved(ids).logits, rtol=0, atol=0)
 
 
+def _moe_config(model_type: str) -> transformers.PretrainedConfig:
+    """A tiny MoE config with more than ten experts (so natural key order, 2 before 10, matters)."""
+    experts = dict(num_experts=RNG.randrange(11, 14), num_experts_per_tok=2, moe_intermediate_size=RNG.choice([8, 12]))
+    if model_type == "qwen3_moe":
+        return _config("qwen3_moe", head_dim=8, mlp_only_layers=[1], **experts)
+    return _config("qwen3_5_moe_text", num_hidden_layers=3, head_dim=8, linear_num_key_heads=2,
+                   linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                   layer_types=["linear_attention", "linear_attention", "full_attention"],
+                   shared_expert_intermediate_size=16, **experts)
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The legacy hub layout of fused expert tensors: `experts.<i>.{gate,up,down}_proj.weight`, one per expert."""
+    out = {}
+    for key, value in state.items():
+        prefix, fused = key.rpartition(".experts.")[0], key.rpartition(".experts.")[2]
+        if fused == "gate_up_proj":
+            gate, up = value.chunk(2, dim=1)
+            for i in range(value.shape[0]):
+                out[f"{prefix}.experts.{i}.gate_proj.weight"] = gate[i].clone()
+                out[f"{prefix}.experts.{i}.up_proj.weight"] = up[i].clone()
+        elif fused == "down_proj":
+            for i in range(value.shape[0]):
+                out[f"{prefix}.experts.{i}.down_proj.weight"] = value[i].clone()
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("layout", ["per-expert", "per-expert sharded", "fused"])
+def test_per_expert_checkpoints_are_fused_as_transformers_does(tmp_path, model_type, layout):
+    """Hub MoE checkpoints store one tensor per expert where transformers 5 builds one fused tensor per layer;
+    the loader converts them with transformers' own conversion mapping, one fused parameter at a time."""
+    saved = _save(tmp_path, _moe_config(model_type), shard="24KB" if layout.endswith("sharded") else None)
+    fused = {k: v.contiguous() for k, v in saved.state_dict().items() if k != "lm_head.weight" or
+             not saved.config.tie_word_embeddings}
+    assert any(".experts.gate_up_proj" in k for k in fused)
+    if layout == "per-expert":  # written by hand from the fused tensors (what a hub checkpoint stores)
+        save_file(_per_expert(fused), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    elif layout == "fused":
+        save_file(fused, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    else:  # save_pretrained's own layout, experts spread over shards
+        stored = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "model.layers.0.mlp.experts.10.up_proj.weight" in stored
+        assert len({stored[k] for k in stored if ".layers.0.mlp.experts." in k}) > 1
+    model = _load(tmp_path)
+    for (name, p), q in zip(model.named_parameters(), saved.parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q), name
+    ids = torch.randint(0, saved.config.vocab_size, (2, RNG.randrange(5, 20)))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, saved(ids).logits, rtol=0, atol=0)
+
+
+def test_a_per_expert_checkpoint_with_an_expert_missing_or_non_finite_is_one_line(tmp_path):
+    saved = _save(tmp_path, _moe_config("qwen3_moe"))
+    state = _per_expert({k: v.contiguous() for k, v in saved.state_dict().items()})
+    expert = RNG.choice(sorted(k for k in state if ".experts." in k and k.endswith("up_proj.weight")))
+    broken = dict(state)
+    del broken[expert]
+    save_file(broken, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _one_line_error(lambda: _load(tmp_path), expert.rpartition(".experts.")[0] + ".experts.gate_up_proj",
+                    "do not belong to this config")
+    state[expert].view(-1)[RNG.randrange(state[expert].numel())] = float("nan")
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _one_line_error(lambda: _load(tmp_path), "experts.gate_up_proj", "non-finite")
+
+
 def test_bf16_weights_become_fp32_parameters(tmp_path):
     saved = _save(tmp_path, _config())
     saved.to(torch.bfloat16).save_pretrained(tmp_path)

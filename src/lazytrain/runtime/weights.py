@@ -21,9 +21,13 @@ Every failure is a one-line LazyTrainError naming the file, tensor or key.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,11 +207,7 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
     """
     from transformers import AutoModelForCausalLM
 
-    if init not in INITS:
-        raise LazyTrainError(f"init {init!r} is not one of {', '.join(INITS)}")
-    if init == "auto" and source.needs_weights and not source.weight_files:
-        raise LazyTrainError(f"model {source.name!r}: {source.directory} has no {SINGLE_FILE} or {INDEX_FILE}; "
-                             "point at a model with weights, or set init: random to train from the config alone")
+    check_init(source, init)
     if init == "random" or not source.weight_files:
         torch.manual_seed(seed)
         built = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, **attention_kwargs(source.config))
@@ -218,15 +218,29 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
     return built.train()
 
 
+def check_init(source: ModelSource, init: str) -> None:
+    """`init` is known and, unless random, the model has the weights it names (cheap: before anything is built)."""
+    if init not in INITS:
+        raise LazyTrainError(f"init {init!r} is not one of {', '.join(INITS)}")
+    if init == "auto" and source.needs_weights and not source.weight_files:
+        raise LazyTrainError(f"model {source.name!r}: {source.directory} has no {SINGLE_FILE} or {INDEX_FILE}; "
+                             "point at a model with weights, or set init: random to train from the config alone")
+
+
 def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> PreTrainedModel:
     """Fill a meta model's parameters, fp32 on the host, from safetensors files, one tensor at a time.
 
-    Each tensor is read through a `safe_open` memory mapping of its own (closed once the tensor is copied and
-    converted into a freshly allocated fp32 parameter), so the process holds the model once plus one tensor
-    in flight, whatever the shard size. Tied parameters
-    (one Parameter under two names) are filled once, from whichever name the file stores.
+    Checkpoint keys go through transformers' own conversion mapping (`get_model_conversion_mapping`, what
+    `from_pretrained` applies): renamed keys are renamed, and a hub layout that stores what the model fuses
+    (per-expert MoE weights `mlp.experts.<i>.gate_proj.weight` ... into `mlp.experts.gate_up_proj`) is converted
+    by its operations, one fused parameter at a time. Each tensor is read through a `safe_open` memory mapping
+    of its own (closed once the tensor is copied and converted into a freshly allocated fp32 parameter), so the
+    process holds the model once plus one parameter in flight (plus its sources, for a fused one), whatever the
+    shard size. Tied parameters (one Parameter under two names) are filled once, from whichever name the file
+    stores.
     """
-    from safetensors import SafetensorError, safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # id(param) -> every (module, attribute) holding it
     params: dict[int, torch.nn.Parameter] = {}
@@ -241,39 +255,70 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
     buffer_keys = {k for k, _ in model.named_buffers()}
     loaded: set[int] = set()
 
+    def fill(key: str, value: torch.Tensor, where: str) -> None:
+        """`value` (any dtype) as the fp32 parameter `key`, checked: shape against the config, finite values."""
+        pid = key_to_param[key]
+        if pid in loaded:
+            return  # the other name of a tied parameter
+        meta = params[pid]
+        if tuple(value.shape) != tuple(meta.shape):
+            raise LazyTrainError(f"model {name!r}: tensor {where} has shape {list(value.shape)} but the config "
+                                 f"makes {key} {list(meta.shape)}; the weights do not belong to this config")
+        param_value = torch.empty(value.shape, dtype=torch.float32)
+        param_value.copy_(value)  # the file's (bf16/fp32) tensor, converted as it is copied
+        # a NaN or inf anywhere makes the sum non-finite (one fast pass, no mask); count only then
+        if not math.isfinite(float(param_value.sum())) and (bad := int((~torch.isfinite(param_value)).sum())):
+            raise LazyTrainError(f"model {name!r}: tensor {where} holds {bad:,} non-finite values (NaN or inf); "
+                                 "these weights cannot be trained from")
+        param = torch.nn.Parameter(param_value, requires_grad=meta.requires_grad)
+        param._is_hf_initialized = True  # initialize_weights below leaves it alone
+        for module, attr in owners[pid]:
+            module._parameters[attr] = param
+        loaded.add(pid)
+
+    # every file's header first (names and shapes, checked against the file size): a fused parameter's sources
+    # may sit in several shards, and transformers stacks them in natural key order (expert 2 before 10)
+    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in files:
+        stored.update({key: (path, shape) for key, shape in _header(path, name).items()})
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    model_keys = dict.fromkeys(key_to_param.keys() | buffer_keys, True)  # what rename_source_key looks names up in
+    fused: dict[str, WeightConverter] = {}  # target parameter -> its converter, collecting the source tensors
+    for key in sorted(stored, key=dot_natural_key):
+        path, shape = stored[key]
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, model_keys)
+        if target not in model_keys and key in model_keys:  # as from_pretrained: a renaming that misses is undone
+            target, pattern = key, None
+        if target not in model_keys:
+            continue  # not a tensor of this model (e.g. an old rotary buffer): as from_pretrained
+        if pattern is not None:
+            converter = fused.setdefault(target, copy.deepcopy(by_pattern[pattern]))
+            converter.add_tensor(target, key, pattern, functools.partial(_mapped_tensor, path, key, name))
+        elif target in buffer_keys:
+            _load_buffer(model, target, _mapped_tensor(path, key, name), path, name)
+        elif key_to_param[target] not in loaded:
+            if shape != tuple(params[key_to_param[target]].shape):  # from the header, before reading the tensor
+                raise LazyTrainError(f"model {name!r}: tensor {key} in {path.name} has shape {list(shape)} but the "
+                                     f"config makes it {list(params[key_to_param[target]].shape)}; the weights do not "
+                                     "belong to this config")
+            fill(target, _mapped_tensor(path, key, name), f"{key} in {path.name}")
+    for target, converter in fused.items():
+        sources = sorted(set().union(*converter.layer_targets.values()), key=dot_natural_key)
+        where = f"{target} (from {len(sources)} tensors {sources[0]} ... {sources[-1]})"
         try:
-            with safe_open(path, framework="pt") as f:  # the header: names and shapes, checked against the file size
-                shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-            for key, shape in shapes.items():
-                pid = key_to_param.get(key)
-                if pid is None:
-                    if key in buffer_keys:
-                        _load_buffer(model, key, _mapped_tensor(path, key), path, name)
-                    continue  # not a parameter of this model (e.g. an old rotary buffer): as from_pretrained
-                if pid in loaded:
-                    continue  # the other name of a tied parameter
-                meta = params[pid]
-                if shape != tuple(meta.shape):
-                    raise LazyTrainError(
-                        f"model {name!r}: tensor {key} in {path.name} has shape {list(shape)} but the config "
-                        f"makes it {list(meta.shape)}; the weights do not belong to this config")
-                value = torch.empty(shape, dtype=torch.float32)
-                value.copy_(_mapped_tensor(path, key))  # the file's (bf16/fp32) tensor, converted as it is copied
-                # a NaN or inf anywhere makes the sum non-finite (one fast pass, no mask); count only then
-                if not math.isfinite(float(value.sum())) and (bad := int((~torch.isfinite(value)).sum())):
-                    raise LazyTrainError(f"model {name!r}: tensor {key} in {path.name} holds {bad:,} non-finite "
-                                         "values (NaN or inf); these weights cannot be trained from")
-                param = torch.nn.Parameter(value, requires_grad=meta.requires_grad)
-                param._is_hf_initialized = True  # initialize_weights below leaves it alone
-                for module, attr in owners[pid]:
-                    module._parameters[attr] = param
-                loaded.add(pid)
-        except SafetensorError as err:
-            raise LazyTrainError(f"model {name!r}: {path} is not a readable safetensors file ({_first_line(err)}); "
-                                 "it is truncated or corrupt: copy or download it again") from None
-        except OSError as err:
-            raise LazyTrainError(f"model {name!r}: cannot read {path} ({err.strerror or err})") from None
+            realized = converter.convert(target, model=model, config=model.config)
+        except LazyTrainError:
+            raise
+        except (RuntimeError, ValueError, IndexError, KeyError) as err:
+            raise LazyTrainError(f"model {name!r}: cannot convert the checkpoint's {where} as transformers does "
+                                 f"({_first_line(err)}); the weights do not belong to this config") from None
+        for key, value in realized.items():
+            if key in key_to_param:
+                fill(key, value[0] if isinstance(value, list) else value, where)
+        del realized
 
     missing = [k for k, pid in key_to_param.items() if pid not in loaded]
     if missing:
@@ -290,12 +335,34 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
     return model
 
 
-def _mapped_tensor(path: Path, key: str) -> torch.Tensor:
+def _header(path: Path, name: str) -> dict[str, tuple[int, ...]]:
+    """The names and shapes a safetensors file stores (its header, checked against the file size)."""
+    from safetensors import safe_open
+
+    with _reading(path, name), safe_open(path, framework="pt") as f:
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+
+
+@contextlib.contextmanager
+def _reading(path: Path, name: str) -> Iterator[None]:
+    """A damaged or unreadable weights file as one line naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as err:
+        raise LazyTrainError(f"model {name!r}: {path} is not a readable safetensors file ({_first_line(err)}); "
+                             "it is truncated or corrupt: copy or download it again") from None
+    except OSError as err:
+        raise LazyTrainError(f"model {name!r}: cannot read {path} ({err.strerror or err})") from None
+
+
+def _mapped_tensor(path: Path, key: str, name: str) -> torch.Tensor:
     """One tensor of a safetensors file, through a mapping opened for it alone: the pages it touched leave this
     process's RSS when it closes, so a 5 GB shard never counts in full (they stay in the page cache)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with _reading(path, name), safe_open(path, framework="pt") as f:
         return f.get_tensor(key)
 
 

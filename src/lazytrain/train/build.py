@@ -14,7 +14,7 @@ from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import cuda_hardware
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
-from lazytrain.runtime.weights import ModelSource, built_spec, load_model, meta_model, resolve_model
+from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
 from lazytrain.spec import hardware as hardware_module
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
@@ -65,6 +65,7 @@ def build_model(job: JobConfig, source: ModelSource) -> PreTrainedModel:
     """The fp32 host causal LM: built on the meta device first, its parameter count checked against the
     ModelSpec and the host memory (admission), then its weights loaded tensor by tensor (or a seeded random
     init: built-in shapes, a bare config.json, init random)."""
+    check_init(source, job.model.init)  # the weights are there: the root cause before any count of them
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
     return load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)

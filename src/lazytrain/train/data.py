@@ -51,6 +51,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     keeps its own rows), the held-out and probe batches stay per device."""
     dataset, seed = job.data.dataset, job.runtime.seed
     batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
+    check_data_files(job)  # the root cause first: a file that is not there, before what it would be read with
     if dataset in CORPORA or dataset.endswith(".txt"):
         return _corpus_data(job, world_size)
     math_eval: list[Row] = []
@@ -59,7 +60,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
             raise LazyTrainError(f"dataset math with model {job.model.model}: the embedded math set comes with its "
                                  f"own tokenizer and model shapes ({', '.join(MODEL_PRESETS)}); give a dataset file "
                                  "for your model")
-        prepared = prepare_default_job(_cache_dir() / f"default-job-{job.model.model}",
+        prepared = prepare_default_job(cache_dir() / f"default-job-{job.model.model}",
                                        shapes=MODEL_PRESETS[job.model.model],
                                        max_position_embeddings=max(1024, seq_len))
         job = replace(job, model=replace(job.model, model=str(prepared.model_dir), init="random"),
@@ -87,6 +88,17 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
                    summary=f"dataset  {dataset} ({sft.summary()})", math_eval=math_eval)
 
 
+def check_data_files(job: JobConfig) -> None:
+    """The files `dataset` and `eval_dataset` name exist (the cheapest check, and the root cause when they do not:
+    later checks of the model and tokenizer they would be read with would name a symptom instead)."""
+    for key in ("dataset", "eval_dataset"):
+        value = getattr(job.data, key)
+        if value is None or value == MATH or value in CORPORA or value.endswith(".txt") or Path(value).exists():
+            continue  # a .txt corpus is read first, with its own message
+        raise LazyTrainError(f"{key} {value}: no such file or directory; set {key} to a json, jsonl, parquet or "
+                             f"arrow file, a save_to_disk folder, or one of {MATH}, {', '.join(CORPORA)}")
+
+
 def _corpus_data(job: JobConfig, world_size: int) -> RunData:
     seed, batch_size, seq_len = job.runtime.seed, job.data.per_device_train_batch_size, job.data.cutoff_len
     tokenizer = ByteTokenizer()
@@ -103,7 +115,7 @@ def _corpus_data(job: JobConfig, world_size: int) -> RunData:
                            "tokens (bytes)", math_eval=[])
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """Where the default job's model directory and data files are made once: $LAZYTRAIN_CACHE, else
     ~/.cache/lazytrain."""
     return Path(os.environ.get("LAZYTRAIN_CACHE", "~/.cache/lazytrain")).expanduser()

@@ -1,0 +1,50 @@
+"""The command line as an adversarial user drives it: every bad input is one `error:` line naming its root cause,
+exit 2, nothing written. (Loading faults: test_faults_loading.py; storage: test_faults_storage.py; the training
+loop: test_faults.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lazytrain.cli import main
+
+TRAIN = ["train", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--eval-batches", "0", "--no-progress",
+         "--device", "cpu"]
+
+
+def _refused(capsys, argv: list[str], needle: str, *, not_needle: str | None = None, out: Path | None = None) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert needle in err, err
+    assert not_needle is None or not_needle not in err, err
+    assert out is None or not out.exists(), "the output directory was written"
+    return err
+
+
+# ---- check order: the cheapest, most basic check first ----------------------------------------------------
+@pytest.mark.parametrize("key", ["dataset", "eval_dataset"])
+def test_a_missing_dataset_file_is_named_before_the_model_tokenizer_mismatch(tmp_path, capsys, key):
+    """A built-in shape (byte tokenizer) with a dataset file: the file's absence is the root cause, not the
+    model/tokenizer mismatch a file that did exist would be refused for."""
+    missing = tmp_path / "typo" / "train.jsonl"
+    out = tmp_path / "run"
+    words = [f"dataset={missing}"] if key == "dataset" else ["dataset=zen", f"eval_dataset={missing}"]
+    _refused(capsys, [*TRAIN, "--model", "debug", *words, "--output-dir", str(out)],
+             f"{key} {missing}: no such file", not_needle="built-in shape", out=out)
+
+
+def test_a_model_dir_without_weights_is_named_before_the_host_memory_check(tmp_path, capsys):
+    """A 70B-shaped config.json without weights on this machine: "no weights" (cheap, the root cause), not
+    "needs 1 TiB of host memory" (what admission would say of weights that are not there)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096)))
+    out = tmp_path / "run"
+    _refused(capsys, [*TRAIN, "--model", str(model), "dataset=zen", "--output-dir", str(out)],
+             "has no model.safetensors", not_needle="host memory", out=out)
