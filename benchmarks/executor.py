@@ -6,6 +6,7 @@
 
     python benchmarks/executor.py            # all three, ~3 minutes on 2 cores
     python benchmarks/executor.py --only c
+    python benchmarks/executor.py --threads 1   # one torch thread: steadier timings on a shared machine
 
 The simulator gets a CostModel (lazytrain.spec.cost) whose per-layer compute seconds are measured by the
 executor itself (StepStats.forward_s / backward_s / head_s), because on a shared 2-core CPU compute
@@ -114,7 +115,7 @@ def part_a_b(args) -> None:
         while True:
             try:
                 milp = solve_milp(cost0, Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=None, nvme_act_bytes=0),
-                                  time_limit_s=30)
+                                  time_limit_s=30, optimizer_mode="serial")
                 break
             except LazyTrainError:
                 if cap >= peak["keep-all"]:
@@ -195,8 +196,10 @@ def main() -> None:
     parser.add_argument("--nvme-gbps", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=["ab", "c"], default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1: steadier on a shared machine)")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import os
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")

@@ -176,7 +176,7 @@ def test_device_peak_of_keep_all_two_layers_by_hand() -> None:
     assert simulate(_plan(["gpu"] * 3), cost).peak_bytes["gpu"] == expected
 
 
-def _peak_by_hand(tiers: list[str], A: int, W: int, working: list[int], head_working: int, constant: int) -> int:
+def _peak_by_hand(tiers: list[str], A: int, slots: int, working: list[int], head_working: int, constant: int) -> int:
     """The executor's allocations replayed in order, written out independently of plan/schedule.py."""
     L = len(tiers) - 1
     used = peak = 0
@@ -186,7 +186,7 @@ def _peak_by_hand(tiers: list[str], A: int, W: int, working: list[int], head_wor
         used += n
         peak = max(peak, used)
 
-    add(2 * W + A + constant)  # weight slots, boundary 0, constants
+    add(slots + A + constant)  # weight slots, boundary 0, constants
     for j in range(L):
         add(working[j] + A)  # working set, then boundary j+1 appears
         used -= working[j]
@@ -194,7 +194,7 @@ def _peak_by_hand(tiers: list[str], A: int, W: int, working: list[int], head_wor
             used -= A  # boundary j leaves the device once consumed (offloaded or dropped)
     kept = [i for i, t in enumerate(tiers) if t != "recompute"]
     segments = list(zip(kept[:-1], kept[1:], strict=True))
-    add(2 * W)  # gradient slots
+    add(slots)  # gradient slots
     if tiers[segments[-1][0]] in ("cpu", "nvme"):
         add(A)  # reload of the last segment's start, issued as the head starts
     add(head_working + A)  # head working set, d(boundary L)
@@ -221,7 +221,8 @@ def test_device_peak_equals_the_executor_accounting(tiers: list[str], seed: int)
     cost = synthetic(L, forward=0.1, weight_bytes=rng.randrange(100, 1000), act_bytes=rng.randrange(10, 300),
                      working=working, head_working=rng.randrange(1, 400),
                      links_gbps={"h2d_gbps": 1e-6, "d2h_gbps": 2e-6})  # the peak must not depend on speeds
-    by_hand = _peak_by_hand(tiers, cost.boundary_bytes[0], cost.slot_bytes, working, cost.head_working_bytes,
+    slots = 2 * max(cost.param_bytes) + (cost.head_param_bytes if cost.head_param_bytes > max(cost.param_bytes) else 0)
+    by_hand = _peak_by_hand(tiers, cost.boundary_bytes[0], slots, working, cost.head_working_bytes,
                             cost.constant_device_bytes)
     assert simulate(_plan(tiers), cost).peak_bytes["gpu"] == by_hand
     assert program_for(_plan(tiers), cost).device_peak_bytes() == by_hand

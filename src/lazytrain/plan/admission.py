@@ -41,7 +41,8 @@ class Admission:
 def device_floor_bytes(cost: CostModel) -> int:
     """The least device peak of any plan (the executor's accounting): see the module docstring."""
     A = max(cost.boundary_bytes)
-    fixed = 4 * cost.slot_bytes + cost.constant_device_bytes
+    device = cost.device_breakdown()
+    fixed = device["weight_slots"] + device["grad_slots"] + cost.constant_device_bytes
     layer = max(cost.working_bytes) + (5 if cost.num_layers > 1 else 4) * A
     head = cost.head_working_bytes + 3 * A
     return fixed + max(layer, head)
@@ -81,7 +82,8 @@ def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     cap_knob = "--gpu-mem-cap" if budgets.gpu_mem_cap_bytes is not None else f"the {hw.name} device memory"
     static_device = cost.static_device_bytes()
     if static_device > cap:
-        detail = (f"weight + gradient slots 4 x {format_bytes(cost.slot_bytes)}, largest working set "
+        head = f" + 2 head slots of {format_bytes(cost.head_slot_bytes)}" if cost.head_slot_bytes else ""
+        detail = (f"weight + gradient slots 4 x {format_bytes(cost.layer_slot_bytes)}{head}, largest working set "
                   f"{format_bytes(max(max(cost.working_bytes), cost.head_working_bytes))}, 2 boundary gradients "
                   f"of {format_bytes(max(cost.boundary_bytes))}")
         raise _short("device memory", static_device, detail, cap, cap_knob,

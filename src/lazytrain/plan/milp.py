@@ -31,17 +31,18 @@ Variables
                       buffer is held while segment (e, .) runs backward (linearized: v >= x + c + n - 1)
     vn[s,e] >= 0      = x[s,e] n[s]: s is read from NVMe in window B_{e+1} (H when e = L-1)
     T[w] >= 0         seconds of window w
+    Q[k], S >= 0      the end of B_k (less the recompute windows of its own segment that run before it), the step
 
 Constraints (one `_add_<family>` each; equations repeated there)
     path, placement, capacity (cpu, nvme), gpu_memory (forward peak and every backward segment: the transient
     memory of recompute blocks and reload buffers, the paper's weak spot 3), windows (each T[w] at least its
-    compute and each lane's load: weights, activations, gradients and the optimizer lane).
+    compute and each lane's load: weights, activations, gradients; the step S at least the sum of the windows
+    and at least each optimizer-lane release plus the host work queued behind it).
 
 Objective (seconds)
-    min sum_w T[w] + fixed + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i]
-    with `fixed` the windows every plan has alike (start, end, the serial optimizer step). Without the
-    tie-breakers (1e-5 s per materialized or cpu boundary, 1e-4 s per nvme boundary) it is the simulated step of
-    the plan's program: `MilpSolution.step_s`.
+    min S + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i] (+ the whole optimizer step in serial mode)
+    Without the tie-breakers (1e-5 s per materialized or cpu boundary, 1e-4 s per nvme boundary) it is the
+    simulated step of the plan's program: `MilpSolution.step_s`.
 """
 
 from __future__ import annotations
@@ -148,21 +149,6 @@ class PlanningInstance:
                         param_bytes=tuple(round(p) for p in self.param_bytes),
                         head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0)
         return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode)
-
-    def fixed_step_s(self) -> float:
-        """The windows every plan has alike: the start (h2d of boundary 0 and the first weights), the end (d2h of
-        B_0's gradients then of boundary 0's, with their optimizer-lane jobs chained) and the serial optimizer
-        step."""
-        aH = 1.0 / self.h2d_bytes_per_s if math.isfinite(self.h2d_bytes_per_s) else 0.0
-        aD = 1.0 / self.d2h_bytes_per_s if math.isfinite(self.d2h_bytes_per_s) else 0.0
-        A0, p0 = self.boundary_bytes[0], self.param_bytes[0]
-        start = aH * (A0 + p0)
-        end = aD * p0 + max(aD * A0, self.land_seconds()[0]) + self.embedding_s
-        return start + end + (self.optimizer_step_s if self.optimizer_mode == "serial" else 0.0)
-
-    def window_s(self, w: int) -> float:
-        """Forward compute time of window w (rho[w]; the loss head for w = L)."""
-        return self.head_s if w == self.num_layers else self.forward_s[w]
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
@@ -410,28 +396,35 @@ class _Formulation:
             m.row(f"gpu_bwd[{s}]", coefs, hi=inst.gpu_act_bytes - inst.bwd_transient_bytes)
 
     def _add_windows(self) -> None:
-        """The step as the sum of its fenced windows (plan/schedule.py): each window lasts the longest of its
-        compute and each lane's chain of jobs, T[w] >= each, and the objective adds every T[w]. Bytes in model
-        units over rates in units/s are seconds; a(link) = 1 / rate. The loads, linear in x, z, c, n:
+        """The step program (plan/schedule.py) in time. Each window is fenced: it lasts the longest of its compute
+        and each lane's chain of transfers, T[w] >= each. Bytes in model units over rates in units/s are seconds;
+        a_X = 1 / rate. The loads, linear in x, z, c, n:
 
           F_j   T >= rho[j], a_H p[j+1] (the next weights; the head's after F_{L-1}), a_D A[j] (c[j] + n[j]),
                 a_W A[j-1] n[j-1]
           H     T >= rho[L], a_H (sum_s x[s,L] p[s] + sum_s A[s] v[s,L]), a_W A[L-1] n[L-1], a_R sum_s A[s] vn[s,L-1]
-          R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  sum_{e >= j+2} x[j,e] G[e]     (only when j+1 is recomputed)
+          R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  a_D sum_{e >= j+2} x[j,e] p[e]   (j+1 recomputed)
           B_j   T >= beta[j], a_H (p[j-1] (1 - z[j]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j]),
-                G[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
-        with G[k] = a_D p[k] + land[k] the d2h of group k's gradients chained with its optimizer-lane job (p[L],
-        land[L]: the loss head), v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in H when e = L),
-        vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H). The start
-        (boundary 0 and the first weights), the end (the last gradients, the embedding backward) and the serial
-        optimizer step are constants: the objective's offset. The last segment's start cannot be on nvme (its
-        read would chain with its h2d in H): n[s] + x[s,L] <= 1."""
+                a_D p[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
+        with p[L] the loss head's, v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in H when e = L),
+        vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H). The last
+        segment's start cannot be on nvme (its read would chain with its h2d in H): n[s] + x[s,L] <= 1.
+
+        The step: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
+        Q[L] = start + sum_j T[F_j] + T[H], Q[k] = Q[k+1] + T[B_k] + T[R_k]. The optimizer lane is a FIFO queue:
+        group k's job (land[k]) is released when its gradients' d2h ends, a_D p[k] after the end of B_k (of H for
+        the head), and the groups arrive in the order L, L-1, .., 0, then the embedding backward (released after
+        the end window's d2h of B_0's gradients and boundary 0's). So the step S is at least each release plus
+        the work queued from there on:
+          S >= Q[0] + a_D (p[0] + A[0]) + emb
+          S >= Q[k] + sum_{j=s..k-1} T[R_j] + a_D p[k] + sum_{k' <= k} land[k'] + emb - M (1 - sum_{e>k} x[s,e])
+        for every s <= k that may start B_k's segment (s = k needs no M: the sum is empty). In serial mode the
+        whole optimizer step follows: the objective's offset."""
         inst, m, L, x, A = self.inst, self.m, self.L, self.x, self.inst.boundary_bytes
         aH, aD = self._inverse(inst.h2d_bytes_per_s), self._inverse(inst.d2h_bytes_per_s)
         aW, aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
         p = [*inst.param_bytes, inst.head_param_bytes]  # p[L]: the loss head
         land = inst.land_seconds()
-        G = [aD * p[k] + land[k] for k in range(L + 1)]
         use_nvme = inst.nvme_act_bytes > 0
         for (s0, s1), xv in x.items():  # v[s,L]: the last segment's start, reloaded in the head window
             if s0 > 0 and s1 == L:
@@ -447,9 +440,9 @@ class _Formulation:
                     vn = self.vn[s0, s1] = m.var(f"vn[{s0},{s1}]")
                     m.row(f"nvme_reload[{s0},{s1}]", {vn: -1.0, xv: 1.0, self.n[s0]: 1.0}, hi=1.0)
 
-        def window(name: str, lb: float, loads: list[tuple[float, dict[int, float]]]) -> int:
+        def window(name: str, lb: float, loads: list[tuple[float, dict[int, float]]], ub: float = INF) -> int:
             """T >= lb and T >= const + sum coef var for every (const, coefs) in loads."""
-            T = m.var(name, lb=lb, cost=1.0)
+            T = m.var(name, lb=lb, ub=ub)
             for k, (const, coefs) in enumerate(loads):
                 coefs = {var: -coef for var, coef in coefs.items() if coef != 0.0}
                 if coefs:
@@ -461,24 +454,26 @@ class _Formulation:
         def reads(e: int) -> dict[int, float]:
             return {vn: aR * A[s] for (s, e2), vn in self.vn.items() if e2 == e}
 
-        self.T: dict[str, int] = {}
+        F, R, B = [], [], []
         for j in range(L):
             loads = [(0.0, {self.c[j]: aD * A[j], self.n[j]: aD * A[j]})] if j > 0 else []
             if j > 1:
                 loads.append((0.0, {self.n[j - 1]: aW * A[j - 1]}))
-            self.T[f"F{j}"] = window(f"T[F{j}]", max(inst.forward_s[j], aH * p[j + 1]), loads)
+            F.append(window(f"T[F{j}]", max(inst.forward_s[j], aH * p[j + 1]), loads))
         head_h2d = {xv: aH * p[s] for (s, e), xv in x.items() if e == L}
         head_h2d.update({v: aH * A[s] for (s, e), v in self.v.items() if e == L})
         loads = [(0.0, head_h2d), (0.0, reads(L - 1))]
         if L > 1:
             loads.append((0.0, {self.n[L - 1]: aW * A[L - 1]}))
-        self.T["H"] = window("T[H]", inst.head_s, loads)
+        H = window("T[H]", inst.head_s, loads)
         for j in range(L - 1):  # R_j runs only when boundary j+1 is recomputed
             busy = max(inst.forward_s[j], aH * p[j + 1])
-            grads = {xv: G[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
-            self.T[f"R{j}"] = window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy}), (0.0, grads)])
+            grads = {xv: aD * p[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
+            R.append(window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy}), (0.0, grads)],
+                            ub=max([busy, *grads.values()])))
         for j in range(L):
-            loads = [(G[j + 1], {self.z[j + 1]: -G[j + 1], x[j, j + 1]: G[j + 1]})]
+            g = aD * p[j + 1]
+            loads = [(g, {self.z[j + 1]: -g, x[j, j + 1]: g})]
             if j > 0:
                 h2d = {self.z[j]: -aH * p[j - 1]}
                 for (s, e), xv in x.items():
@@ -490,8 +485,31 @@ class _Formulation:
                 loads.append((aH * p[j - 1], h2d))
             if j > 1:
                 loads.append((0.0, reads(j - 1)))
-            self.T[f"B{j}"] = window(f"T[B{j}]", inst.backward_s[j], loads)
-        m.offset = inst.fixed_step_s()
+            B.append(window(f"T[B{j}]", inst.backward_s[j], loads))
+
+        # the step: Q chain and the optimizer queue
+        Q = [m.var(f"Q[{k}]") for k in range(L + 1)]
+        m.row(f"Q[{L}]", {Q[L]: 1.0, H: -1.0, **{T: -1.0 for T in F}}, aH * (A[0] + p[0]), aH * (A[0] + p[0]))
+        for k in range(L):
+            m.row(f"Q[{k}]", {Q[k]: 1.0, Q[k + 1]: -1.0, B[k]: -1.0, **({R[k]: -1.0} if k < L - 1 else {})}, 0, 0)
+        S = self.S = m.var("S", cost=1.0)
+        emb = inst.embedding_s
+        m.row("S_end", {S: 1.0, Q[0]: -1.0}, lo=aD * (p[0] + A[0]) + emb)
+        queued = [sum(land[:k + 1]) + emb for k in range(L + 1)]  # work queued from group k on (k = L: all)
+        for k in range(L + 1):
+            m.row(f"S_land[{k}]", {S: 1.0, Q[k]: -1.0}, lo=aD * p[k] + queued[k])
+            if k == L:
+                continue
+            for s in range(max(0, k - self.K + 1), k):  # B_k's segment starts at s: its R_s..R_{k-1} run before
+                starts = {xv: 1.0 for (s2, e), xv in x.items() if s2 == s and e > k}
+                if not starts:
+                    continue
+                M = sum(m.ub[R[j]] for j in range(s, k))
+                coefs = {S: 1.0, Q[k]: -1.0, **{R[j]: -1.0 for j in range(s, k)}}
+                for xv in starts:
+                    coefs[xv] = -M
+                m.row(f"S_land[{k},{s}]", coefs, lo=aD * p[k] + queued[k] - M)
+        m.offset = inst.optimizer_step_s if inst.optimizer_mode == "serial" else 0.0
 
 # ---- solvers ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -645,7 +663,7 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
             "raise --time-limit or lower --max-segment"
         )
     tiers = _read_tiers(form, values)
-    step_s = m.offset + sum(values[T] for T in form.T.values())
+    step_s = m.offset + values[form.S]
     report = SolveReport(
         planner="milp", solver=solver, status=status, objective=objective, gap=gap, seconds=seconds,
         num_variables=len(m.names), num_constraints=len(m.rows),

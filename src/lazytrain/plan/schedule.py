@@ -13,10 +13,13 @@ Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: gradi
 and, in overlap mode, the optimizer step of each group as it completes), collective (room for data parallelism).
 
 Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
-s..e-2, backward e-1..s; use u streams into weight slot u % 2). Every compute op is one *window*: the jobs the
+s..e-2, backward e-1..s; use u streams into weight slot u % 2, the loss head into its own slot when it is
+larger than a layer, and its gradients likewise). Every compute op is one *window*: the jobs the
 window issues start as it starts, and the window ends with a wait for all of them (a fence), so a window lasts
 max(its compute, each lane's chain of jobs) and the step is the sum of its windows -- exactly what the MILP
-(plan/milp.py) adds up. No job runs across a window boundary.
+(plan/milp.py) adds up. No transfer runs across a window boundary. The optimizer lane is the exception: its jobs
+(released as their gradients land) queue across windows and are waited for at the end; a FIFO queue with
+release times is also exactly linear.
   start     alloc 2 weight slots and boundary 0; h2d boundary 0 and the weights of use 0; fence; alloc the
             constants (rotary tables, positions, masks).
   F_j       h2d of use j+1's weights (into the slot use j-1 freed); d2h of boundary j if it is offloaded; the
@@ -29,14 +32,15 @@ max(its compute, each lane's chain of jobs) and the step is the sum of its windo
             set and the gradient of boundary L; run; free the working set; fence.
   R_j, B_j  per segment (s, e), last first, after allocating the device buffer for the reload of the next
             segment's start s' (if offloaded; held from here): each window issues the next use's weights and
-            the d2h of the previous window's weight gradients (head or B) chained with their optimizer-lane job
-            (accumulation into .grad, and in overlap mode the group's optimizer step); B_j also stages the
-            nvme read of the start of the segment ending at j-1 into the host buffer (one window before its
-            h2d), and B_s issues the reload h2d of s'. R_j: alloc working set, run, alloc boundary j+1, free
-            working set. B_j: alloc working set, run, alloc the gradient of boundary j, free working set,
-            boundary j+1 and its gradient. Fence.
+            the d2h of the previous window's weight gradients (head or B), with their optimizer-lane job after
+            it (accumulation into .grad, and in overlap mode the group's optimizer step; not fenced); B_j
+            also stages the nvme read of the start of the segment ending at j-1 into the host buffer (one
+            window before its h2d), and B_s issues the reload h2d of s'. R_j: alloc working set, run, alloc
+            boundary j+1, free working set. B_j: alloc working set, run, alloc the gradient of boundary j,
+            free working set, boundary j+1 and its gradient. Fence.
   end       d2h of B_0's gradients and their optimizer job, d2h of the gradient of boundary 0 and the embedding
-            backward on the optimizer lane; fence; free boundary 0, its gradient, constants and slots.
+            backward on the optimizer lane; fence; wait for every optimizer-lane job; free boundary 0, its
+            gradient, constants and slots.
             Mode "serial": then the optimizer step of every group on the optimizer lane, waited for
             (MegaTrain's code; the executor leaves it to its caller).
 
@@ -84,9 +88,11 @@ class Shapes:
         return len(self.param_bytes)
 
     @property
-    def slot_bytes(self) -> int:
-        """One weight (or gradient) slot: the largest layer or the loss head."""
-        return max(max(self.param_bytes), self.head_param_bytes)
+    def slots_bytes(self) -> int:
+        """The weight slots (and as many gradient slots): two of the largest layer, and the loss head's own when
+        it is larger than a layer (so layer slots are sized for layers)."""
+        layer = max(self.param_bytes)
+        return 2 * layer + (self.head_param_bytes if self.head_param_bytes > layer else 0)
 
     @classmethod
     def from_cost(cls, cost: CostModel) -> Shapes:
@@ -215,7 +221,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         raise LazyTrainError(f"plan has {L} layers but the step shapes have {shapes.num_layers}")
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
-    A, P, W = shapes.boundary_bytes, shapes.param_bytes, shapes.slot_bytes
+    A, P, W = shapes.boundary_bytes, shapes.param_bytes, shapes.slots_bytes
     segments = segments_of(tiers)
     uses = weight_uses(tiers, forward_only)
     b = _Builder()
@@ -229,6 +235,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     reads: dict[int, int] = {}
     weights: dict[int, int] = {}
     grads: list[tuple[int, int]] = []  # (group, bytes) whose gradients wait in a gradient slot
+    landing: list[int] = []  # optimizer-lane jobs: a FIFO queue across windows, waited for at the end
 
     def issue(lane: str, kind: str, target: int = -1, num_bytes: int = 0, after: tuple[int | None, ...] = (),
               use: int = -1) -> int:
@@ -247,11 +254,12 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
             weights[u] = issue("h2d", "weights", j, shapes.head_param_bytes if kind == "head" else P[j], use=u)
 
     def send_grads() -> None:
-        """d2h of the last gradient-producing use's gradients, then their optimizer-lane job (a chain)."""
+        """d2h of the last gradient-producing use's gradients (in this window), then their optimizer-lane job,
+        which queues behind the earlier ones and is not fenced."""
         if grads:
             j, nbytes = grads.pop()
             d2h = issue("d2h", "grads", j, nbytes)
-            issue("optimizer", "land", j, after=(d2h,))
+            landing.append(b.issue("optimizer", "land", j, after=(d2h,)))
 
     def reload(s: int) -> None:
         """h2d of offloaded boundary s into its device buffer (allocated when its segment's successor began)."""
@@ -271,7 +279,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         b.run(kind, j, u)
 
     # ---- step start: boundary 0 and the first weights ----------------------------------------------------
-    b.alloc("weight_slots", -1, 2 * W)
+    b.alloc("weight_slots", -1, W)
     b.alloc("boundary", 0, A[0])
     issue("h2d", "boundary0", 0, A[0])
     issue_weights(0)
@@ -295,7 +303,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
             b.free("boundary", j, A[j])  # its d2h is done: the host holds it
 
     # ---- loss head: window H ----------------------------------------------------------------------------
-    b.alloc("grad_slots", -1, 2 * W)
+    b.alloc("grad_slots", -1, W)
     last_start = segments[-1][0]
     if last_start > 0 and tiers[last_start] in OFFLOADED:
         b.alloc("boundary", last_start, A[last_start])  # the device buffer exists from the reload's issue
@@ -345,13 +353,15 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     # ---- end: the last gradients, the embedding backward on the host -------------------------------------
     send_grads()
     grad0 = issue("d2h", "grad0", 0, A[0])
-    issue("optimizer", "embedding", 0, after=(grad0,))
+    landing.append(b.issue("optimizer", "embedding", 0, after=(grad0,)))
     fence()
+    for op in landing:
+        b.wait(op)
     b.free("grad", 0, A[0])
     b.free("boundary", 0, A[0])
     b.free("constants", -1, shapes.constant_bytes)
-    b.free("grad_slots", -1, 2 * W)
-    b.free("weight_slots", -1, 2 * W)
+    b.free("grad_slots", -1, W)
+    b.free("weight_slots", -1, W)
     if optimizer_mode == "serial":  # MegaTrain: the whole optimizer step after the backward
         b.wait(b.issue("optimizer", "step"))
     return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(b.ops), actions=tuple(b.actions),
@@ -365,7 +375,7 @@ def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str =
 
 
 def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], b: _Builder) -> StepProgram:
-    L, A, W = len(tiers) - 1, shapes.boundary_bytes, shapes.slot_bytes
+    L, A, W = len(tiers) - 1, shapes.boundary_bytes, shapes.slots_bytes
     weights: dict[int, int] = {}
 
     def begin_use(u: int) -> None:
@@ -375,7 +385,7 @@ def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, 
                 weights[v] = b.issue("h2d", "weights", uses[v][1], nbytes, use=v)
         b.wait(weights.pop(u))
 
-    b.alloc("weight_slots", -1, 2 * W)
+    b.alloc("weight_slots", -1, W)
     b.alloc("boundary", 0, A[0])
     upload0 = b.issue("h2d", "boundary0", 0, A[0])
     begin_use_0 = b.issue("h2d", "weights", 0, shapes.param_bytes[0], use=0)
@@ -395,6 +405,6 @@ def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, 
     b.free("working", L, shapes.head_working_bytes)
     b.free("boundary", L, A[L])
     b.free("constants", -1, shapes.constant_bytes)
-    b.free("weight_slots", -1, 2 * W)
+    b.free("weight_slots", -1, W)
     return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(b.ops), actions=tuple(b.actions),
                        optimizer_mode="overlap", uses=tuple(uses))

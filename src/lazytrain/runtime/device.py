@@ -142,6 +142,8 @@ class Device(Protocol):
                on_done: Callable[[], None] | None = None) -> Event: ...
     def wait(self, event: Event) -> float: ...
     def record_compute(self) -> Event: ...
+    def mark(self) -> object: ...
+    def seconds_between(self, start: object, end: object) -> float: ...
     def synchronize(self) -> None: ...
     @property
     def used_bytes(self) -> int: ...
@@ -249,6 +251,14 @@ class _ArenaDevice:
         """An event set once the compute issued so far has finished (immediate on the emulated device)."""
         return done_event("compute")
 
+    def mark(self) -> object:
+        """A point in the compute stream's time: here the wall clock (compute runs on this thread)."""
+        return time.perf_counter()
+
+    def seconds_between(self, start: object, end: object) -> float:
+        """Seconds between two marks (after `synchronize` on CUDA)."""
+        return float(end) - float(start)  # type: ignore[arg-type]
+
     def synchronize(self) -> None:
         pass
 
@@ -327,6 +337,16 @@ class CudaDevice(_ArenaDevice):
         event = Event("compute")
         event._cuda = cuda_event  # type: ignore[attr-defined]
         return event
+
+    def mark(self) -> object:
+        """A timing CUDA event recorded on the compute stream: launches are asynchronous, so the wall clock
+        around a compute op would time its launch, not its kernels."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.torch_device))
+        return event
+
+    def seconds_between(self, start: object, end: object) -> float:
+        return start.elapsed_time(end) / 1e3  # type: ignore[attr-defined]
 
     def copy(self, link: str, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Event] = (),
              on_done: Callable[[], None] | None = None) -> Event:

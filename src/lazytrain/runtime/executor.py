@@ -4,8 +4,9 @@ The step is the step program of the plan (`lazytrain.plan.schedule`, Contract 2)
 in order -- issue a job on a lane (h2d, d2h, nvme_read, nvme_write, optimizer), run a compute op, wait for a
 job (the seconds waited are that lane's stall), alloc/free a device buffer in the arena -- so the simulator,
 the device-memory count and this executor follow one schedule. Every transfer is issued in the window the
-plan names (its `transfers`; the defaults without them). Weights stream into two device slots, use k into
-slot k % 2; weight gradients leave through two gradient slots; activations are offloaded, spilled,
+program gives it (a function of the plan's tiers). Weights stream into two device slots sized for layers, use
+k into slot k % 2 (a loss head larger than a layer into its own slot); weight gradients leave through two
+gradient slots (and the head's own); activations are offloaded, spilled,
 reloaded and recomputed exactly as the program says; the optimizer lane adds each group's gradients into
 the fp32 `.grad` and, when the group is complete, calls the optimizer hook. The step's peak device bytes
 equal `StepProgram.device_peak_bytes()` (the arena counts exactly its alloc/free actions).
@@ -171,7 +172,8 @@ class Executor:
         self.layer_groups = [WeightGroup(f"layer.{j}", list(layer.named_parameters()), compute_dtype, host_empty)
                              for j, layer in enumerate(self.parts.layers)]
         self.head_group = WeightGroup("head", head_named_params(self.parts), compute_dtype, host_empty)
-        self.slot_numel = max(g.numel for g in [*self.layer_groups, self.head_group])
+        self.slot_numel = max(g.numel for g in self.layer_groups)  # layer slots are sized for layers
+        self.head_slot_numel = self.head_group.numel if self.head_group.numel > self.slot_numel else 0
         # Host staging for each group's gradients (compute dtype, pinned on CUDA).
         self._grad_host = {id(g): host_empty((g.numel,), compute_dtype) for g in [*self.layer_groups, self.head_group]}
         self.store = ActivationStore(self.device.nvme_dir, host_empty)
@@ -358,11 +360,12 @@ class _Step:
         self.loss_sum: tuple[float, int] | None = None  # forward_only: (summed token loss, token count)
         self.reserved = 0
         self.allocated: list[torch.Tensor] = []
-        self.slots: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor] = []  # two layer slots, then the head's own when it has one
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
         self.arrivals: dict[int, int] = defaultdict(int)  # group index -> gradient parts landed
         self.timeline: list[tuple[str, str, float, float]] = []  # compute ops: (lane, name, start, end)
+        self.marks: list[tuple[Op, object, object]] = []  # compute ops and their device marks (CUDA events)
         L = self.L
         self.stats = StepStats(wall_s=0.0, stall_s={}, peak_device_bytes=0,
                                predicted_peak_device_bytes=self.program.device_peak_bytes(),
@@ -377,6 +380,7 @@ class _Step:
         dev.reset_peak()
         self.links_before = dev.link_stats()
         self.t_start = time.perf_counter()
+        self.mark_start = dev.mark()
         ops = self.program.ops
         for action in self.program.actions:
             if action.verb == "issue":
@@ -394,6 +398,7 @@ class _Step:
                 self._free_buffer(*action.buffer, action.num_bytes)
         dev.synchronize()
         self.stats.wall_s = time.perf_counter() - self.t_start
+        self._time_compute()
         if self.loss is None:  # forward only: evaluate
             return torch.tensor(float("nan"))
         self.stats.loss = float(self.loss)
@@ -402,8 +407,8 @@ class _Step:
 
     # ---- compute ops ------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
-        ex, j, t0 = self.ex, op.target, time.perf_counter()
-        weights = self._group_of(op).views(self.slots[op.use % 2])
+        ex, j, t0 = self.ex, op.target, self.dev.mark()
+        weights = self._group_of(op).views(self._slot(self.slots, op.target, op.use))
         if op.kind in ("forward", "recompute"):
             with torch.no_grad():
                 self.out = layer_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
@@ -417,24 +422,31 @@ class _Step:
                                             ex.head_chunk_tokens)
             self.loss_sum = (float(loss_sum), count)
         else:  # the loss head writes its weight gradients straight into the next gradient slot
-            head_grads = ex.head_group.views(self.grad_slots[self.grad_uses % 2])
+            head_grads = ex.head_group.views(self._slot(self.grad_slots, self.L, self.grad_uses))
             for g in head_grads.values():
                 g.zero_()
             targets = shift_labels(self.labels).to(self.dev.torch_device)
             self.loss = head_forward_backward(ex.parts.norm, weights, self.on_device[self.L], targets,
                                               self.grads[self.L], head_grads, ex.head_chunk_tokens, self.loss_scale,
                                               self.num_tokens)
-        t1 = time.perf_counter()
-        seconds = t1 - t0
-        if op.kind == "forward":
-            self.stats.forward_s[j] = seconds
-        elif op.kind == "recompute":
-            self.stats.recompute_s[j] += seconds
-        elif op.kind == "backward":
-            self.stats.backward_s[j] = seconds
-        elif op.kind == "head":
-            self.stats.head_s = seconds
-        self.timeline.append(("compute", op.name, t0 - self.t_start, t1 - self.t_start))
+        self.marks.append((op, t0, self.dev.mark()))
+
+    def _time_compute(self) -> None:
+        """Each compute op's seconds from its device marks (CUDA events on CUDA, the wall clock on the emulated
+        device), read once the step has synchronized."""
+        seconds_between, base = self.dev.seconds_between, self.mark_start
+        for op, t0, t1 in self.marks:
+            j, seconds = op.target, seconds_between(t0, t1)
+            if op.kind == "forward":
+                self.stats.forward_s[j] = seconds
+            elif op.kind == "recompute":
+                self.stats.recompute_s[j] += seconds
+            elif op.kind == "backward":
+                self.stats.backward_s[j] = seconds
+            elif op.kind == "head":
+                self.stats.head_s = seconds
+            start = seconds_between(base, t0)
+            self.timeline.append(("compute", op.name, start, start + seconds))
 
     # ---- lane ops -----------------------------------------------------------------------------------
     def _issue(self, op: Op) -> Event:
@@ -442,7 +454,8 @@ class _Step:
         i = op.target
         if op.kind == "weights":  # into slot use % 2, after the compute that last read that slot
             group = self._group_of(op)
-            return dev.copy("h2d", self.slots[op.use % 2][:group.numel], group.buffer, after=[dev.record_compute()])
+            slot = self._slot(self.slots, op.target, op.use)
+            return dev.copy("h2d", slot[:group.numel], group.buffer, after=[dev.record_compute()])
         if op.kind == "boundary0":  # the embedding rows, gathered on the host
             rows = self.ex.parts.embedding.weight.detach()[self.input_ids].to(self.ex.compute_dtype)  # (B, S, H)
             if dev.torch_device.type == "cuda":
@@ -486,6 +499,10 @@ class _Step:
             return dev.submit("optimizer", lambda: self._embedding_backward(host0, index), after=after)
         raise LazyTrainError(f"the executor cannot run op {op.name!r} (the optimizer step is its caller's)")
 
+    def _slot(self, slots: list[torch.Tensor], target: int, use: int) -> torch.Tensor:
+        """Layer slot use % 2, or the loss head's own slot when it has one."""
+        return slots[2] if target == self.L and len(slots) > 2 else slots[use % 2]
+
     def _group_of(self, op: Op) -> WeightGroup:
         return self.ex.head_group if op.target == self.L else self.ex.layer_groups[op.target]
 
@@ -493,7 +510,7 @@ class _Step:
     def _send_grads(self, op: Op) -> Event:
         """d2h of a group's gradients from gradient slot g % 2 (the program waited for its previous d2h)."""
         group = self._group_of(op)
-        grad_slot = self.grad_slots[self.grad_uses % 2]
+        grad_slot = self._slot(self.grad_slots, op.target, self.grad_uses)
         self.grad_uses += 1
         if op.target < self.L:  # a layer's weight gradients, from its backward
             for name, flat in group.views(grad_slot).items():
@@ -547,6 +564,8 @@ class _Step:
         shape = (self.batch, self.seq_len, ex.model.config.hidden_size)
         if kind in ("weight_slots", "grad_slots"):
             slots = [self._alloc((ex.slot_numel,), dtype, kind.replace("_", " ")) for _ in range(2)]
+            if ex.head_slot_numel:
+                slots.append(self._alloc((ex.head_slot_numel,), dtype, kind.replace("_", " ") + " (head)"))
             if kind == "weight_slots":
                 self.slots = slots
             else:

@@ -28,8 +28,9 @@ Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_m
             counts what `lazytrain train`'s executor allocates instead: the model's fp32 parameters and
             fp32 gradients, a packed compute-dtype copy of every streamed group in bf16, and one gradient
             landing buffer per streamed group (bf16: 12 B/param + states instead of 4).
-    device: 2 weight slots + 2 gradient slots (each the largest of a layer and the head), the largest
-            working set, 2 boundary-gradient buffers (static part); boundary activations come and go.
+    device: 2 weight slots + 2 gradient slots (each the largest layer) and, when the loss head is larger than a
+            layer, its own weight slot and gradient slot; the largest working set, 2 boundary-gradient buffers
+            (static part); boundary activations come and go.
 """
 
 from __future__ import annotations
@@ -206,6 +207,17 @@ class CostModel:
         """One weight (or gradient) slot: the largest layer or the loss head, in the compute dtype."""
         return max(max(self.param_bytes), self.head_param_bytes)
 
+    @property
+    def layer_slot_bytes(self) -> int:
+        """One layer weight (or gradient) slot on the device: the largest layer."""
+        return max(self.param_bytes)
+
+    @property
+    def head_slot_bytes(self) -> int:
+        """The loss head's own device slot (weights; another for its gradients) when it is larger than a layer
+        slot, else 0 (it streams through the layer slots)."""
+        return self.head_param_bytes if self.head_param_bytes > self.layer_slot_bytes else 0
+
     def optimizer_state_bytes(self) -> int:
         """Adam's two moments: fp32 8 B/param; 8-bit 2 B/param + an fp32 absmax per block per moment."""
         n = self.spec.num_params
@@ -235,8 +247,8 @@ class CostModel:
 
     def device_breakdown(self) -> dict[str, int]:
         return {
-            "weight_slots": 2 * self.slot_bytes,
-            "grad_slots": 2 * self.slot_bytes,
+            "weight_slots": 2 * self.layer_slot_bytes + self.head_slot_bytes,
+            "grad_slots": 2 * self.layer_slot_bytes + self.head_slot_bytes,
             "working_set": max(max(self.working_bytes), self.head_working_bytes),
             "boundary_grads": 2 * max(self.boundary_bytes),
             "constants": self.constant_device_bytes,
