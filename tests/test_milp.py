@@ -42,6 +42,9 @@ def random_instance(rng: random.Random, L: int, *, nvme: bool = True, tight: flo
         land_s=tuple(rng.uniform(0.0, 0.15) for _ in range(L + 1)),
         embedding_s=rng.uniform(0.0, 0.05),
         optimizer_step_s=rng.uniform(0.1, 0.5),
+        # overlap: the previous step's group updates fence the forward's weight h2d (some exposed, some hidden)
+        update_s=tuple(rng.uniform(0.0, 0.08) for _ in range(L + 2)) if optimizer_mode == "overlap" else (),
+        tied_head=rng.random() < 0.3,
     )
 
 

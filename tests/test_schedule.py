@@ -122,3 +122,31 @@ def test_a_plan_file_records_both_step_figures(tmp_path) -> None:
     prediction = Plan.load(path).prediction
     assert prediction is not None and prediction.simulated_step_s == prediction.step_s
     assert prediction.milp_step_s is not None and abs(prediction.milp_step_s / prediction.simulated_step_s - 1) < 0.01
+
+
+def _op_of(program, kind: str, target: int):
+    return next(op for op in program.ops if (op.kind, op.target) == (kind, target))
+
+
+def test_overlap_updates_run_in_forward_order_and_fence_each_groups_forward_h2d() -> None:
+    p = build_program(TIERS, SHAPES)  # overlap, first micro-batch: the previous step's updates
+    updates = [op for op in p.ops if op.kind == "update"]
+    assert [op.target for op in updates] == [-1, 0, 1, 2, 3, 4, 5, 6]  # embedding, layers, head
+    assert all(op.lane == "optimizer" for op in updates)
+    assert _issued(p, "update", 6) < _issued(p, "boundary0", 0)  # every update is queued before the step starts
+    by_target = {op.target: op.index for op in updates}
+    assert by_target[-1] in _op_of(p, "boundary0", 0).after  # the embedding gather waits for its update
+    for op in p.ops:
+        if op.kind == "weights" and p.uses[op.use][0] in ("forward", "head"):
+            assert op.after == (by_target[op.target],), op.name  # group j's forward h2d: after update j only
+    assert all(not (op.kind == "weights" and op.after) for op in p.ops if op.use > 6)  # later uses: no fence
+    # tied head: its group owns the embedding, so it is updated first and fences the gather
+    tied = build_program(TIERS, Shapes(**{**SHAPES.__dict__, "tied_head": True}))
+    assert [op.target for op in tied.ops if op.kind == "update"] == [6, 0, 1, 2, 3, 4, 5]
+    assert _op_of(tied, "update", 6).index in _op_of(tied, "boundary0", 0).after
+    # a later micro-batch carries no update; serial mode ends with one "step" instead
+    assert not any(op.kind == "update" for op in build_program(TIERS, SHAPES, updates=False).ops)
+    serial = build_program(TIERS, SHAPES, optimizer_mode="serial")
+    assert [op.kind for op in serial.ops if op.lane == "optimizer"][-1] == "step"
+    assert not any(op.kind == "update" for op in serial.ops)
+    assert p.device_peak_bytes() == serial.device_peak_bytes()  # the lane moves no device bytes

@@ -157,9 +157,24 @@ def test_serial_optimizer_runs_after_backward() -> None:
     assert serial.step_s == pytest.approx(serial.forward_backward_s + total)
     assert serial.forward_backward_s == pytest.approx(_compute_sum(cost, plan))
     assert serial.exposed_s["optimizer"] == pytest.approx(total)
-    # overlap: each layer's step hides under the next backward; layer 0's and the embedding's remain after B_0
+    # overlap (the previous step's updates, forward order, before each group's forward h2d): the embedding's
+    # and layer 0's updates are exposed before F0 (0.4 s); layer j >= 1's ends at 0.2 (j + 2) < 0.4 + 0.5 j
     assert overlap.step_s == pytest.approx(_compute_sum(cost, plan) + 2 * opt)
     assert overlap.exposed_s["optimizer"] == pytest.approx(2 * opt)
+
+
+def test_overlap_update_slower_than_the_forward_is_exposed_group_by_group() -> None:
+    L, opt, fwd = 4, 0.7, 0.5
+    cost = synthetic(L, forward=fwd, optimizer_s=opt)
+    plan = _plan(["gpu"] * (L + 1))
+    overlap = simulate(plan, cost, optimizer_mode="overlap")
+    serial = simulate(plan, cost, optimizer_mode="serial")
+    # F_j starts when update j ends: (j + 2) * opt; the head's update ends at (L + 2) * opt, the head at
+    # max(that, F_{L-1}'s end); then the backward (3 * fwd per layer) runs unhindered
+    head_start = max((L + 2) * opt, (L + 1) * opt + fwd)
+    assert overlap.step_s == pytest.approx(head_start + L * 3 * fwd)
+    assert overlap.exposed_s["optimizer"] == pytest.approx(head_start - L * fwd)
+    assert serial.step_s - overlap.step_s == pytest.approx((L + 2) * opt - (head_start - L * fwd))
 
 
 def test_device_peak_of_keep_all_two_layers_by_hand() -> None:

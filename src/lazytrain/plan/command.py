@@ -114,11 +114,13 @@ def _prediction_rows(job: JobConfig, cost: CostModel, plan: Plan) -> tuple[list[
     own = simulate(plan, cost, optimizer_mode=mode)
     name = plan.report.planner + (f" K={plan.report.options.get('interval')}" if plan.report.planner == "megatrain"
                                   else "")
-    rows = [(name, mode, own)]
+    # serial vs overlapped-exact (both clip), the plan's and MegaTrain's rule's, like for like
+    rows = [(name, mode, own)] + [(name, other, simulate(plan, cost, optimizer_mode=other))
+                                  for other in ("overlap", "serial") if other != mode]
     rule = make_rule_plan("megatrain", cost.spec, interval=interval, workload=cost.workload)
-    for other in ("overlap", "serial"):
-        if plan.tiers != rule.tiers or other != mode:
-            rows.append((f"megatrain K={interval}", other, simulate(rule, cost, optimizer_mode=other)))
+    if plan.tiers != rule.tiers:
+        rows += [(f"megatrain K={interval}", other, simulate(rule, cost, optimizer_mode=other))
+                 for other in ("overlap", "serial")]
     return rows, own
 
 

@@ -58,8 +58,16 @@ from typing import TYPE_CHECKING, Any
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import TIERS, Plan, SolveReport, Transfer
-from lazytrain.plan.schedule import OPTIMIZER_MODES, Op, Shapes, StepProgram, build_program, segments_of
-from lazytrain.plan.sim import op_seconds
+from lazytrain.plan.schedule import (
+    OPTIMIZER_MODES,
+    Op,
+    Shapes,
+    StepProgram,
+    build_program,
+    segments_of,
+    update_order,
+)
+from lazytrain.plan.sim import op_seconds, update_seconds
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
@@ -106,6 +114,10 @@ class PlanningInstance:
     # into .grad (and in overlap mode the group's optimizer step); () = none
     embedding_s: float = 0.0  # the embedding backward on the host (and its group's optimizer step in overlap)
     optimizer_step_s: float = 0.0  # mode "serial": the whole optimizer step after the backward
+    # mode "overlap": the previous step's update of each group at the step's start, at index target + 1
+    # (embedding, layers 0..L-1, head; sim.update_seconds), run in forward order (schedule.update_order)
+    update_s: tuple[float, ...] = ()
+    tied_head: bool = False  # the head's group owns the embedding: its update goes first
 
     def __post_init__(self) -> None:
         L = len(self.forward_s)
@@ -140,15 +152,16 @@ class PlanningInstance:
             rate = getattr(self, LINK_RATES[op.lane])
             return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
         return {"land": lambda: self.land_seconds()[op.target], "embedding": lambda: self.embedding_s,
-                "step": lambda: self.optimizer_step_s}[op.kind]()
+                "step": lambda: self.optimizer_step_s, "update": lambda: self.update_s[op.target + 1]}[op.kind]()
 
     def program(self, tiers: Sequence[str]) -> StepProgram:
         """The step program of `tiers` with this instance's bytes (no device memory: for timing)."""
         L = self.num_layers
         shapes = Shapes(boundary_bytes=tuple(round(a) for a in self.boundary_bytes),
                         param_bytes=tuple(round(p) for p in self.param_bytes),
-                        head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0)
-        return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode)
+                        head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0,
+                        tied_head=self.tied_head)
+        return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode, updates=bool(self.update_s))
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
@@ -175,7 +188,6 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
     """
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
-    overlap = optimizer_mode == "overlap"
     L = int(cost.num_layers)
     gpu_cap = getattr(budgets, "gpu_mem_cap_bytes", None)
     if gpu_cap is None:
@@ -200,9 +212,11 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         static_device_bytes=static,
         gpu_mem_cap_bytes=float(gpu_cap),
         optimizer_mode=optimizer_mode,
-        land_s=tuple(op_seconds(Op(0, "optimizer", "land", j), cost, overlap) for j in range(L + 1)),
-        embedding_s=op_seconds(Op(0, "optimizer", "embedding", 0), cost, overlap),
-        optimizer_step_s=op_seconds(Op(0, "optimizer", "step"), cost, overlap),
+        land_s=tuple(op_seconds(Op(0, "optimizer", "land", j), cost) for j in range(L + 1)),
+        embedding_s=op_seconds(Op(0, "optimizer", "embedding", 0), cost),
+        optimizer_step_s=op_seconds(Op(0, "optimizer", "step"), cost),
+        update_s=update_seconds(cost) if optimizer_mode == "overlap" else (),
+        tied_head=bool(cost.spec.tie_word_embeddings),
     )
     breakdown = cost.device_breakdown() if hasattr(cost, "device_breakdown") else {}
     fields["fwd_unallocated_bytes"] = float(breakdown.get("grad_slots", 0) + breakdown.get("boundary_grads", 0))
@@ -487,9 +501,26 @@ class _Formulation:
                 loads.append((0.0, reads(j - 1)))
             B.append(window(f"T[B{j}]", inst.backward_s[j], loads))
 
+        # overlap: the previous step's updates run from the step's start in forward order; the h2d of boundary 0
+        # and of group j's forward weights start after update j ends (ends[j]), the FIFO h2d lane in order:
+        #   start = max(ends[first] + a_H A[0], ends[0]) + a_H p[0]
+        #   start + sum_{i<=j} T[F_i] >= ends[j+1] + a_H p[j+1]
+        start = aH * (A[0] + p[0])
+        if inst.update_s:
+            ends, t = {}, 0.0
+            for target in update_order(L, inst.tied_head):
+                t += inst.update_s[target + 1]
+                ends[target] = t
+            first = ends[L] if inst.tied_head else ends[-1]
+            start = max(first + aH * A[0], ends[0]) + aH * p[0]
+            for j in range(L):
+                due = ends[j + 1] + aH * p[j + 1] - start
+                if due > 0:
+                    m.row(f"update[{j + 1}]", {T: 1.0 for T in F[:j + 1]}, lo=due)
+
         # the step: Q chain and the optimizer queue
         Q = [m.var(f"Q[{k}]") for k in range(L + 1)]
-        m.row(f"Q[{L}]", {Q[L]: 1.0, H: -1.0, **{T: -1.0 for T in F}}, aH * (A[0] + p[0]), aH * (A[0] + p[0]))
+        m.row(f"Q[{L}]", {Q[L]: 1.0, H: -1.0, **{T: -1.0 for T in F}}, start, start)
         for k in range(L):
             m.row(f"Q[{k}]", {Q[k]: 1.0, Q[k + 1]: -1.0, B[k]: -1.0, **({R[k]: -1.0} if k < L - 1 else {})}, 0, 0)
         S = self.S = m.var("S", cost=1.0)

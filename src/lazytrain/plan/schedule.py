@@ -9,8 +9,19 @@ of *actions* in the order the host thread performs them:
     wait op    the host thread blocks until op is done (the seconds blocked are that op's lane's stall)
     alloc/free device bytes of one buffer appear / go (the arena counts them at this program point)
 
-Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: gradient accumulation into `.grad`
-and, in overlap mode, the optimizer step of each group as it completes), collective (room for data parallelism).
+Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: the previous step's group updates,
+then this step's gradient accumulation into `.grad`), collective (room for data parallelism).
+
+Optimizer modes. "overlap" (overlapped-exact, the default; it clips): the global gradient norm and the
+non-finite check need every gradient, so a step's update runs at the start of the NEXT step on the optimizer
+lane, one op "update j" per group in forward order (target -1 = the untied embedding, 0..L-1 the layers, L the
+head; a tied head's group owns the embedding and goes first), each clipping with the step's one coefficient,
+stepping that group and refreshing its compute-dtype copy. The h2d of boundary 0 (the embedding gather) and
+each forward weight h2d of group j carry `after=(update j,)`, and update j joins that window's fence (so its
+lateness is the optimizer lane's exposed time): the first group's update is exposed, the rest hide under the
+forward as far as it goes. Only a step's first micro-batch carries them (`updates=True`): the program is the
+steady state, step k timing step k-1's update. "serial" (MegaTrain's code): one op "step", the whole
+optimizer, waited for after the backward.
 
 Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
 s..e-2, backward e-1..s; use u streams into weight slot u % 2, the loss head into its own slot when it is
@@ -20,6 +31,7 @@ max(its compute, each lane's chain of jobs) and the step is the sum of its windo
 (plan/milp.py) adds up. No transfer runs across a window boundary. The optimizer lane is the exception: its jobs
 (released as their gradients land) queue across windows and are waited for at the end; a FIFO queue with
 release times is also exactly linear.
+  updates   (overlap, first micro-batch) "update j" for every group on the optimizer lane, forward order.
   start     alloc 2 weight slots and boundary 0; h2d boundary 0 and the weights of use 0; fence; alloc the
             constants (rotary tables, positions, masks).
   F_j       h2d of use j+1's weights (into the slot use j-1 freed); d2h of boundary j if it is offloaded; the
@@ -76,6 +88,7 @@ class Shapes:
     working_bytes: tuple[int, ...]  # autograd working set of layer j during each of its computes
     head_working_bytes: int
     constant_bytes: int = 0  # rotary cos/sin, positions, attention masks of the step
+    tied_head: bool = False  # the head's group owns the embedding (tied LM head): its update precedes boundary 0
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
@@ -102,7 +115,8 @@ class Shapes:
                    head_param_bytes=int(cost.head_param_bytes),
                    working_bytes=tuple(int(w) for w in cost.working_bytes[:L]),
                    head_working_bytes=int(cost.head_working_bytes),
-                   constant_bytes=int(cost.constant_device_bytes))
+                   constant_bytes=int(cost.constant_device_bytes),
+                   tied_head=bool(cost.spec.tie_word_embeddings))
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,8 @@ class Op:
     def name(self) -> str:
         if self.kind in COMPUTE_KINDS:
             return "H" if self.kind in ("head", "loss") else f"{self.kind[0].upper()}{self.target}"
+        if self.kind == "update":
+            return f"update {'embedding' if self.target < 0 else self.target}"
         return f"{self.kind} {self.target}" if self.target >= 0 else self.kind
 
 
@@ -209,9 +225,19 @@ class _Builder:
         self.actions.append(Action("free", buffer=(kind, index), num_bytes=int(num_bytes)))
 
 
+def update_order(num_layers: int, tied_head: bool) -> list[int]:
+    """The groups' update targets in forward order: -1 (untied embedding) or L (a tied head, which owns the
+    embedding) first, then layers 0..L-1, then the untied head."""
+    layers = list(range(num_layers))
+    return [num_layers, *layers] if tied_head else [-1, *layers, num_layers]
+
+
 def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimizer_mode: str = "overlap",
-                  forward_only: bool = False) -> StepProgram:
+                  updates: bool = True, forward_only: bool = False) -> StepProgram:
     """The step program of `tiers` (L+1 entries) with `shapes`' bytes; see the module docstring.
+
+    updates: overlap mode: the step starts with the previous step's group updates on the optimizer lane (False:
+    a step's later micro-batch, or no update pending).
 
     forward_only: evaluation -- the forward with every boundary freed once the next exists, then the loss head
     forward ("loss"); no gradients, no offloads."""
@@ -251,7 +277,11 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     def issue_weights(u: int) -> None:
         if u < len(uses):
             kind, j = uses[u]
-            weights[u] = issue("h2d", "weights", j, shapes.head_param_bytes if kind == "head" else P[j], use=u)
+            fence_update = update.pop(j, None) if u <= L else None  # a forward use waits for its group's update
+            if fence_update is not None:
+                window.append(fence_update)
+            weights[u] = issue("h2d", "weights", j, shapes.head_param_bytes if kind == "head" else P[j],
+                               after=(fence_update,), use=u)
 
     def send_grads() -> None:
         """d2h of the last gradient-producing use's gradients (in this window), then their optimizer-lane job,
@@ -278,10 +308,19 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         b.alloc("working", j, shapes.working_bytes[j])
         b.run(kind, j, u)
 
+    # ---- the previous step's update, group by group in forward order (overlap) ----------------------------
+    update: dict[int, int] = {}  # group target -> its update op, until the window that fences it
+    if optimizer_mode == "overlap" and updates:
+        for j in update_order(L, shapes.tied_head):
+            update[j] = b.issue("optimizer", "update", j)
+
     # ---- step start: boundary 0 and the first weights ----------------------------------------------------
     b.alloc("weight_slots", -1, W)
     b.alloc("boundary", 0, A[0])
-    issue("h2d", "boundary0", 0, A[0])
+    first = update.pop(L if shapes.tied_head else -1, None)  # the embedding gather reads the updated embedding
+    if first is not None:
+        window.append(first)
+    issue("h2d", "boundary0", 0, A[0], after=(first,))
     issue_weights(0)
     fence()
     b.alloc("constants", -1, shapes.constant_bytes)

@@ -7,8 +7,16 @@ the emulated device's link thread). Compute blocks only at the program's waits, 
 charged to the awaited op's lane ("exposed"). Every job is issued in program order at the host thread's
 current time, so one pass over the actions computes every start and end exactly (no event queue is needed).
 Op seconds: compute from the CostModel's per-layer times; link ops bytes / rate; host jobs the gradient
-accumulation and, in overlap mode, the group's optimizer step (a tied head's group completes at the
-embedding backward); mode "serial" ends with the whole optimizer step (MegaTrain's code).
+accumulation ("land", "embedding"), one group's optimizer update ("update j", `update_seconds`; overlap mode,
+at the step's start, fenced before group j's forward weight h2d) and the whole serial step ("step",
+`total_optimizer_s`, after the backward; MegaTrain's code).
+
+What is modelled of the overlapped-exact optimizer: the steady state (step k's program carries step k-1's
+updates), the first group's update exposed before the first h2d, each later group's exposure where its update
+has not ended when the forward needs it, and host memory-bandwidth contention with gradient accumulation as
+lane serialization (updates and accumulations share the one FIFO optimizer lane). Not modelled: updates slowing
+the compute thread or the links through shared memory bandwidth or cores (on the emulated device they share
+the CPU), and the bf16 copy refresh as its own cost (it is part of the measured update).
 
 Memory. Device bytes change at the program's alloc/free actions, so the device peak does not depend on link
 speeds and equals `StepProgram.device_peak_bytes` and the executor's arena. Host: the static host bytes plus
@@ -118,26 +126,32 @@ def _seconds(num_bytes: float, bytes_per_s: float) -> float:
     return 0.0 if num_bytes == 0 else num_bytes / bytes_per_s  # inf rate -> 0.0
 
 
-def op_seconds(op: Op, cost: CostModel, overlap: bool) -> float:
-    """Seconds of one program op on `cost` (link ops: bytes over the link rate; host ops: accumulation and, in
-    overlap mode, the group's optimizer step)."""
+def op_seconds(op: Op, cost: CostModel) -> float:
+    """Seconds of one program op on `cost` (link ops: bytes over the link rate; host ops: gradient accumulation,
+    one group's optimizer update, or the whole serial step)."""
     c, k, j = cost, op.kind, op.target
     if op.lane == "compute":
         return {"forward": c.forward_s, "recompute": c.forward_s, "backward": c.backward_s}[k][j] if k != "head" \
             else c.head_s
     if op.lane in RATES:
         return _seconds(op.num_bytes, getattr(c, RATES[op.lane]))
-    tied = c.spec.tie_word_embeddings
-    if k == "land" and j == c.num_layers:  # a tied head's group completes only at the embedding backward
-        return c.head_accumulate_s + (c.head_optimizer_s if overlap and not tied else 0.0)
     if k == "land":
-        return c.accumulate_s[j] + (c.optimizer_s[j] if overlap else 0.0)
+        return c.head_accumulate_s if j == c.num_layers else c.accumulate_s[j]
     if k == "embedding":
-        return c.embedding_accumulate_s + ((c.embedding_optimizer_s + (c.head_optimizer_s if tied else 0.0))
-                                           if overlap else 0.0)
+        return c.embedding_accumulate_s
+    if k == "update":
+        return update_seconds(cost)[j + 1]
     if k == "step":
         return c.total_optimizer_s
     raise LazyTrainError(f"the simulator has no time for op {op.name!r} on lane {op.lane!r}")
+
+
+def update_seconds(cost: CostModel) -> tuple[float, ...]:
+    """Seconds of op "update j" at index j + 1: the embedding (0 when tied), layers 0..L-1, the head (with the
+    tied embedding: that group owns it)."""
+    tied = cost.spec.tie_word_embeddings
+    head = cost.head_optimizer_s + (cost.embedding_optimizer_s if tied else 0.0)
+    return (0.0 if tied else cost.embedding_optimizer_s, *cost.optimizer_s[:cost.num_layers], head)
 
 
 RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
@@ -154,8 +168,7 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
         if plan.num_layers != cost.num_layers:
             raise LazyTrainError(f"plan has {plan.num_layers} layers but the cost model has {cost.num_layers}")
         program = program_for(plan, cost, optimizer_mode=optimizer_mode)
-    overlap = program.optimizer_mode == "overlap"
-    r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost, overlap),
+    r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost),
                                                      cost.static_host_bytes())
     step_s = r.now
     busy = dict.fromkeys(STREAMS, 0.0)

@@ -228,11 +228,12 @@ class Executor:
             working_bytes=working,
             head_working_bytes=head_working,
             constant_bytes=self.rotary.constant_bytes(batch, seq_len, dtype_bytes, masked),
+            tied_head=self.parts.tied,
         )
 
     def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False) -> StepProgram:
         """The step program this executor runs for a batch of this shape (the plan's tiers and windows)."""
-        return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked),
+        return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=False,
                              forward_only=forward_only)
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
