@@ -113,7 +113,8 @@ def bench_instances() -> None:
             sim = simulate(plan, cost, optimizer_mode=mode)
             name = hardware + "".join(f" {k}={v}" for k, v in overrides.items())
             print(f"| {preset} | {name} | {batch} x {seq} | {cap}/{cpu}/{nvme} | {mode} | {tier_counts(plan.tiers)} | "
-                  f"{plan.report.options['step_s']:.3f} | {sim.step_s:.3f} | {plan.report.seconds:.2f} | "
+                  f"{plan.report.options['step_s']:.3f} | {sim.step_s:.3f} | {plan.report.seconds:.2f} "
+                  f"({plan.report.status}, gap {plan.report.gap:.2g}) | "
                   f"{sim.peak_bytes['gpu'] / 2**30:.1f} |")
             sys.stdout.flush()
 
