@@ -15,7 +15,7 @@ of the absmax, 0.9% for v at 0.7), v reaches further down than the tree (2e-10 v
 and the codes are computed, not searched:
 code = round(127 * sqrt(|m| / absmax)) and round(255 * (v / absmax)^(1/4)), decode is a product.
 The kernel loops therefore vectorize (no table search, no gathers). Rounding is to the nearest
-entry in the companded (sqrt / fourth-root) domain; the torch reference does the same arithmetic,
+entry in the companded (sqrt / fourth-root) domain, ties to even; the torch reference does the same arithmetic,
 and the tests check kernel == reference.
 
 Safety rule for v (why: m != 0 with a dequantized v == 0 gives a step of lr * m / eps, ~1e4 x lr or more):
@@ -89,13 +89,13 @@ def quantize_blockwise(x: torch.Tensor, signed: bool, block_size: int) -> tuple[
     absmax = xb.abs().amax(dim=1)
     if signed:
         inv = torch.where(absmax > 0, _f32(M_LEVELS**2) / absmax, torch.zeros_like(absmax))
-        k = (torch.sqrt(xb.abs() * inv[:, None]) + 0.5).to(torch.int32).clamp(max=M_LEVELS)
-        codes = torch.where(xb < 0, 127 - k, 128 + k)
+        k = torch.round(torch.sqrt(xb.abs() * inv[:, None])).to(torch.int32).clamp(max=M_LEVELS)
+        codes = torch.where(torch.signbit(xb), 127 - k, 128 + k)  # -0 too, as the kernel
     else:
         absmax = torch.where(absmax < V_TINY_ABSMAX, torch.zeros_like(absmax), absmax)
         amax_s = torch.sqrt(absmax)
         inv = torch.where(amax_s > 0, _f32(V_LEVELS**2) / amax_s, torch.zeros_like(amax_s))
-        k = (torch.sqrt(torch.sqrt(xb) * inv[:, None]) + 0.5).to(torch.int32).clamp(max=V_LEVELS)
+        k = torch.round(torch.sqrt(torch.sqrt(xb) * inv[:, None])).to(torch.int32).clamp(max=V_LEVELS)
         codes = torch.where((xb > 0) & (inv[:, None] > 0), k.clamp(min=1), torch.zeros_like(k))
     return codes.reshape(-1)[:n].to(torch.uint8), absmax
 
@@ -172,18 +172,18 @@ _I0 = np.int32(0)
 _I1 = np.int32(1)
 _I128 = np.int32(128)
 _I255 = np.int32(255)
+_I31 = np.int32(31)
 _IV = np.int32(V_LEVELS)
 
 
 @intrinsic
-def _abs_bits(typingctx, x):  # pragma: no cover - compiled
-    """The bits of |x| (float32) as int32: for floats >= 0 the max of the bits is the bits of the max,
-    and an integer max reduction vectorizes without the no-NaN fastmath flag."""
+def _bits(typingctx, x):  # pragma: no cover - compiled
+    """The bits of float32 x as int32. For x >= 0 the order of the bits is the order of the floats, so an
+    integer max reduction over them vectorizes without the no-NaN fastmath flag."""
     sig = types.int32(types.float32)
 
     def codegen(context, builder, signature, args):
-        bits = builder.bitcast(args[0], llvm_ir.IntType(32))
-        return builder.and_(bits, llvm_ir.Constant(llvm_ir.IntType(32), 0x7FFFFFFF))
+        return builder.bitcast(args[0], llvm_ir.IntType(32))
 
     return sig, codegen
 
@@ -199,52 +199,70 @@ def _i2f(typingctx, x):  # pragma: no cover - compiled
     return sig, codegen
 
 
-@intrinsic
-def _sign_fill(typingctx, x):  # pragma: no cover - compiled
-    """-1 (int32, all bits set) where float32 x has its sign bit set, else 0."""
-    sig = types.int32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        bits = builder.bitcast(args[0], llvm_ir.IntType(32))
-        return builder.ashr(bits, llvm_ir.Constant(llvm_ir.IntType(32), 31))
-
-    return sig, codegen
+# Intel's AVX-512 cores run 512-bit roots and divisions on one slow unit (~10-12 cycles per 16 elements
+# each), which bounds the kernel there (Emerald Rapids: docs/benchmarks.md). On Intel two of the four are
+# estimated on the vector ports instead: the m code's root as x * rsqrt(x) and the update's division as
+# a multiply by rsqrt(d)^2 (LLVM: vrsqrt14ps + one Newton step, ~1e-7 relative). The other two roots
+# (sqrt(v) and the v code's) stay exact on the divider, which then runs beside the ports. AMD's Zen 4 was
+# measured slower with estimated roots, so Zen keeps exact roots and the division.
+ESTIMATE_ROOTS = not llvm_binding.get_host_cpu_name().startswith("znver")
+_TINY = np.float32(1e-30)  # keeps rsqrt(0) finite: y * rsqrt(y) is ~1e-15 at y = 0
 
 
-# Intel's AVX-512 cores run 512-bit roots and divisions on one slow unit, and the kernel issues three
-# roots and a division per 16 elements: that unit, not the vector ports, bounds it (Emerald Rapids:
-# docs/benchmarks.md). Taking the m code's root as x * rsqrt(x) (LLVM: vrsqrt14ps + one Newton step,
-# ~1e-7 relative, on the ports) balances the two: -11% kernel time there. AMD's Zen 4 was measured
-# slower with estimated roots, so Zen keeps the exact root.
-M_ROOT_ESTIMATE = not llvm_binding.get_host_cpu_name().startswith("znver")
-_TINY = 1e-30  # keeps rsqrt(0) finite: x * rsqrt(x + tiny) is 0 at x = 0
+def _fast_rsqrt(builder: llvm_ir.IRBuilder, x: llvm_ir.Value) -> llvm_ir.Value:
+    """1 / sqrt(x) with fast flags on these two instructions only: LLVM emits the estimate + Newton step."""
+    f32 = llvm_ir.FloatType()
+    sqrt = builder.module.declare_intrinsic("llvm.sqrt", [f32])
+    inv = builder.fdiv(llvm_ir.Constant(f32, 1.0), builder.call(sqrt, [x], fastmath=("fast",)))
+    inv.flags.append("fast")
+    return inv
 
 
 @intrinsic
-def _m_code_root(typingctx, x):  # pragma: no cover - compiled
-    """sqrt(x) for 0 <= x <= 127^2 (the m code), estimated where M_ROOT_ESTIMATE says so (see above)."""
+def _m_code_root(typingctx, y):  # pragma: no cover - compiled
+    """sqrt(y) for _TINY <= y <= ~127^2 (the m code), estimated where ESTIMATE_ROOTS says so (see above)."""
     sig = types.float32(types.float32)
 
     def codegen(context, builder, signature, args):
-        f32 = llvm_ir.FloatType()
-        sqrt = builder.module.declare_intrinsic("llvm.sqrt", [f32])
-        if not M_ROOT_ESTIMATE:
-            return builder.call(sqrt, [args[0]])
-        # fast flags on these two instructions only: 1 / sqrt(y) becomes the estimate
-        root = builder.call(sqrt, [builder.fadd(args[0], llvm_ir.Constant(f32, _TINY))], fastmath=("fast",))
-        inv = builder.fdiv(llvm_ir.Constant(f32, 1.0), root)
-        inv.flags.append("fast")
-        return builder.fmul(args[0], inv)
+        if not ESTIMATE_ROOTS:
+            return builder.call(builder.module.declare_intrinsic("llvm.sqrt", [llvm_ir.FloatType()]), [args[0]])
+        return builder.fmul(args[0], _fast_rsqrt(builder, args[0]))
 
     return sig, codegen
+
+
+@intrinsic
+def _divide(typingctx, num, den):  # pragma: no cover - compiled
+    """num / den for den > 0: num * rsqrt(den)^2 where ESTIMATE_ROOTS says so (see above), else exact."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        if not ESTIMATE_ROOTS:
+            return builder.fdiv(args[0], args[1])
+        inv = _fast_rsqrt(builder, args[1])
+        return builder.fmul(args[0], builder.fmul(inv, inv))
+
+    return sig, codegen
+
+
+# Rounding to an integer code by one float add: for 0 <= x < 2^22, the float x + 2^23 is the integer
+# nearest to x (ties to even) plus 2^23, held in the low mantissa bits; the code is the low byte of the
+# sum's bits. With 2^23 + 128 the m code's offset comes free. Saves the convert (one port on Intel).
+_ROUND_V = np.float32(2.0**23)
+_ROUND_M = np.float32(2.0**23 + M_ZERO_CODE)
+_ROUND_V1 = np.int32(0x4B000001)  # bits of 2^23 + 1: the smallest nonzero v code
 
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _update_blocks(
-    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, clip, beta1, beta2, one_m_b1, one_m_b2, eps,
-    decay, step_size, inv_bc2_sqrt,
+    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, beta1, beta2, clip_m, clip_v, eps, decay,
+    step_size, inv_bc2_sqrt,
 ):  # pragma: no cover - compiled
-    """Blocks [b_first, b_last) of the fused step: decode, update, requantize."""
+    """Blocks [b_first, b_last) of the fused step: decode, update, requantize.
+
+    clip_m = (1 - beta1) * clip and clip_v = sqrt(1 - beta2) * clip take the clip coefficient and the
+    moments' gradient weights into one multiply each (clip before squaring: no fp32 overflow).
+    """
     n = p.size
     fm = np.empty(block_size, np.float32)  # new m of one block, between update and encode
     fs = np.empty(block_size, np.float32)  # sqrt(new v)
@@ -254,48 +272,52 @@ def _update_blocks(
         cnt = end - start
         # slices: indexing with the nonnegative loop variable lets LLVM vectorize
         pb, gb, qmb, qvb = p[start:end], g[start:end], qm[start:end], qv[start:end]
-        scale_m = absmax_m[b] * _INV_M_SQ
-        scale_v = absmax_v[b] * _INV_V_4
-        # -- decode, AdamW update with the fp32 moments, clip coefficient fused into g (g * clip first:
-        #    folding clip into (1 - beta2) * clip^2 would square unclipped gradients, which overflows fp32)
+        scale_m = absmax_m[b] * (_INV_M_SQ * beta1)  # decodes beta1 * m
+        scale_v = absmax_v[b] * (_INV_V_4 * beta2)  # decodes beta2 * v
+        # -- decode, AdamW update with the fp32 moments, the clip coefficient fused in
         amax_m_bits = _I0
         amax_s_bits = _I0
         for j in range(cnt):
             t = np.float32(qmb[j]) - _M_MID
             k = abs(t) - _HALF
-            mag = k * k * scale_m
-            m_old = np.copysign(mag, t)
+            b1_m_old = np.copysign(k * k * scale_m, t)
             cv = np.float32(qvb[j])
             c2 = cv * cv
-            v_old = c2 * c2 * scale_v
-            gj = gb[j] * clip
-            mj = beta1 * m_old + one_m_b1 * gj
-            vj = beta2 * v_old + one_m_b2 * (gj * gj)
-            sj = np.sqrt(vj)
-            pb[j] = pb[j] * decay - step_size * mj / (sj * inv_bc2_sqrt + eps)
+            b2_v_old = c2 * c2 * scale_v
+            gj = gb[j]
+            mj = b1_m_old + clip_m * gj
+            hj = clip_v * gj
+            vj = b2_v_old + hj * hj
+            sj = np.sqrt(vj)  # >= +0: its bits order like its values
+            pb[j] = pb[j] * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
             fm[j] = mj
             fs[j] = sj
-            amax_m_bits = max(amax_m_bits, _abs_bits(mj))
-            amax_s_bits = max(amax_s_bits, _abs_bits(sj))
+            amax_m_bits = max(amax_m_bits, _bits(abs(mj)))
+            amax_s_bits = max(amax_s_bits, _bits(sj))
         amax_m = _i2f(amax_m_bits)
         amax_s = _i2f(amax_s_bits)
         amax_v = amax_s * amax_s
-        if amax_v < _V_TINY32:
-            amax_v = _F0
         absmax_m[b] = amax_m
+        if amax_v < _V_TINY32:  # the whole block stores v = 0, hence m = 0
+            absmax_v[b] = _F0
+            for j in range(cnt):
+                qmb[j] = np.uint8(M_ZERO_CODE)
+                qvb[j] = np.uint8(0)
+            continue
         absmax_v[b] = amax_v
         inv_m = _M_SQ / amax_m if amax_m > _F0 else _F0
-        inv_s = _V_SQ / np.sqrt(amax_v) if amax_v > _F0 else _F0
+        inv_s = _V_SQ / amax_s  # amax_s == sqrt(amax_v) exactly: fp32 sqrt of a rounded square
         # -- encode: companded (sqrt / fourth root) rounding, see module docstring
         for j in range(cnt):
-            mj = fm[j]
             sj = fs[j]
-            km = np.int32(_m_code_root(abs(mj) * inv_m) + _HALF)  # <= 127 since |mj| <= amax_m
-            kv = min(np.int32(np.sqrt(sj * inv_s) + _HALF), _IV)
-            kv = max(kv, _I1) if (sj > _F0 and inv_s > _F0) else _I0  # nonzero v never rounds to 0
-            codem = (_I128 + km) ^ (_sign_fill(mj) & _I255)  # 128 + km, or 127 - km below zero
-            qmb[j] = np.uint8(codem if kv != _I0 else _I128)  # v decodes to 0 -> m := 0
-            qvb[j] = np.uint8(kv)
+            mj = fm[j] if sj > _F0 else _F0  # v decodes to 0 -> m := 0
+            ym = abs(mj) * inv_m + _TINY
+            codem = _bits(_m_code_root(ym) + _ROUND_M)  # low byte 128 + km; km <= 127 since |mj| <= amax_m
+            codem ^= _bits(mj) >> _I31  # 127 - km where the sign bit is set (all bits flipped)
+            codev = _bits(np.sqrt(sj * inv_s) + _ROUND_V)  # low byte kv <= 255 since sj <= amax_s
+            codev = max(codev, _ROUND_V1) if sj > _F0 else _I0  # nonzero v never rounds to 0
+            qmb[j] = np.uint8(codem & _I255)
+            qvb[j] = np.uint8(codev & _I255)
 
 
 #: The 8-bit step's arguments, one record shared by all threads (addresses from ndarray.ctypes.data).
@@ -305,8 +327,8 @@ _STEP_ARGS = np.dtype(
         ("p", np.int64), ("g", np.int64), ("qm", np.int64), ("qv", np.int64),
         ("absmax_m", np.int64), ("absmax_v", np.int64),
         ("numel", np.int64), ("block_size", np.int64), ("blocks_per_item", np.int64),
-        ("clip", np.float32), ("beta1", np.float32), ("beta2", np.float32),
-        ("one_m_b1", np.float32), ("one_m_b2", np.float32), ("eps", np.float32),
+        ("beta1", np.float32), ("beta2", np.float32), ("clip_m", np.float32), ("clip_v", np.float32),
+        ("eps", np.float32),
         ("decay", np.float32), ("step_size", np.float32), ("inv_bc2_sqrt", np.float32),
     ],
     align=True,
@@ -328,8 +350,8 @@ def _adamw8bit_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernels
         if first >= nblocks:
             return
         _update_blocks(
-            first, min(nblocks, first + per_item), p, g, qm, qv, absmax_m, absmax_v, bs, a.clip, a.beta1, a.beta2,
-            a.one_m_b1, a.one_m_b2, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
+            first, min(nblocks, first + per_item), p, g, qm, qv, absmax_m, absmax_v, bs, a.beta1, a.beta2,
+            a.clip_m, a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
         )
 
 
@@ -372,8 +394,9 @@ def adamw8bit_step_(
             0,
             p.data_ptr(), g.data_ptr(), qm.data_ptr(), qv.data_ptr(), absmax_m.data_ptr(), absmax_v.data_ptr(),
             n, block_size, -(-nblocks // (_ITEMS_PER_THREAD * n_threads)),
-            clip_coef, beta1, beta2,
-            1.0 - beta1, 1.0 - beta2,  # from float64: float32(1) - float32(0.999) is off by 1e-5 relative
+            beta1, beta2,
+            # in float64: float32(1) - float32(0.999) is off by 1e-5 relative
+            (1.0 - beta1) * clip_coef, (1.0 - beta2) ** 0.5 * clip_coef,
             eps, 1.0 - lr * weight_decay, lr / bc1, 1.0 / bc2**0.5,
         )],
         dtype=_STEP_ARGS,
