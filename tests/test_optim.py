@@ -145,16 +145,17 @@ def two_threads():
     torch.set_num_threads(saved)
 
 
-def test_kernel_matches_torch_reference_step_by_step(two_threads) -> None:
+@pytest.mark.parametrize("block_size", [256, 2 * q.STACK_SCRATCH_ELEMS])  # block scratch on the stack, on the heap
+def test_kernel_matches_torch_reference_step_by_step(two_threads, block_size: int) -> None:
     gen = torch.Generator().manual_seed(3)
     shapes = [(333, 77), (4097,), (256 * 40,), (300, 257)]  # the last one runs on several threads
     assert math.prod(shapes[-1]) >= q.PARALLEL_MIN_NUMEL > math.prod(shapes[0])
     pa, pb = _params(shapes, 3), _params(shapes, 3)
-    kw = dict(lr=2e-3, weight_decay=0.1, max_grad_norm=0.3, min_8bit_size=0)
+    kw = dict(lr=2e-3, weight_decay=0.1, max_grad_norm=0.3, min_8bit_size=0, block_size=block_size)
     oa, ob = Hybrid8bitAdamW(pa, **kw), Hybrid8bitAdamW(pb, use_reference=True, **kw)
     for _ in range(6):
         g = _grads(shapes, gen, scale=0.05)
-        g[2][:256] = 0.0  # a whole block without gradient: v == 0, absmax 0
+        g[2][:block_size] = 0.0  # a whole block without gradient: v == 0, absmax 0
         g[3].view(-1)[::5] = 0.0  # exact zeros: sqrt(0) must not turn into 0 * inf under fastmath
         _set_grads(pa, g)
         _set_grads(pb, g)

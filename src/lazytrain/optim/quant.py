@@ -199,6 +199,27 @@ def _i2f(typingctx, x):  # pragma: no cover - compiled
     return sig, codegen
 
 
+#: Blocks up to this size keep their scratch on the stack (see _stack_scratch); larger ones on the heap.
+STACK_SCRATCH_ELEMS = 4096
+
+
+@intrinsic
+def _stack_scratch(typingctx):  # pragma: no cover - compiled
+    """A STACK_SCRATCH_ELEMS-float32 buffer on the kernel's stack frame (one per call site).
+
+    Why: a pointer to the stack frame provably aliases none of the tensors' (which come from integers), so
+    the vectorized loops lose most of their per-block runtime overlap checks.
+    """
+    sig = types.voidptr()
+
+    def codegen(context, builder, signature, args):
+        with builder.goto_entry_block():
+            buf = builder.alloca(llvm_ir.ArrayType(llvm_ir.FloatType(), STACK_SCRATCH_ELEMS))
+        return builder.bitcast(buf, llvm_ir.IntType(8).as_pointer())
+
+    return sig, codegen
+
+
 # Intel's AVX-512 cores run 512-bit roots and divisions on one slow unit (~10-12 cycles per 16 elements
 # each), which bounds the kernel there (Emerald Rapids: docs/benchmarks.md). On Intel two of the four are
 # estimated on the vector ports instead: the m code's root as x * rsqrt(x) and the update's division as
@@ -255,17 +276,16 @@ _ROUND_V1 = np.int32(0x4B000001)  # bits of 2^23 + 1: the smallest nonzero v cod
 
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _update_blocks(
-    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, block_size, beta1, beta2, clip_m, clip_v, eps, decay,
-    step_size, inv_bc2_sqrt,
+    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, fm, fs, block_size, beta1, beta2, clip_m, clip_v, eps,
+    decay, step_size, inv_bc2_sqrt,
 ):  # pragma: no cover - compiled
     """Blocks [b_first, b_last) of the fused step: decode, update, requantize.
 
+    fm, fs: scratch of block_size floats (new m and sqrt(new v) of one block, between update and encode).
     clip_m = (1 - beta1) * clip and clip_v = sqrt(1 - beta2) * clip take the clip coefficient and the
     moments' gradient weights into one multiply each (clip before squaring: no fp32 overflow).
     """
     n = p.size
-    fm = np.empty(block_size, np.float32)  # new m of one block, between update and encode
-    fs = np.empty(block_size, np.float32)  # sqrt(new v)
     for b in range(b_first, b_last):
         start = b * block_size
         end = min(n, start + block_size)
@@ -345,14 +365,28 @@ def _adamw8bit_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernels
     qv = carray(address(a.qv), n, np.uint8)
     absmax_m = carray(address(a.absmax_m), nblocks, np.float32)
     absmax_v = carray(address(a.absmax_v), nblocks, np.float32)
+    # scratch for one block: on the stack when it fits (the two call sites below compile to two copies
+    # of the loops, the stack one without most overlap checks), else on the heap
+    on_stack = bs <= STACK_SCRATCH_ELEMS
+    fm_stack = carray(_stack_scratch(), min(bs, STACK_SCRATCH_ELEMS), np.float32)
+    fs_stack = carray(_stack_scratch(), min(bs, STACK_SCRATCH_ELEMS), np.float32)
+    fm_heap = np.empty(0 if on_stack else bs, np.float32)
+    fs_heap = np.empty(0 if on_stack else bs, np.float32)
     while True:
         first = fetch_add(data, per_item)
         if first >= nblocks:
             return
-        _update_blocks(
-            first, min(nblocks, first + per_item), p, g, qm, qv, absmax_m, absmax_v, bs, a.beta1, a.beta2,
-            a.clip_m, a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
-        )
+        last = min(nblocks, first + per_item)
+        if on_stack:
+            _update_blocks(
+                first, last, p, g, qm, qv, absmax_m, absmax_v, fm_stack, fs_stack, bs, a.beta1, a.beta2, a.clip_m,
+                a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
+            )
+        else:
+            _update_blocks(
+                first, last, p, g, qm, qv, absmax_m, absmax_v, fm_heap, fs_heap, bs, a.beta1, a.beta2, a.clip_m,
+                a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
+            )
 
 
 def adamw8bit_step_(
