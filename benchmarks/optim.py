@@ -6,6 +6,7 @@ bitsandbytes AdamW8bit, side by side in one run.
     python benchmarks/optim.py --threads 1  # one core each (less sensitive to other processes)
     python benchmarks/optim.py --shapes qwen2.5-7b-layer --fractions 1 --rounds 9   # one 7B layer: 233 M params, 11 GB
     GOMP_SPINCOUNT=0 python benchmarks/optim.py  # torch's OpenMP workers sleep at once after each op
+    python benchmarks/optim.py --kernel 131072 --rounds 300   # the 8-bit kernel alone, one thread, data in L2
 
 Every round times one step of every optimizer in turn, in a shuffled order (interleaved, so load from
 other processes hits all of them alike) and the table reports the median over rounds. All optimizers update the
@@ -32,6 +33,7 @@ import numba
 import torch
 
 from lazytrain.optim import Hybrid8bitAdamW, per_tensor_sq_norms
+from lazytrain.optim.quant import adamw8bit_step_
 
 # Realistic shapes: attention/MLP projections, odd sizes, biases and norms; 19.5 M params.
 # (384, 1000) + (4096,) are the 2% slice that eightbit_fraction=0.02 picks.
@@ -73,6 +75,31 @@ def _fractions(text: str) -> tuple[float, ...]:
     return values
 
 
+def kernel_only(numel: int, rounds: int, threads: int) -> None:
+    """Time `adamw8bit_step_` alone (clip on, all states 8-bit) on one flat tensor: ns/element, min and median.
+
+    The min over many calls on data that fits in L2 is the kernel's compute cost, the figure least
+    disturbed by other processes' memory traffic.
+    """
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    block_size = 256
+    nblocks = -(-numel // block_size)
+    p, g = torch.randn(numel) * 0.02, torch.randn(numel) * 0.01
+    states = [torch.full((numel,), 128, dtype=torch.uint8), torch.zeros(numel, dtype=torch.uint8),
+              torch.zeros(nblocks), torch.zeros(nblocks)]
+    hparams = dict(block_size=block_size, clip_coef=0.7, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    ns = []
+    for step in range(1, rounds + 4):
+        t0 = time.perf_counter()
+        adamw8bit_step_(p, g, *states, step=step, **hparams)
+        if step > 3:  # compile / first touches
+            ns.append((time.perf_counter() - t0) / numel * 1e9)
+    print(f"8-bit kernel alone: {numel} elements, {threads} thread(s), {rounds} calls; {_cpu_name()}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"ns/element: min {min(ns):.3f}, median {statistics.median(ns):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per optimizer (median reported)")
@@ -83,7 +110,13 @@ def main() -> None:
                     "each fp32-state row holds 8 bytes/param, so '1' keeps the 233 M layer within 24 GB)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="mixed",
                     help="parameter tensors: 'mixed' (19.5 M, odd sizes) or one Qwen2.5-7B layer (233 M)")
+    ap.add_argument("--kernel", type=int, default=0, metavar="N",
+                    help="instead of the table: time the 8-bit kernel alone on N elements (one thread unless "
+                    "--threads), ns/element min and median over --rounds calls")
     args = ap.parse_args()
+    if args.kernel > 0:
+        kernel_only(args.kernel, args.rounds, args.threads or 1)
+        return
     shapes = SHAPE_SETS[args.shapes]
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # also the 8-bit kernel's thread count
