@@ -48,3 +48,29 @@ def test_a_model_dir_without_weights_is_named_before_the_host_memory_check(tmp_p
     out = tmp_path / "run"
     _refused(capsys, [*TRAIN, "--model", str(model), "dataset=zen", "--output-dir", str(out)],
              "has no model.safetensors", not_needle="host memory", out=out)
+
+
+# ---- sizes ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("words, needle", [
+    (["--gpu-mem-cap", "1e400"], "not a finite size"),
+    (["gpu_mem_cap_bytes=2e308"], "not a finite size"),
+    (["--seq-len", "99999999999"], "2..16777216"),
+    (["--batch-size", "99999999999"], "1..16777216"),
+])
+def test_sizes_beyond_any_machine_are_one_line_in_plan_and_train(tmp_path, capsys, words, needle):
+    """Before: a float overflow traceback (1e400 bytes), and `plan` printing a 34,320 TiB plan with exit 0."""
+    _refused(capsys, ["plan", *words], needle)
+    out = tmp_path / "run"
+    _refused(capsys, [*TRAIN, "--model", "debug", "dataset=zen", *words, "--output-dir", str(out)], needle, out=out)
+
+
+def test_a_calibration_step_beyond_host_memory_is_one_line(tmp_path, capsys, monkeypatch):
+    """The emulated device's memory is the host's: the all-gpu calibration step is checked against the memory
+    available before it is allocated (before: `DefaultCPUAllocator: can't allocate memory` and a traceback for
+    --batch-size 4000000)."""
+    from lazytrain.train import planning
+
+    monkeypatch.setattr(planning, "available_host_memory_bytes", lambda: 1 << 10)
+    out = tmp_path / "run"
+    _refused(capsys, [*TRAIN, "--model", "debug", "dataset=zen", "--output-dir", str(out)],
+             "calibration step", out=out)

@@ -32,6 +32,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.spec.model import MAX_DIM
 from lazytrain.units import parse_bytes
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -106,10 +107,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _convert(self)
-        _need(self.cutoff_len >= 2, "cutoff_len", self.cutoff_len, "an integer >= 2")
+        _need(2 <= self.cutoff_len <= MAX_DIM, "cutoff_len", self.cutoff_len, f"an integer in 2..{MAX_DIM}")
         _need(self.val_size is None or 0 < self.val_size < 1, "val_size", self.val_size, "in (0, 1)")
         batch = self.per_device_train_batch_size
-        _need(batch == "auto" or batch >= 1, "per_device_train_batch_size", batch, "an integer >= 1 or auto")
+        _need(batch == "auto" or 1 <= batch <= MAX_DIM, "per_device_train_batch_size", batch,
+              f"an integer in 1..{MAX_DIM} or auto")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from lazytrain.errors import LazyTrainError
@@ -27,6 +28,8 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
         value, unit = float(match.group(1)), match.group(2).lower()
     if value < 0:
         raise LazyTrainError(f"{what}: {text!r} is negative; sizes must be >= 0")
+    if not math.isfinite(value * _UNITS[unit]):
+        raise LazyTrainError(f"{what}: {text!r} is not a finite size; write e.g. 70GB, 1.5TiB or 512MiB")
     return int(round(value * _UNITS[unit]))
 
 
