@@ -310,7 +310,10 @@ class ParallelConfig:
 
     world_size: int = 1
     """Ranks training together (>= 1); 1 = as many as the launcher (torchrun) started; another number must equal
-    torchrun's WORLD_SIZE."""
+    torchrun's WORLD_SIZE. `lazytrain plan` predicts a step of this many ranks (one GPU each)."""
+    nodes: int = 1
+    """Nodes the ranks run on (>= 1, divides world_size): `lazytrain plan` plans world_size / nodes ranks per
+    node; `lazytrain train` takes the layout from torchrun (1 = whatever it started; another number must match)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto = nccl on CUDA devices, gloo on the emulated device."""
     collective_timeout_s: float = 300.0
@@ -319,6 +322,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _convert(self)
         _need(self.world_size >= 1, "world_size", self.world_size, "an integer >= 1")
+        _need(self.nodes >= 1 and self.world_size % self.nodes == 0, "nodes", self.nodes,
+              f"an integer >= 1 that divides world_size ({self.world_size})")
         _need(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "a number > 0")
 
 

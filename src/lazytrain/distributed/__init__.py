@@ -7,11 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lazytrain.distributed.batches import RankBatches, check_world_size
-from lazytrain.distributed.ranks import RankLost, Ranks, init_ranks, launched_world_size
+from lazytrain.distributed.ranks import RankLost, Ranks, init_ranks, launched_local_world_size, launched_world_size
 from lazytrain.runtime.executor import Executor
 
 __all__ = ["RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size", "init_ranks",
-           "launched_world_size", "save_once"]
+           "launched_local_world_size", "launched_world_size", "save_once"]
 
 
 def attach_executor(ranks: Ranks, executor: Executor) -> None:

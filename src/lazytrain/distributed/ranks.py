@@ -128,6 +128,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_local_world_size() -> int:
+    """LOCAL_WORLD_SIZE (the ranks on this node) as a launcher set it; the world size when it set none."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(launched_world_size())))
+
+
 def init_ranks(*, backend: str, timeout_s: float, cuda: bool) -> Ranks | None:
     """Join the process group torchrun described in the environment; None for a single process."""
     world = launched_world_size()
@@ -139,7 +144,7 @@ def init_ranks(*, backend: str, timeout_s: float, cuda: bool) -> Ranks | None:
         raise LazyTrainError("parallel backend nccl needs CUDA devices; use backend gloo (or auto) on the emulated "
                              "device")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_world = launched_local_world_size()
     if cuda:
         torch.cuda.set_device(local_rank)
     try:

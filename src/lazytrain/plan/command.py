@@ -9,6 +9,12 @@ arguments it plans the default training job. Prints a one-row placement map (G g
 per boundary), counts per tier, the recomputed boundaries, the solver's status / time / gap, and the
 simulator's prediction for the plan beside the MegaTrain rule. `time_limit_s` bounds the whole planning (model
 and cost building included); `--json` is checked before any work.
+
+    lazytrain plan CONFIG.yaml --world-size 16 --nodes 2
+
+plans one rank of a data-parallel run (spec/topology.py): each rank gets 1/g of its node's NVMe rate and, unless
+cpu_act_bytes is set, 1/g of the host room its node has left once the shared weights and optimizer are counted;
+then the step with the collective lane, tokens/s of all ranks, PCIe bytes per rank and host bytes per node.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from lazytrain.plan.planner import (
     resolve_batch,
     resolve_hardware,
 )
+from lazytrain.plan.ranks import predict_ranks, rank_budgets, topology_of
 from lazytrain.plan.rules import make_rule_plan
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.units import format_bytes
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
     from lazytrain.plan.admission import Admission
     from lazytrain.plan.plan import Plan
     from lazytrain.spec.cost import CostModel
+    from lazytrain.spec.topology import Topology
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
         job, note = resolve_batch(job, deadline=deadline)
         if note:
             print(note)
-        cost = cost_model(job, spec, hardware, job.data.per_device_train_batch_size)
-        admission, budgets = admitted(cost, default_budgets(job.plan, cost))
+        topology = topology_of(job, hardware)
+        cost = cost_model(job, spec, topology.rank_hardware(hardware), job.data.per_device_train_batch_size)
+        admission, budgets = admitted(cost, rank_budgets(default_budgets(job.plan, cost), cost, topology))
         plan = make_plan(job.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode)
     own, milp_s = _print_plan(job, cost, admission, plan)
+    if topology.parallel:
+        _print_ranks(job, cost, plan, topology)
     if args.json:
         plan.with_prediction(replace(own.to_prediction(), milp_step_s=milp_s)).save(args.json)
         print(f"plan written to {args.json}")
@@ -94,6 +105,32 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"timeline written to {plot_timeline(own, args.timeline)}")
     return 0
+
+
+# ---- data parallelism -----------------------------------------------------------------------------------
+def _print_ranks(job: JobConfig, cost: CostModel, plan: Plan, topology: Topology) -> None:
+    """The step of one rank with the collective lane, and what each rank and each node holds."""
+    hw, g = cost.hardware, topology.local_ranks
+    p = predict_ranks(plan, cost, topology, optimizer_mode=job.optim.optimizer_mode)
+    where = ("on the device before the d2h (nccl: reduce-scatter in the node"
+             + (", all-reduce of the shard across nodes)" if topology.nodes > 1 else ")")
+             if topology.collective == "device" else "on the host after the d2h (gloo all-reduce)")
+    print(f"data parallel: {topology.world_size} ranks on {topology.nodes} node(s), {g} per node; gradients reduced "
+          f"{where}; links {hw.intra_node_gbps:g} GB/s in a node, {hw.inter_node_gbps:g} GB/s between nodes")
+    print(f"  step {p.step.step_s:.3f} s (this rank alone {p.alone.step_s:.3f} s), collective lane busy "
+          f"{p.step.busy_s['collective']:.3f} s, exposed {p.step.exposed_s['collective']:.3f} s; "
+          f"{p.tokens_per_s:,.0f} tok/s over {topology.world_size} ranks "
+          f"({p.tokens_per_s / p.alone.tokens_per_s:.2f}x one rank alone)")
+    print(f"  per rank and step: PCIe h2d {format_bytes(p.step.link_bytes['h2d'])}, "
+          f"d2h {format_bytes(p.step.link_bytes['d2h'])}; collective sends {format_bytes(p.intra_node_bytes)} in the "
+          f"node, {format_bytes(p.inter_node_bytes)} across nodes; device peak "
+          f"{format_bytes(p.step.peak_bytes['gpu'])}")
+    limit = hw.host_mem_bytes if job.plan.cpu_mem_bytes is None else job.plan.cpu_mem_bytes
+    over = f" of {format_bytes(limit)}" + ("  OVER THE NODE'S HOST MEMORY" if p.host["node"] > limit else "") \
+        if limit is not None else ""
+    print(f"  host per node {format_bytes(p.host['node'])}{over} = shared {format_bytes(p.host['shared'])} (weights "
+          f"once, gradients and optimizer sharded over the ranks) + {g} x {format_bytes(p.host['per_rank'])} per rank "
+          f"(gradient staging, offloaded activations)")
 
 
 # ---- output -------------------------------------------------------------------------------------------

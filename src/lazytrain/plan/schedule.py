@@ -10,7 +10,8 @@ of *actions* in the order the host thread performs them:
     alloc/free device bytes of one buffer appear / go (the arena counts them at this program point)
 
 Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: the previous step's group updates,
-then this step's gradient accumulation into `.grad`), collective (room for data parallelism).
+then this step's gradient accumulation into `.grad`), collective (data parallelism: each group's gradient summed
+over the ranks, spec/topology.py; only in programs built for a Topology of > 1 rank).
 
 Optimizer modes. "overlap" (overlapped-exact, the default; it clips): the global gradient norm and the
 non-finite check need every gradient, so a step's update runs at the start of the NEXT step on the optimizer
@@ -55,6 +56,11 @@ release times is also exactly linear.
             gradient, constants and slots.
             Mode "serial": then the optimizer step of every group on the optimizer lane, waited for
             (MegaTrain's code; the executor leaves it to its caller).
+  ranks     (Topology.world_size > 1) every group's gradient is reduced on the collective lane, in the window
+            that sends it: collective "device" -- before its d2h, which then moves this rank's shard only;
+            "host" -- after its d2h, before its optimizer-lane job. The embedding's (made on the host) after its
+            job, in the end window. The fence waits for the reduce before the d2h, so its seconds are charged
+            to the collective lane.
 
 Transfer windows (what `Plan.transfers` records): the d2h of boundary i in F_i, its nvme write in F_{i+1} (H
 for i = L-1), its nvme read in B_{e+1} (H for e = L-1) and its h2d in B_e, with (i, e) its segment; the last
@@ -67,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.spec.topology import ONE_RANK, Topology
 
 if TYPE_CHECKING:
     from lazytrain.spec.cost import CostModel
@@ -89,6 +96,7 @@ class Shapes:
     head_working_bytes: int
     constant_bytes: int = 0  # rotary cos/sin, positions, attention masks of the step
     tied_head: bool = False  # the head's group owns the embedding (tied LM head): its update precedes boundary 0
+    embedding_grad_bytes: int = 0  # the input embedding's gradient (made on the host), reduced across ranks
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
@@ -116,7 +124,8 @@ class Shapes:
                    working_bytes=tuple(int(w) for w in cost.working_bytes[:L]),
                    head_working_bytes=int(cost.head_working_bytes),
                    constant_bytes=int(cost.constant_device_bytes),
-                   tied_head=bool(cost.spec.tie_word_embeddings))
+                   tied_head=bool(cost.spec.tie_word_embeddings),
+                   embedding_grad_bytes=int(cost.spec.embedding_params * cost.dtype_bytes))
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,7 @@ class StepProgram:
     actions: tuple[Action, ...]
     optimizer_mode: str
     uses: tuple[tuple[str, int], ...]  # weight use u -> (kind, layer); the head's layer is L
+    topology: Topology = ONE_RANK  # the ranks the collective ops reduce over (one: no collective ops)
 
     def device_peak_bytes(self) -> int:
         """The high-water mark of the alloc/free actions (link speeds do not move it)."""
@@ -233,7 +243,7 @@ def update_order(num_layers: int, tied_head: bool) -> list[int]:
 
 
 def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimizer_mode: str = "overlap",
-                  updates: bool = True, forward_only: bool = False) -> StepProgram:
+                  updates: bool = True, forward_only: bool = False, topology: Topology = ONE_RANK) -> StepProgram:
     """The step program of `tiers` (L+1 entries) with `shapes`' bytes; see the module docstring.
 
     updates: overlap mode: the step starts with the previous step's group updates on the optimizer lane (False:
@@ -286,10 +296,17 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     def send_grads() -> None:
         """d2h of the last gradient-producing use's gradients (in this window), then their optimizer-lane job,
         which queues behind the earlier ones and is not fenced."""
-        if grads:
-            j, nbytes = grads.pop()
-            d2h = issue("d2h", "grads", j, nbytes)
-            landing.append(b.issue("optimizer", "land", j, after=(d2h,)))
+        if not grads:
+            return
+        j, nbytes = grads.pop()
+        if topology.parallel and topology.collective == "device":  # reduce-scatter, then the d2h of the shard
+            reduce = issue("collective", "reduce", j, nbytes)
+            landed = issue("d2h", "grads", j, topology.d2h_grad_bytes(nbytes), after=(reduce,))
+        else:
+            landed = issue("d2h", "grads", j, nbytes)
+            if topology.parallel:  # on the host, once the whole gradient is there
+                landed = issue("collective", "reduce", j, nbytes, after=(landed,))
+        landing.append(b.issue("optimizer", "land", j, after=(landed,)))
 
     def reload(s: int) -> None:
         """h2d of offloaded boundary s into its device buffer (allocated when its segment's successor began)."""
@@ -393,6 +410,8 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     send_grads()
     grad0 = issue("d2h", "grad0", 0, A[0])
     landing.append(b.issue("optimizer", "embedding", 0, after=(grad0,)))
+    if topology.parallel and shapes.embedding_grad_bytes:
+        landing.append(b.issue("collective", "reduce", -1, shapes.embedding_grad_bytes, after=(landing[-1],)))
     fence()
     for op in landing:
         b.wait(op)
@@ -404,13 +423,14 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     if optimizer_mode == "serial":  # MegaTrain: the whole optimizer step after the backward
         b.wait(b.issue("optimizer", "step"))
     return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(b.ops), actions=tuple(b.actions),
-                       optimizer_mode=optimizer_mode, uses=tuple(uses))
+                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology)
 
 
-def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str = "overlap") -> StepProgram:
-    """The program of a Plan (its tiers) or a bare tier list, with a CostModel's shapes."""
+def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str = "overlap",
+                topology: Topology = ONE_RANK) -> StepProgram:
+    """The program of a Plan (its tiers) or a bare tier list, with a CostModel's shapes (and `topology`'s ranks)."""
     tiers = getattr(plan_or_tiers, "tiers", plan_or_tiers)
-    return build_program(tuple(tiers), Shapes.from_cost(cost), optimizer_mode=optimizer_mode)
+    return build_program(tuple(tiers), Shapes.from_cost(cost), optimizer_mode=optimizer_mode, topology=topology)
 
 
 def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], b: _Builder) -> StepProgram:

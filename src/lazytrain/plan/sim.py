@@ -18,6 +18,10 @@ lane serialization (updates and accumulations share the one FIFO optimizer lane)
 the compute thread or the links through shared memory bandwidth or cores (on the emulated device they share
 the CPU), and the bf16 copy refresh as its own cost (it is part of the measured update).
 
+A program built for several ranks (spec/topology.py) has a seventh lane, *collective*: each group's gradient
+reduction, its seconds the topology's ring bytes over the hardware's intra-/inter-node rates; every rank runs
+the same program, so one rank's timeline is the step's.
+
 Memory. Device bytes change at the program's alloc/free actions, so the device peak does not depend on link
 speeds and equals `StepProgram.device_peak_bytes` and the executor's arena. Host: the static host bytes plus
 every cpu-tier buffer (from its d2h issue) and nvme staging buffer, held to the end of the step (the executor
@@ -33,9 +37,10 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan, Prediction
 from lazytrain.plan.schedule import OPTIMIZER_MODES, STALL_LANES, Op, StepProgram, program_for
 from lazytrain.spec.cost import CostModel
+from lazytrain.spec.topology import ONE_RANK, Topology
 
-STREAMS = ("compute", *STALL_LANES)
-STALL_STREAMS = STALL_LANES
+STREAMS = ("compute", *STALL_LANES, "collective")
+STALL_STREAMS = (*STALL_LANES, "collective")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class SimResult:
     events: tuple[Event, ...]
     optimizer_mode: str
     host_activation_bytes: int = 0  # peak bytes of cpu-tier buffers (the executor's peak_host_activation_bytes)
+    link_bytes: dict[str, int] = field(default_factory=dict)  # bytes per step on each lane but compute
 
     def to_prediction(self) -> Prediction:
         return Prediction(step_s=self.step_s, tflops=self.tflops, tokens_per_s=self.tokens_per_s,
@@ -126,10 +132,12 @@ def _seconds(num_bytes: float, bytes_per_s: float) -> float:
     return 0.0 if num_bytes == 0 else num_bytes / bytes_per_s  # inf rate -> 0.0
 
 
-def op_seconds(op: Op, cost: CostModel) -> float:
+def op_seconds(op: Op, cost: CostModel, topology: Topology = ONE_RANK) -> float:
     """Seconds of one program op on `cost` (link ops: bytes over the link rate; host ops: gradient accumulation,
-    one group's optimizer update, or the whole serial step)."""
+    one group's optimizer update, or the whole serial step; collective ops: the topology's reduction)."""
     c, k, j = cost, op.kind, op.target
+    if op.lane == "collective":
+        return topology.reduce_s(op.num_bytes, c.hardware)
     if op.lane == "compute":
         return {"forward": c.forward_s, "recompute": c.forward_s, "backward": c.backward_s}[k][j] if k != "head" \
             else c.head_s
@@ -158,8 +166,10 @@ RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_
          "nvme_write": "nvme_write_bytes_per_s"}
 
 
-def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str = "overlap") -> SimResult:
-    """Time the step program of `plan` (or a program) on `cost`; see the module docstring."""
+def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str = "overlap",
+             topology: Topology = ONE_RANK) -> SimResult:
+    """Time the step program of `plan` (or a program, which carries its own topology) on `cost` for one rank of
+    `topology`; see the module docstring."""
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
     if isinstance(plan, StepProgram):
@@ -167,25 +177,34 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
     else:
         if plan.num_layers != cost.num_layers:
             raise LazyTrainError(f"plan has {plan.num_layers} layers but the cost model has {cost.num_layers}")
-        program = program_for(plan, cost, optimizer_mode=optimizer_mode)
-    r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost),
+        program = program_for(plan, cost, optimizer_mode=optimizer_mode, topology=topology)
+    r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost, program.topology),
                                                      cost.static_host_bytes())
     step_s = r.now
     busy = dict.fromkeys(STREAMS, 0.0)
+    link_bytes = dict.fromkeys(STREAMS[1:], 0)
     for job in r.jobs:
         busy[job.stream] += job.end - job.start
+        if job.stream != "compute":
+            link_bytes[job.stream] += job.num_bytes
     events = tuple(Event(j.stream, j.name, j.start, j.end, j.num_bytes) for j in sorted(r.jobs, key=lambda j: j.start))
     return SimResult(step_s=step_s, forward_backward_s=forward_backward_s, compute_s=busy["compute"],
-                     tflops=cost.tflops(step_s), tokens_per_s=cost.tokens_per_s(step_s), exposed_s=dict(r.exposed),
+                     tflops=cost.tflops(step_s), tokens_per_s=cost.tokens_per_s(step_s), exposed_s=_exposed(r, program),
                      busy_s=busy, peak_bytes=dict(r.peak), memory_trace=r.trace, events=events,
-                     optimizer_mode=program.optimizer_mode, host_activation_bytes=host_activation)
+                     optimizer_mode=program.optimizer_mode, host_activation_bytes=host_activation,
+                     link_bytes=link_bytes)
 
 
 def step_seconds(program: StepProgram, seconds_of: Callable[[Op], float]) -> tuple[float, dict[str, float]]:
     """The step seconds and per-lane exposed seconds of `program` with op times from `seconds_of` (the same
     replay as `simulate`; the planner's tests time programs of plain-number instances with it)."""
     r, _, _ = _replay(program, seconds_of, 0)
-    return r.now, dict(r.exposed)
+    return r.now, _exposed(r, program)
+
+
+def _exposed(r: _Replay, program: StepProgram) -> dict[str, float]:
+    """Exposed seconds per lane; the collective lane only in a program of several ranks."""
+    return {k: v for k, v in r.exposed.items() if k != "collective" or program.topology.parallel}
 
 
 def _replay(program: StepProgram, seconds_of: Callable[[Op], float], static_host_bytes: int

@@ -43,6 +43,11 @@ class HardwareSpec:
     mem_gbps: float = math.inf  # device memory bandwidth for memory-bound elementwise ops; inf = ignore them
     layer_overhead_s: float = 0.0  # fixed cost per layer call (kernel launches, dispatch); matters on CPU
     grad_accumulate_gbps: float = math.inf  # host: landed compute-dtype gradient bytes added into .grad per s
+    # Data parallelism (spec/topology.py): achieved per-GPU bandwidth of a ring collective, GB/s per direction,
+    # between the GPUs of one node (NVLink, or PCIe through the host) and between nodes (the GPU's NIC).
+    # None = unknown: `lazytrain plan --world-size N` then asks for it.
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -236,6 +241,12 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 # published MegaTrain H800 rows (reference §4); h100/h200 share the H800's compute die, so they reuse its
 # achieved rate. Link rates: H800 as measured in the paper (12 GB/s per direction); the others are
 # typical pinned-memory rates, stated below. mem_gbps: datasheet HBM bandwidth x 0.8 (achievable).
+# Collective links (per GPU, per direction): H800 as DeepSeek-V3's report states its H800 cluster (arXiv
+# 2412.19437 §3.2.2: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); H100/H200 NVLink 4 = 900 GB/s bidirectional
+# (NVIDIA datasheet) -> 450 per direction x 0.8 (the derating of mem_gbps, which also turns the H800's 200 into
+# DeepSeek's 160) = 360, and one 400 Gb/s NDR NIC per GPU (DGX H100 datasheet) = 50 GB/s; RTX 3090 below.
+_H800_NVLINK_GBPS, _IB_NDR_GBPS = 160.0, 50.0
+_NVLINK4_GBPS = 450 * 0.8
 _H800_MATMUL_TFLOPS = 298.0  # calibrated (benchmarks/calibrate.py)
 _H800_OPTIMIZER_GPARAMS = 6.6  # calibrated (benchmarks/calibrate.py)
 
@@ -245,36 +256,44 @@ PRESETS: dict[str, dict[str, Any]] = {
         nvme_read_gbps=2.83, nvme_write_gbps=3.35,
         matmul_tflops=_H800_MATMUL_TFLOPS, optimizer_gparams_per_s=_H800_OPTIMIZER_GPARAMS,
         host_mem_bytes=2 * 1024 * GiB, mem_gbps=3350 * 0.8,
+        intra_node_gbps=_H800_NVLINK_GBPS, inter_node_gbps=_IB_NDR_GBPS,
     ),
     "h100": dict(
         name="h100", gpu_mem_bytes=80 * GiB, h2d_gbps=25.0, d2h_gbps=25.0,  # PCIe Gen5 x16, pinned, typical
         nvme_read_gbps=6.0, nvme_write_gbps=5.0,
         matmul_tflops=_H800_MATMUL_TFLOPS, optimizer_gparams_per_s=_H800_OPTIMIZER_GPARAMS,
         host_mem_bytes=None, mem_gbps=3350 * 0.8,
+        intra_node_gbps=_NVLINK4_GBPS, inter_node_gbps=_IB_NDR_GBPS,
     ),
     "h200": dict(
         name="h200", gpu_mem_bytes=141 * 10**9, h2d_gbps=25.0, d2h_gbps=25.0,
         nvme_read_gbps=6.0, nvme_write_gbps=5.0,
         matmul_tflops=_H800_MATMUL_TFLOPS, optimizer_gparams_per_s=_H800_OPTIMIZER_GPARAMS,
         host_mem_bytes=None, mem_gbps=4800 * 0.8,
+        intra_node_gbps=_NVLINK4_GBPS, inter_node_gbps=_IB_NDR_GBPS,
     ),
     # RTX 3090: 24 GiB; PCIe 4.0 x16 is 31.5 GB/s raw, consumer boards reach about 12-13 GB/s per direction
     # when both directions stream concurrently from pageable-then-pinned staging — we take 12.5 GB/s.
     # bf16 tensor-core peak 71 TFLOPS (fp32 accumulate); achieved = the same fraction of peak as the
     # calibrated H800 (298 / 989 = 30%) -> 21.4 TFLOPS. Desktop CPU Adam: about 0.8 Gparams/s.
+    # Between GPUs: no NVLink bridge assumed and GeForce cards have peer-to-peer off, so NCCL goes through host
+    # memory over PCIe 4.0: the 12.5 GB/s link x 0.8 = 10 GB/s; between nodes 10 GbE = 1.25 GB/s (a workstation).
     "rtx3090": dict(
         name="rtx3090", gpu_mem_bytes=24 * GiB, h2d_gbps=12.5, d2h_gbps=12.5,
         nvme_read_gbps=3.5, nvme_write_gbps=3.0,
         matmul_tflops=71.0 * _H800_MATMUL_TFLOPS / 989.0, optimizer_gparams_per_s=0.8,
         host_mem_bytes=None, mem_gbps=936 * 0.8,
+        intra_node_gbps=10.0, inter_node_gbps=1.25,
     ),
     # The EmulatedDevice: compute on this CPU, a memory arena as the "device", link threads that copy and
     # sleep to bytes / rate. Defaults suit a 2-core laptop; `HardwareSpec.profile()` measures the real ones.
+    # Its ranks reduce with gloo over loopback TCP on the host: about 1 GB/s (an estimate, not measured).
     "emulated": dict(
         name="emulated", gpu_mem_bytes=4 * GiB, h2d_gbps=2.0, d2h_gbps=2.0,
         nvme_read_gbps=1.0, nvme_write_gbps=1.0,
         matmul_tflops=0.05, optimizer_gparams_per_s=0.1,
         host_mem_bytes=None, mem_gbps=math.inf, layer_overhead_s=0.0,
+        intra_node_gbps=1.0, inter_node_gbps=1.0,
     ),
 }
 

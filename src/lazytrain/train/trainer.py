@@ -28,6 +28,7 @@ from lazytrain.distributed import (
     attach_executor,
     check_world_size,
     init_ranks,
+    launched_local_world_size,
     launched_world_size,
     save_once,
 )
@@ -228,6 +229,10 @@ def check_job(job: JobConfig) -> None:
     if job.parallel.world_size not in (1, launched):
         raise LazyTrainError(f"world_size {job.parallel.world_size} but {launched} rank(s) were launched; start "
                              f"the run with torchrun --nproc_per_node {job.parallel.world_size} -m lazytrain train ...")
+    launched_nodes = launched // launched_local_world_size()
+    if job.parallel.nodes not in (1, launched_nodes):
+        raise LazyTrainError(f"nodes {job.parallel.nodes} but torchrun started {launched_nodes} node(s); start the "
+                             f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
     if job.optim.optimizer_mode == "overlap" and job.optim.max_grad_norm > 0:

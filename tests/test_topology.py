@@ -1,0 +1,147 @@
+"""Data parallelism in the planner: the collective lane's bytes and seconds (hand-computed), the program and the
+simulator with ranks, host bytes per node, and `lazytrain plan --world-size N --nodes M`."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from test_sim import _plan, synthetic
+
+from lazytrain.cli import main
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.schedule import program_for
+from lazytrain.plan.sim import simulate
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.hardware import HardwareSpec
+from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.topology import Topology, node_host_bytes, rank_host_room
+from lazytrain.spec.workload import Workload
+
+RNG = random.Random(20261203)
+H800 = HardwareSpec.load("h800")
+
+
+def test_device_reduce_scatter_in_the_node_then_all_reduce_of_the_shard_across_nodes() -> None:
+    S = RNG.randrange(10**6, 10**9)
+    one_node = Topology(world_size=8)
+    assert one_node.link_bytes(S) == pytest.approx((7 / 8 * S, 0.0))
+    assert one_node.reduce_s(S, H800) == pytest.approx(7 / 8 * S / 160e9)
+    assert one_node.d2h_grad_bytes(S) == math.ceil(S / 8)
+    two_nodes = Topology(world_size=16, nodes=2)
+    assert two_nodes.reduce_s(S, H800) == pytest.approx(7 / 8 * S / 160e9 + 2 * (1 / 2) * (S / 8) / 50e9)
+    across = Topology(world_size=4, nodes=4)  # one GPU per node: no intra-node phase
+    assert across.reduce_s(S, H800) == pytest.approx(2 * 3 / 4 * S / 50e9)
+    assert across.d2h_grad_bytes(S) == S
+
+
+def test_host_all_reduce_over_every_rank_on_the_slowest_link() -> None:
+    S = RNG.randrange(10**6, 10**9)
+    assert Topology(world_size=2, collective="host").reduce_s(S, H800) == pytest.approx(S / 160e9)
+    two_nodes = Topology(world_size=16, nodes=2, collective="host")
+    assert two_nodes.reduce_s(S, H800) == pytest.approx(2 * 15 / 16 * S / 50e9)
+    assert Topology(world_size=4, collective="host").d2h_grad_bytes(S) == S
+    assert Topology().reduce_s(S, H800) == 0.0 and not Topology().parallel
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), "world_size"), (dict(world_size=6, nodes=4), "nodes must divide"),
+    (dict(world_size=2, collective="nvlink"), "collective"),
+])
+def test_bad_topologies_are_one_line(kwargs: dict, match: str) -> None:
+    with pytest.raises(LazyTrainError, match=match):
+        Topology(**kwargs)
+
+
+def test_a_hardware_file_without_link_rates_is_asked_for_them(tmp_path) -> None:
+    path = tmp_path / "box.json"
+    fields = {k: v for k, v in HardwareSpec.load("h800").to_dict().items()
+              if k not in ("name", "intra_node_gbps", "inter_node_gbps", "mem_gbps", "grad_accumulate_gbps")}
+    path.write_text(json.dumps(fields))
+    box = HardwareSpec.load(path)
+    assert box.intra_node_gbps is None
+    with pytest.raises(LazyTrainError, match="no intra_node_gbps: set it in a hardware file"):
+        Topology(world_size=2).reduce_s(1000, box)
+    assert HardwareSpec.load("h800").intra_node_gbps == 160.0 and HardwareSpec.load("h800").inter_node_gbps == 50.0
+
+
+def test_one_rank_builds_the_program_it_always_did() -> None:
+    cost = synthetic(4, forward=0.1)
+    plan = _plan(["gpu", "cpu", "recompute", "gpu", "gpu"])
+    assert program_for(plan, cost) == program_for(plan, cost, topology=Topology(world_size=1, nodes=1))
+    assert "collective" not in simulate(plan, cost).exposed_s
+
+
+@pytest.mark.parametrize("collective", ["device", "host"])
+def test_every_group_is_reduced_once_and_only_the_shard_crosses_pcie(collective: str) -> None:
+    L = 5
+    cost = synthetic(L, forward=0.01, weight_bytes=800)
+    cost.hardware = cost.hardware.with_overrides(intra_node_gbps=math.inf)
+    plan = _plan(["gpu", "recompute", "cpu", "gpu", "recompute", "gpu"])
+    topology = Topology(world_size=4, collective=collective)
+    program = program_for(plan, cost, topology=topology)
+    reduces = [op for op in program.ops if op.lane == "collective"]
+    assert sorted(op.target for op in reduces) == [-1, *range(L + 1)]  # embedding, every layer and the head
+    grads = {op.target: op for op in program.ops if op.kind == "grads"}
+    for op in reduces:
+        if op.target >= 0:  # device: reduce before the d2h of the shard; host: after the d2h of everything
+            assert (op.index in grads[op.target].after) == (collective == "device")
+            assert grads[op.target].num_bytes == (200 if collective == "device" else 800)
+    alone = simulate(plan, cost)
+    ranks = simulate(plan, cost, topology=topology)
+    d2h = alone.link_bytes["d2h"] - (L + 1) * 800
+    assert ranks.link_bytes["d2h"] == d2h + (L + 1) * (200 if collective == "device" else 800)
+    assert ranks.link_bytes["h2d"] == alone.link_bytes["h2d"]  # every rank streams every weight
+    assert ranks.step_s == pytest.approx(alone.step_s)  # every link is free here: nothing exposed
+
+
+def test_a_slow_collective_link_is_exposed_and_the_step_adds_up() -> None:
+    L = 3
+    cost = synthetic(L, forward=0.01, weight_bytes=10**6)
+    cost.hardware = cost.hardware.with_overrides(intra_node_gbps=1e-3)  # 1 MB/s: each group's reduce ~0.5 s
+    plan = _plan(["gpu"] * (L + 1))
+    topology = Topology(world_size=2)
+    res = simulate(plan, cost, topology=topology)
+    reduce_s = topology.reduce_s(10**6, cost.hardware)
+    assert reduce_s == pytest.approx(0.5)
+    assert res.busy_s["collective"] == pytest.approx((L + 1) * reduce_s + topology.reduce_s(
+        cost.spec.embedding_params * cost.dtype_bytes, cost.hardware))
+    assert res.exposed_s["collective"] > 3 * reduce_s  # the backward of 3 layers takes 0.09 s: the lane dominates
+    assert res.compute_s + sum(res.exposed_s.values()) == pytest.approx(res.step_s)
+
+
+def test_a_node_holds_the_shared_part_once_and_each_rank_its_own() -> None:
+    cost = CostModel(ModelSpec.load("qwen2.5-7b"), H800, Workload(8, 1024), optimizer="fp32")
+    hb = cost.host_breakdown()
+    one = node_host_bytes(cost, Topology())
+    assert one["node"] == cost.static_host_bytes()
+    eight = node_host_bytes(cost, Topology(world_size=8), rank_activation_bytes=10**9)
+    assert eight["shared"] == hb["weights"] + hb["grads"] + hb["optimizer_states"]
+    assert eight["per_rank"] == hb["pinned_staging"] + 10**9
+    assert eight["node"] == eight["shared"] + 8 * eight["per_rank"]
+    room = rank_host_room(cost, Topology(world_size=8), H800.host_mem_bytes)
+    full = node_host_bytes(cost, Topology(world_size=8), rank_activation_bytes=room)["node"]
+    assert H800.host_mem_bytes - 8 <= full <= H800.host_mem_bytes
+
+
+def test_plan_world_size_prints_the_ranks_step_and_memory(capsys) -> None:
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--batch-size", "8", "--rule", "megatrain"]
+    assert main([*args, "--world-size", "16", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data parallel: 16 ranks on 2 node(s), 8 per node; gradients reduced on the device" in out
+    assert "links 160 GB/s in a node, 50 GB/s between nodes" in out
+    assert "tok/s over 16 ranks" in out and "host per node" in out and "8 x" in out
+    assert main(args) == 0
+    assert "data parallel" not in capsys.readouterr().out
+
+
+def test_plan_world_size_errors_are_one_line(capsys) -> None:
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--world-size", "6", "--nodes", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nodes" in err[0] and "divides world_size (6)" in err[0]
+    assert main(["plan", "--model", "qwen2.5-14b", "--hardware", "h800", "--batch-size", "8", "--rule", "megatrain",
+                 "--world-size", "8", "--cpu-mem", "180GiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "host memory per node: 8 ranks need" in err[0]
