@@ -57,21 +57,26 @@ def _torchrun(config: Path, out: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
-    """Both models' 2-rank runs, launched together (each is mostly interpreter start-up)."""
+def two_rank_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Both models' 2-rank runs, launched together (each is mostly interpreter start-up): (output dir, output)."""
     root = tmp_path_factory.mktemp("dp")
+    shm_before = set(glob.glob("/dev/shm/lazytrain-*"))
     runs = {m: (_torchrun(_yaml(root / f"{m}.yaml", dict(JOB, model=m)), root / m), root / m) for m in MODELS}
+    outputs = {}
     for model, (proc, _) in runs.items():
-        output, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{model}: torchrun exited {proc.returncode}\n{output[-3000:]}"
-    return {m: out for m, (_, out) in runs.items()}
+        outputs[model], _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{model}: torchrun exited {proc.returncode}\n{outputs[model][-3000:]}"
+    assert set(glob.glob("/dev/shm/lazytrain-*")) <= shm_before  # the shared weights' file is gone
+    return {m: (out, outputs[m]) for m, (_, out) in runs.items()}
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model):
     one = train(load_job_config(dict(JOB, model=model, per_device_train_batch_size=JOB["per_device_train_batch_size"]
                                      * WORLD, output_dir=str(tmp_path / "one"))))
-    two = two_rank_runs[model]
+    two, output = two_rank_runs[model]
+    # one host copy of the weights, the optimizer sharded: each rank steps its own layer groups
+    assert "shared by the 2 ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
     rows_one, rows_two = _rows(one.output_dir / "metrics.jsonl"), _rows(two / "metrics.jsonl")
     assert [r["step"] for r in rows_two] == list(range(JOB["max_steps"]))
     for a, b in zip(rows_one, rows_two, strict=True):
@@ -85,6 +90,14 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
         assert not torch.equal(value, start[name]) or "norm" in name  # training moved them
+    # the optimizer states gathered from both shards are the single process's
+    states_one = torch.load(one.output_dir / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)
+    states_two = torch.load(two / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)
+    for sd_one, sd_two in zip(states_one, states_two, strict=True):
+        assert sd_two["state"].keys() == sd_one["state"].keys() and sd_one["state"]
+        for pid, st in sd_one["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(sd_two["state"][pid][key], st[key], rtol=1e-5, atol=1e-9)
     # one checkpoint writer: rank 1 logs under rank-1/ and writes no checkpoint
     assert not list((two / "rank-1").glob("checkpoint-*"))
     assert _rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]

@@ -84,6 +84,12 @@ class Ranks:
         self._collective(what, lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
+    def gather_to_main(self, obj: T, what: str) -> list[T] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
+        box: list[T] | None = [obj] * self.world_size if self.is_main else None
+        self._collective(what, lambda: dist.gather_object(obj, box, dst=0))
+        return box
+
     def agree(self, ok: bool, what: str) -> bool:
         """True when every rank says ok (a min over the ranks): one rank's refusal stops them all."""
         t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.comm_device)

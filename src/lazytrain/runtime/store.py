@@ -91,6 +91,18 @@ class WeightGroup:
         self._ptrs = [p.data_ptr() for p in self.params]
         return True
 
+    def adopt(self, buffer: torch.Tensor) -> None:
+        """Use `buffer` (this group's packed weights already in it, e.g. a node's shared-memory copy) as the host
+        buffer from now on; fp32 parameters are re-pointed at it, so the old buffer is freed."""
+        if buffer.dtype != self.dtype or buffer.numel() != self.numel:
+            raise LazyTrainError(f"{self.name}: a buffer of {buffer.numel()} {buffer.dtype} elements cannot hold "
+                                 f"{self.numel} {self.dtype} elements")
+        self.buffer = buffer
+        if self.aliased:
+            for s, p in zip(self.slots, self.params, strict=True):
+                p.data = buffer[s.offset:s.offset + s.numel].view(s.shape)
+        self._ptrs = [p.data_ptr() for p in self.params]
+
     def accumulate_grads(self, flat_grad: torch.Tensor, scale: float = 1.0) -> None:
         """Add a flat gradient (compute dtype, this group's layout) into each parameter's fp32 `.grad`."""
         for s, p in zip(self.slots, self.params, strict=True):

@@ -161,10 +161,12 @@ def resume_checkpoint(resume_from: str | None, out: Path) -> Path | None:
 # =====================================================================================================
 def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
                     optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan,
-                    tokenizer: PreTrainedTokenizerBase | None = None, save_total_limit: int | None = None) -> Path:
+                    tokenizer: PreTrainedTokenizerBase | None = None, save_total_limit: int | None = None,
+                    optimizer_states: list[dict[str, object]] | None = None) -> Path:
     """Write `checkpoint-<state.step>` whole (temporary name, fsync, rename) and keep the newest
     `save_total_limit`. A failure (a full disk, a read-only directory) removes the partial copy and leaves
-    every earlier checkpoint as it was."""
+    every earlier checkpoint as it was. `optimizer_states`: the optimizers' state_dicts when they are not all
+    here (data parallelism gathers the shards' states on rank 0)."""
     final = out / f"{PREFIX}{state.step}"
     tmp = out / f".tmp-{PREFIX}{state.step}"
     try:
@@ -173,7 +175,8 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
         _write_model(tmp, model, compute_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype, optimizers=optimizers,
+        _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype,
+                             optimizer_states=optimizer_states or [opt.state_dict() for opt in optimizers],
                              data_state=data_state, plan=plan)
         _write_manifest(tmp)
         _fsync_tree(tmp)
@@ -221,12 +224,12 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
 
 
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
-                         optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan) -> None:
+                         optimizer_states: list[dict[str, object]], data_state: dict[str, object], plan: Plan) -> None:
     path.mkdir(parents=True)
     if compute_dtype != torch.float32:  # the HF folder holds rounded copies: keep the fp32 masters
         masters = {k: v.detach().clone().contiguous() for k, v in _unique_state(model).items()}
         save_file(masters, str(path / "master.safetensors"))
-    torch.save([opt.state_dict() for opt in optimizers], path / "optimizer.pt")
+    torch.save(optimizer_states, path / "optimizer.pt")
     torch.save({"data": data_state, "rng": rng_states()}, path / "state.pt")
     (path / "trainer.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
     plan.save(path / "plan.json")

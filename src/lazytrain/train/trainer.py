@@ -23,6 +23,7 @@ from lazytrain.config import JobConfig
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
+    OptimizerShard,
     RankBatches,
     Ranks,
     attach_executor,
@@ -270,8 +271,13 @@ class Trainer:
         self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
         self.resumed = False
         self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan else None
-        if self.ranks is not None:
-            attach_executor(self.ranks, self.executor)
+        self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
+        if self.ranks is not None:  # serial mode: one host copy per node, the optimizer sharded over its ranks
+            self.shard = attach_executor(self.ranks, self.executor, share_host=not isinstance(self.optimizer,
+                                                                                              OverlapStepper))
+            if self.shard is not None:
+                self.shard.drop_foreign_states(self.optimizers)
+                say(f"shared   {self.shard.describe()}")
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -360,7 +366,11 @@ class Trainer:
             say(f"skip     step {step}: non-finite {where}; no update ({self.policy.consecutive} in a row)")
         else:
             if not overlap:
+                if self.shard is not None:  # the global norm is taken: step only this rank's groups
+                    self.shard.drop_foreign_grads(self.model)
                 grad_norm = optimizer_step(job, self.optimizer, self.model, grad_norm=grad_norm)
+                if self.shard is not None:
+                    self.shard.fence(step)
             self.policy.applied()
             self.state.applied_steps += 1
         self.state.consecutive_skips = self.policy.consecutive
@@ -416,17 +426,22 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
+        states = None if self.shard is None else self.shard.gathered_states(self.optimizers)  # on rank 0
+
         def write() -> Path:
             return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
                                    optimizers=self.optimizers, data_state=self.batches.state_dict(),
                                    plan=self.planned.plan, tokenizer=self.tokenizer,
-                                   save_total_limit=self.job.checkpoint.save_total_limit)
+                                   save_total_limit=self.job.checkpoint.save_total_limit, optimizer_states=states)
 
         return write() if self.ranks is None else save_once(self.ranks, self.state.step, write)
 
     def resume(self, path: Path) -> None:
         self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
                                                  optimizers=self.optimizers)
+        if self.shard is not None:  # every rank loaded every state (and wrote the same weights)
+            self.shard.drop_foreign_states(self.optimizers)
+            self.ranks.barrier("loading the checkpoint")
         if self.ranks is None:  # (RankBatches checks its own)
             check_world_size(data_state, 1)
         self.batches.load_state_dict(data_state)

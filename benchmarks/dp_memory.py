@@ -1,0 +1,89 @@
+"""Host memory of a 2-rank data-parallel run against one process with the same global batch.
+
+    python benchmarks/dp_memory.py                       # models debug (the runtime overhead) and small, 1 run
+    python benchmarks/dp_memory.py --runs 3 --models small --pythonpath /path/to/other/src
+
+Starts `python -m lazytrain train` once as one process (global batch 4) and once as 2 ranks (2 rows each; the
+environment torchrun would set, gloo, the emulated device), and samples every process's proportional set size
+(Pss in /proc/PID/smaps_rollup: a page shared by k processes counts 1/k in each, so the shared weights and the
+shared libraries count once in the sum) every 20 ms. Reports the peak of the summed Pss per run. The runtime
+overhead of a rank (Python, torch, transformers, gloo) is the debug model's (0.2 M parameters) 2-rank total
+minus its 1-process figure; the target of issue 12 is total(2 ranks) <= 1.15 x (1 process + that overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOB = ["dataset=zen", "cutoff_len=64", "gradient_accumulation_steps=1", "max_steps=3", "dtype=fp32",
+       "planner=megatrain", "eval_batches=0", "progress=false"]
+MiB = 2**20
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:")), 0)
+
+
+def run(model: str, ranks: int, pythonpath: str) -> int:
+    """Peak summed Pss of one run of `ranks` processes (1 = a single process with the whole global batch)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(ranks):
+            env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+            if ranks > 1:
+                env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            args = [sys.executable, "-m", "lazytrain", "train", f"model={model}", *JOB,
+                    f"per_device_train_batch_size={4 // ranks}", f"output_dir={out}/run"]
+            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        peak = 0
+        while any(p.poll() is None for p in procs):
+            peak = max(peak, sum(pss_bytes(p.pid) for p in procs))
+            time.sleep(0.02)
+        for p in procs:
+            if p.returncode != 0:
+                raise SystemExit(f"{model} x {ranks}: exit {p.returncode}\n{p.stderr.read()[-2000:]}")
+    return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["debug", "small"])
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--pythonpath", default=str(Path(__file__).resolve().parent.parent / "src"),
+                        help="the lazytrain source to measure (default: this checkout's)")
+    args = parser.parse_args()
+    medians: dict[tuple[str, int], float] = {}
+    for model in args.models:
+        for ranks in (1, 2):
+            peaks = [run(model, ranks, args.pythonpath) / MiB for _ in range(args.runs)]
+            medians[model, ranks] = statistics.median(peaks)
+            print(f"{model:<6} {ranks} process(es): peak summed Pss {', '.join(f'{p:.0f}' for p in peaks)} MiB "
+                  f"(median {medians[model, ranks]:.0f})", flush=True)
+    if ("debug", 1) in medians and ("debug", 2) in medians:
+        overhead = medians["debug", 2] - medians["debug", 1]
+        print(f"runtime overhead of a rank (debug model): {overhead:.0f} MiB")
+        for model in args.models:
+            if model != "debug":
+                one, two = medians[model, 1], medians[model, 2]
+                print(f"{model}: 2 ranks {two:.0f} MiB / (1 process {one:.0f} + overhead {overhead:.0f}) = "
+                      f"{two / (one + overhead):.3f} (target <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()
