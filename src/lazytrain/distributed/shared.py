@@ -57,30 +57,31 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> int:
                              "machine does not have; run one rank per node")
     token = ranks.broadcast_object(secrets.token_hex(6) if ranks.is_main else None, "the shared weights' name")
     path = SHM_DIR / f"lazytrain-{token}-node{ranks.rank // ranks.local_world_size}.weights"
-    if ranks.local_rank == 0:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, total)
-        except OSError as err:
-            os.close(fd)
+    try:
+        if ranks.local_rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, total)
+            except OSError as err:
+                raise LazyTrainError(f"cannot make {total / 2**30:.2f} GiB of shared memory in {SHM_DIR} "
+                                     f"({err.strerror}); free /dev/shm or raise its size") from None
+            finally:
+                os.close(fd)
+            mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+            for t, offset in zip(regions, offsets, strict=True):
+                _view(mapping, offset, t).copy_(t)
+        ranks.barrier("mapping the shared weights")
+        if ranks.local_rank != 0:
+            mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        with torch.no_grad():
+            for g, offset in zip(groups, offsets[:len(groups)], strict=True):
+                g.adopt(_view(mapping, offset, g.buffer))
+            for p, offset in zip(loose, offsets[len(groups):], strict=True):
+                p.data = _view(mapping, offset, p.data)
+        ranks.barrier("the shared weights mapped")
+    finally:  # every rank has it mapped (or the run stops): the file goes, the mappings stay
+        if ranks.local_rank == 0:
             path.unlink(missing_ok=True)
-            raise LazyTrainError(f"cannot make {total / 2**30:.2f} GiB of shared memory in {SHM_DIR} ({err.strerror}); "
-                                 "free /dev/shm or raise its size") from None
-        os.close(fd)
-        mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-        for t, offset in zip(regions, offsets, strict=True):
-            _view(mapping, offset, t).copy_(t)
-    ranks.barrier("mapping the shared weights")
-    if ranks.local_rank != 0:
-        mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-    with torch.no_grad():
-        for g, offset in zip(groups, offsets[:len(groups)], strict=True):
-            g.adopt(_view(mapping, offset, g.buffer))
-        for p, offset in zip(loose, offsets[len(groups):], strict=True):
-            p.data = _view(mapping, offset, p.data)
-    ranks.barrier("the shared weights mapped")
-    if ranks.local_rank == 0:
-        path.unlink()
     return total
 
 
