@@ -24,11 +24,12 @@ from lazytrain.errors import LazyTrainError  # noqa: E402
 from lazytrain.train import train  # noqa: E402
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
-# fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps. The ranks sum
-# rows in another order than one process (float noise ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from
-# blowing the noise of a near-zero gradient up to a full +-lr step (with 1e-8: single elements off by ~4e-6).
+# fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps, 3 held-out
+# batches (split unevenly over the ranks). The ranks sum rows in another order than one process (float noise
+# ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from blowing the noise of a near-zero gradient up to a full
+# +-lr step (with 1e-8: single elements off by ~4e-6).
 JOB = dict(dataset="zen", cutoff_len=32, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5,
-           max_grad_norm=0.5, dtype="fp32", planner="megatrain", eval_batches=0, seed=0, progress=False,
+           max_grad_norm=0.5, dtype="fp32", planner="megatrain", eval_batches=3, seed=0, progress=False,
            learning_rate=1e-3, warmup_steps=1, adam_epsilon=1e-6)
 WORLD = 2
 
@@ -90,6 +91,10 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
         assert not torch.equal(value, start[name]) or "norm" in name  # training moved them
+    # the held-out loss: rank 0 takes batches 0 and 2, rank 1 batch 1, and the sums are added
+    summary_one, summary_two = (json.loads((d / "summary.json").read_text()) for d in (one.output_dir, two))
+    for key in ("eval_loss_before", "eval_loss_after"):
+        assert summary_two[key] == pytest.approx(summary_one[key], rel=1e-6)
     # the optimizer states gathered from both shards are the single process's
     states_one = torch.load(one.output_dir / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)
     states_two = torch.load(two / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)

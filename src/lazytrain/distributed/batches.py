@@ -31,7 +31,10 @@ class RankBatches:
         self.rows = slice(ranks.rank * batch_size, (ranks.rank + 1) * batch_size)
 
     def next(self) -> Batch:
-        batch = self.source.next()
+        return self.rows_of(self.source.next())
+
+    def rows_of(self, batch: Batch) -> Batch:
+        """This rank's rows of a global batch (training, or held-out: the ranks evaluate a global batch together)."""
         rows = [None if t is None else t[self.rows].contiguous()
                 for t in (batch.input_ids, batch.labels, batch.attention_mask, batch.position_ids)]
         input_ids, labels, attention_mask, position_ids = rows

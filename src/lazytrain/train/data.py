@@ -47,8 +47,8 @@ class RunData:
 
 
 def load_data(job: JobConfig, world_size: int = 1) -> RunData:
-    """world_size: data parallelism; the training batches are global ones of B x world_size rows (each rank
-    keeps its own rows), the held-out and probe batches stay per device."""
+    """world_size: data parallelism; the training and held-out batches are global ones of B x world_size rows
+    (each rank keeps its own rows: the single process's batches), the probe batch stays per device."""
     dataset, seed = job.data.dataset, job.runtime.seed
     batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
     check_data_files(job)  # the root cause first: a file that is not there, before what it would be read with
@@ -79,7 +79,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
                    eval_dataset=d.eval_dataset, seed=seed)
     loader = Loader(sft.examples, batch_size=batch_size * world_size, seq_len=seq_len, packing=d.packing,
                     pad_token_id=tokenizer.pad_token_id, seed=seed)
-    eval_set = eval_batches(sft.val, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
+    eval_set = eval_batches(sft.val, batch_size=batch_size * world_size, seq_len=seq_len, packing=d.packing,
                             pad_token_id=tokenizer.pad_token_id)[:job.metrics.eval_batches]
     probe = Loader(sft.examples, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
                    pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
@@ -106,7 +106,7 @@ def _corpus_data(job: JobConfig, world_size: int) -> RunData:
     data.check_fits(seq_len, "train")
     eval_set = []
     if job.metrics.eval_batches and len(data.val) >= seq_len:
-        fixed = data.fixed_batches(job.metrics.eval_batches, batch_size, seq_len, seed=seed + 1)
+        fixed = data.fixed_batches(job.metrics.eval_batches, batch_size * world_size, seq_len, seed=seed + 1)
         eval_set = [_batch(*b) for b in fixed]
     probe = data.fixed_batches(1, batch_size, seq_len, seed=seed + 2, split="train")[0]
     return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=seed), eval_set=eval_set,

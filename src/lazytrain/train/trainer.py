@@ -141,7 +141,8 @@ def train(job: JobConfig) -> TrainResult:
         say(f"model    {source.directory or source.name}: {num_params / 1e6:.1f} M params, "
             f"{model.config.num_hidden_layers} layers, {init} (seed {job.runtime.seed})")
         say(data.summary)
-        exact_before = exact_match(model, data.tokenizer, data.math_eval) if data.math_eval else None
+        decode = data.math_eval and (ranks is None or ranks.is_main)  # greedy decoding: rank 0 alone
+        exact_before = exact_match(model, data.tokenizer, data.math_eval) if decode else None
         if exact_before is not None:
             say(f"eval     exact match on {len(data.math_eval)} held-out problems before training: {exact_before:.1%}")
 
@@ -186,7 +187,7 @@ def train(job: JobConfig) -> TrainResult:
         signals.deferred = False  # a signal now stops the save; the previous checkpoint stays intact
         final = trainer.save()
     exact_after = None
-    if data.math_eval:  # greedy decoding of the exported checkpoint, loaded as any HF model is
+    if decode:  # greedy decoding of the exported checkpoint, loaded as any HF model is
         hf_logging.disable_progress_bar()  # its loading bar is noise under the report
         exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
         exact_after = exact_match(exported, AutoTokenizer.from_pretrained(final), data.math_eval)
@@ -414,14 +415,19 @@ class Trainer:
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """Mean held-out token loss, forward-only through the executor (streaming like training)."""
+        """Mean held-out token loss, forward-only through the executor (streaming like training). With ranks,
+        each rank takes its rows of every global held-out batch and the sums are added over the ranks."""
         if not self.eval_set:
             return math.nan
         loss_sum, count = 0.0, 0
-        for batch in self.eval_set:
+        mine = self.eval_set if not isinstance(self.batches, RankBatches) else [
+            self.batches.rows_of(b) for b in self.eval_set]
+        for batch in mine:
             batch_sum, batch_count = self.executor.forward_loss(  # host sync
                 batch.input_ids, batch.labels, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
             loss_sum, count = loss_sum + batch_sum, count + batch_count
+        if self.ranks is not None:
+            loss_sum, count = self.ranks.all_reduce_sum([loss_sum, count], "the held-out loss")
         return loss_sum / count if count else math.nan
 
     # ---- checkpoints ------------------------------------------------------------------------------------
