@@ -176,7 +176,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
     cases = [
         (lambda: load_rows(tmp_path / "missing.jsonl"), "does not exist"),
         (lambda: load_rows(_write(tmp_path / "empty.jsonl", [])), "is empty"),
-        (lambda: load_rows(tmp_path), "does not exist"),
+        (lambda: load_rows(tmp_path), "is a folder but not one written by datasets' save_to_disk"),
         (lambda: load_sft(_write(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}]), tok, cutoff_len=64),
          r"columns \(answer, question\).*dataset_format"),
         (lambda: tokenize_rows([{"question": "q"}], tok, dataset_format="alpaca", cutoff_len=64),

@@ -74,3 +74,22 @@ def test_a_calibration_step_beyond_host_memory_is_one_line(tmp_path, capsys, mon
     out = tmp_path / "run"
     _refused(capsys, [*TRAIN, "--model", "debug", "dataset=zen", "--output-dir", str(out)],
              "calibration step", out=out)
+
+
+# ---- dataset folders --------------------------------------------------------------------------------------
+def test_a_dataset_dict_folder_loads_and_a_plain_folder_is_named_as_such(tmp_path):
+    """`save_to_disk` of a DatasetDict writes dataset_dict.json, not dataset_info.json: it was refused as "does
+    not exist"; a plain folder was too (it exists: the message now says what it lacks)."""
+    import datasets
+
+    from lazytrain.data.sft import load_rows
+    from lazytrain.errors import LazyTrainError
+
+    rows = [{"instruction": f"add {i} and {i + 1}", "output": str(2 * i + 1)} for i in range(5)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "dict")
+    assert load_rows(tmp_path / "dict") == rows
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "one")
+    assert load_rows(tmp_path / "one") == rows
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(LazyTrainError, match="is a folder but not one written by datasets' save_to_disk"):
+        load_rows(tmp_path / "plain")

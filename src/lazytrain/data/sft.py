@@ -52,7 +52,11 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arr
 def load_rows(path: str | Path) -> list[Row]:
     """The rows of a local json / jsonl / parquet / arrow file (or a `save_to_disk` folder), via HF `datasets`."""
     path = Path(path)
-    if path.is_dir() and (path / "dataset_info.json").exists():
+    if path.is_dir():
+        if not any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json")):
+            raise LazyTrainError(f"dataset {path} is a folder but not one written by datasets' save_to_disk (no "
+                                 "dataset_info.json or dataset_dict.json); set dataset to a json, jsonl, parquet or "
+                                 "arrow file, or such a folder")
         table = datasets.load_from_disk(str(path), keep_in_memory=True)
         if isinstance(table, datasets.DatasetDict):
             table = table["train"] if "train" in table else next(iter(table.values()))
