@@ -93,3 +93,11 @@ def test_a_dataset_dict_folder_loads_and_a_plain_folder_is_named_as_such(tmp_pat
     (tmp_path / "plain").mkdir()
     with pytest.raises(LazyTrainError, match="is a folder but not one written by datasets' save_to_disk"):
         load_rows(tmp_path / "plain")
+
+
+def test_an_nvme_dir_that_is_a_file_is_named_as_one(tmp_path, capsys):
+    afile = tmp_path / "spill"
+    afile.write_text("")
+    out = tmp_path / "run"
+    _refused(capsys, [*TRAIN, "--model", "debug", "dataset=zen", "--nvme-dir", str(afile), "--output-dir", str(out)],
+             f"NVMe directory {afile} is not a directory", out=out)

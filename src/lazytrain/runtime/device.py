@@ -382,7 +382,8 @@ def check_nvme_dir(path: Path) -> None:
     the spill files of runs that died there. The probe is a nameless spill file: nothing to clean up after it,
     so a read-only directory gives its own error, not the cleanup's."""
     if not path.is_dir():
-        raise LazyTrainError(f"NVMe directory {path} does not exist; create it or pass another nvme_dir")
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise LazyTrainError(f"NVMe directory {path} {what}; create it or pass another nvme_dir")
     try:
         fd = open_spill_file(path)
         try:
