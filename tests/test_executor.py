@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,6 @@ from hypothesis import strategies as st
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import build_program
-from lazytrain.runtime.executor import layerwise_hook
 
 VOCAB = 61
 NUM_LAYERS = 6
@@ -127,31 +127,46 @@ def test_gradients_accumulate_like_autograd() -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_overlapped_optimizer_hook_equals_serial_adamw(kind: str) -> None:
-    """Per-layer AdamW steps run by the hook as grads land == one AdamW step after the whole backward."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_update_runs_in_forward_order_before_each_groups_weights(kind: str, dtype: torch.dtype) -> None:
+    """The update handed to defer_update runs on the next step's optimizer lane, group by group in forward order
+    (a tied head first: it owns the embedding), each before its group's forward weights are streamed: the
+    parameters and losses equal one AdamW step after each backward, bit for bit."""
     model = make_model(kind)
     serial = copy.deepcopy(model)
     ids, labels = make_batch()
-    serial_ex = Executor(serial, Plan.from_tiers(serial, PLANS["megatrain-2"]), EmulatedDevice())
-    serial_opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
+    serial_ex = Executor(serial, Plan.from_tiers(serial, PLANS["megatrain-2"]), EmulatedDevice(), compute_dtype=dtype)
+    serial_opt = torch.optim.AdamW([{"params": g} for g in serial_ex.param_groups()], lr=1e-2, fused=True)
+    ex = Executor(model, Plan.from_tiers(model, PLANS["megatrain-2"]), EmulatedDevice(), compute_dtype=dtype)
+    opt = torch.optim.AdamW([{"params": g} for g in ex.param_groups()], lr=1e-2, fused=True)
     seen: list[int] = []
-    ex = Executor(model, Plan.from_tiers(model, PLANS["megatrain-2"]), EmulatedDevice())
-    step_group = layerwise_hook([torch.optim.AdamW(group, lr=1e-2) for group in ex.param_groups()])
 
-    def hook(index: int, params: list[torch.nn.Parameter]) -> None:
+    def update(index: int) -> None:
         seen.append(index)
-        assert all(p.grad is not None for p in params)
-        step_group(index, params)
+        time.sleep(0.01)  # slow: the forward must wait for it
+        every = opt.param_groups
+        opt.param_groups = [every[index]]
+        try:
+            opt.step()
+        finally:
+            opt.param_groups = every
+        for p in every[index]["params"]:
+            p.grad = None
 
-    ex.optimizer_hook = hook
-    for _ in range(2):
-        serial_ex.forward_backward(ids, labels)
+    for _ in range(3):
+        expected = serial_ex.forward_backward(ids, labels)
         serial_opt.step()
         serial_opt.zero_grad(set_to_none=True)
-        ex.forward_backward(ids, labels)
-    assert sorted(seen) == sorted(list(range(len(ex.param_groups()))) * 2)
+        assert torch.equal(ex.forward_backward(ids, labels), expected)
+        ex.defer_update(update)
+    ex.drain()
+    names = ex.group_names()
+    order = [names.index("head"), *range(names.index("layer.0"), names.index("head"))] if kind == "qwen2" \
+        else list(range(len(names)))
+    assert seen == order * 3
+    assert sum(1 for lane, name, *_ in ex.last_step.timeline if name.startswith("update")) == len(names)
     for p, q in zip(model.parameters(), serial.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p, q)
 
 
 def test_bf16_compute_tracks_fp32() -> None:
@@ -193,7 +208,7 @@ def test_grad_norm_is_taken_as_gradients_land() -> None:
     model = make_model("qwen2")  # tied embeddings: the head group completes at the embedding backward
     ids, labels = make_batch()
     ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice())
-    ex.forward_backward(ids, labels, loss_scale=0.5, run_optimizer_hook=False)
+    ex.forward_backward(ids, labels, loss_scale=0.5, last_micro_batch=False)
     assert ex.last_step.grad_norm is None  # gradients not final on an accumulating micro-batch
     ex.forward_backward(ids, labels, loss_scale=0.5)
     expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))

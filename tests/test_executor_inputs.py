@@ -60,7 +60,7 @@ def test_four_micro_batches_of_two_equal_one_of_eight(inner, kind, seed) -> None
     executor(whole, inner, head_chunk_tokens=5).forward_backward(ids, labels)
     ex = executor(model, inner, head_chunk_tokens=5)
     n = num_label_tokens(labels)
-    losses = [ex.forward_backward(ids[i:i + 2], labels[i:i + 2], num_tokens=n, run_optimizer_hook=i == 6)
+    losses = [ex.forward_backward(ids[i:i + 2], labels[i:i + 2], num_tokens=n, last_micro_batch=i == 6)
               for i in range(0, 8, 2)]
     assert_matches(model, sum(float(v) for v in losses), ref_loss, ref_grads, tol=1e-6)
     assert_matches(model, sum(float(v) for v in losses), ref_loss,
@@ -74,7 +74,7 @@ def test_a_micro_batch_without_labels_adds_nothing() -> None:
     ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     ex = executor(model, ["cpu", "recompute", "nvme", "gpu", "recompute"])
     n = num_label_tokens(labels)
-    first = ex.forward_backward(ids[:2], labels[:2], num_tokens=n, run_optimizer_hook=False)
+    first = ex.forward_backward(ids[:2], labels[:2], num_tokens=n, last_micro_batch=False)
     second = ex.forward_backward(ids[2:], labels[2:], num_tokens=n)
     assert float(second) == 0.0
     assert_matches(model, float(first) + float(second), ref_loss, ref_grads, tol=1e-6)

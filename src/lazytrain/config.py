@@ -202,10 +202,10 @@ class OptimConfig:
     """`adamw` (torch AdamW, fp32 states), `hybrid8bit` (Hybrid8bitAdamW: the paper's 2% of the parameters in
     8-bit states) or `8bit` (every tensor of 4096+ elements in 8 bits: ~2 instead of 8 bytes of state per
     parameter). The older names `fp32` and `hybrid` are read as adamw and hybrid8bit."""
-    optimizer_mode: Literal["serial", "overlap"] = "serial"
-    """`serial`: the host optimizer steps after the whole backward (MegaTrain's code). `overlap`: each layer's
-    update runs as soon as its gradients land, under the device's work on the layers below (LazyTrain);
-    training needs max_grad_norm 0 for it today."""
+    optimizer_mode: Literal["serial", "overlap"] = "overlap"
+    """`overlap` (overlapped-exact): once the backward is done (global norm known, clipped), the host updates the
+    layer groups in forward order under the next step's forward, each group's weight h2d waiting only for its
+    update; parameters bit-identical to `serial`, which steps after the whole backward (MegaTrain's code)."""
     learning_rate: float = 3e-3
     """Peak learning rate (> 0), reached after the warm-up."""
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"

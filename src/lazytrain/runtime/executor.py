@@ -8,8 +8,9 @@ program gives it (a function of the plan's tiers). Weights stream into two devic
 k into slot k % 2 (a loss head larger than a layer into its own slot); weight gradients leave through two
 gradient slots (and the head's own); activations are offloaded, spilled,
 reloaded and recomputed exactly as the program says; the optimizer lane adds each group's gradients into
-the fp32 `.grad` and, when the group is complete, calls the optimizer hook. The step's peak device bytes
-equal `StepProgram.device_peak_bytes()` (the arena counts exactly its alloc/free actions).
+the fp32 `.grad` and, at the start of the step after `defer_update`, runs the previous step's update group by
+group in forward order, each before that group's forward weight h2d (the overlapped-exact optimizer). The
+step's peak device bytes equal `StepProgram.device_peak_bytes()` (the arena counts exactly its alloc/free actions).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.schedule import Op, Shapes, StepProgram, build_program
+from lazytrain.plan.schedule import Op, Shapes, StepProgram, build_program, update_order
 from lazytrain.runtime.device import Device, EmulatedDevice, Event, check_nvme_dir, check_nvme_space
 from lazytrain.runtime.hf import (
     DecoderParts,
@@ -48,22 +49,10 @@ OFFLOADED = ("cpu", "nvme")
 HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.spec.cost uses the same default)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# hook(group_index, params): called on the optimizer link once every gradient of that group is in `.grad`.
-OptimizerHook = Callable[[int, list[nn.Parameter]], None]
-
-
-def layerwise_hook(optimizers: list[torch.optim.Optimizer]) -> OptimizerHook:
-    """An optimizer hook stepping `optimizers[i]` (one per `Executor.param_groups()` entry) as group i lands.
-
-    E.g. `layerwise_hook([torch.optim.AdamW(g, lr=3e-4, fused=True) for g in ex.param_groups()])`.
-    Global-norm clipping needs every gradient first: clip per group, or use serial mode.
-    """
-
-    def hook(index: int, params: list[nn.Parameter]) -> None:
-        optimizers[index].step()
-        optimizers[index].zero_grad(set_to_none=True)
-
-    return hook
+# grad_hook(group_index, params): on the optimizer lane once every gradient of that group is in `.grad`.
+GradHook = Callable[[int, list[nn.Parameter]], None]
+# update(group_index): one group's optimizer update (clip, step, drop its gradients), on the optimizer lane.
+GroupUpdate = Callable[[int], None]
 
 
 @dataclass
@@ -86,7 +75,7 @@ class StepStats:
     peak_nvme_bytes: int = 0
     # Global L2 norm of every `.grad` after this step, from fp32 per-tensor norms taken on the optimizer
     # link as each group's gradients land (off the critical path; hand it to the optimizer's clipping).
-    # None on micro-batches run with run_optimizer_hook=False (their gradients are not final yet).
+    # None on micro-batches run with last_micro_batch=False (their gradients are not final yet).
     grad_norm: float | None = None
     # The measured step, op by op: (lane, op name, start s, end s) from the step's start (compute: wall clock
     # around each op; lanes: their jobs' events). Drawn as a trace beside the prediction (lazytrain.viz).
@@ -125,9 +114,8 @@ class Executor:
 
     compute_dtype: activations and streamed weights (fp32 for exactness; bf16 with the model's fp32
       parameters as master weights and fp32 `.grad` accumulation).
-    optimizer_hook: `hook(group_index, params)`, run on the optimizer link as soon as all gradients of
-      `param_groups()[group_index]` are in `.grad` (overlap mode); None = step the optimizer yourself
-      after `forward_backward` (serial mode).
+    The optimizer: step it yourself after `forward_backward` (serial), or hand `defer_update` the update of
+      each group: the next step runs it on the optimizer lane under its forward (overlapped-exact).
     cost: a `lazytrain.spec.cost.CostModel` whose `working_bytes` / `head_working_bytes` the arena
       reserves (so the simulator and the executor count the same bytes); None = the same CostModel
       formulas for the step's batch and sequence length (`estimate_working_bytes` if that module is absent).
@@ -136,8 +124,8 @@ class Executor:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device: Device | None = None, *,
-                 compute_dtype: torch.dtype = torch.float32, optimizer_hook: OptimizerHook | None = None,
-                 cost: Any = None, head_chunk_tokens: int | None = None) -> None:
+                 compute_dtype: torch.dtype = torch.float32, cost: Any = None,
+                 head_chunk_tokens: int | None = None) -> None:
         if head_chunk_tokens is None:  # the cost model's chunk, so its head working set is the real one
             head_chunk_tokens = int(getattr(cost, "head_chunk_tokens", None) or HEAD_CHUNK_TOKENS)
         if compute_dtype not in DTYPE_NAMES:
@@ -151,10 +139,10 @@ class Executor:
         self.plan = plan
         self.device = device if device is not None else EmulatedDevice()
         self.compute_dtype = compute_dtype
-        self.optimizer_hook = optimizer_hook
+        self._update: GroupUpdate | None = None  # the deferred update of the last step (defer_update)
         # grad_hook(group_index, params): on the optimizer link when a group's gradient is complete on a step's
         # final micro-batch, before its norm is taken and the optimizer hook runs (data parallelism sums it here).
-        self.grad_hook: OptimizerHook | None = None
+        self.grad_hook: GradHook | None = None
         self.cost = cost
         self.head_chunk_tokens = head_chunk_tokens
         off_host = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
@@ -183,10 +171,35 @@ class Executor:
 
     def set_plan(self, plan: Plan) -> None:
         """Run `plan` from the next step on (re-planning switches plans between steps)."""
+        self.drain()
         plan.check_matches(self.spec)
         if "nvme" in plan.tiers:
             check_nvme_dir(self.device.nvme_dir)
         self.plan = plan
+
+    # ---- the overlapped-exact optimizer -------------------------------------------------------
+    def defer_update(self, update: GroupUpdate) -> None:
+        """Run `update(group_index)` for every group at the start of the next step, on the optimizer lane, in
+        forward order, each before that group's forward weight h2d (and the embedding's before the embedding
+        gather); the bf16 streamed copy of each group is refreshed right after its update. Call it once every
+        gradient is final (after the step's last micro-batch, the non-finite check passed)."""
+        self.drain()
+        self._update = update
+
+    def drain(self) -> None:
+        """Run the deferred update now, on this thread (before a checkpoint, evaluation, re-planning or the end:
+        whatever reads the parameters or the optimizer). No-op when none is pending."""
+        update, self._update = self._update, None
+        if update is not None:
+            for target in update_order(self.parts.num_layers, self.parts.tied):
+                self._run_update(update, target)
+
+    def _run_update(self, update: GroupUpdate, target: int) -> None:
+        """Group `target`'s update (-1 embedding, j layer, L head) and its streamed copy's refresh."""
+        L = self.parts.num_layers
+        update(self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}"))
+        if target >= 0:
+            (self.head_group if target == L else self.layer_groups[target]).pack()
 
     # ---- parameter groups (one per layer, for a per-layer optimizer) -------------------------
     def param_groups(self) -> list[list[nn.Parameter]]:
@@ -231,9 +244,11 @@ class Executor:
             tied_head=self.parts.tied,
         )
 
-    def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False) -> StepProgram:
-        """The step program this executor runs for a batch of this shape (the plan's tiers and windows)."""
-        return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=False,
+    def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False,
+                updates: bool = False) -> StepProgram:
+        """The step program this executor runs for a batch of this shape (the plan's tiers and windows);
+        `updates`: it starts with the deferred update."""
+        return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=updates,
                              forward_only=forward_only)
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
@@ -258,7 +273,7 @@ class Executor:
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
                          attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                          num_tokens: int | None = None, loss_scale: float = 1.0,
-                         run_optimizer_hook: bool = True) -> torch.Tensor:
+                         last_micro_batch: bool = True) -> torch.Tensor:
         """Forward and backward of one micro-batch under the plan; returns its loss (fp32, 0-dim, host).
 
         input_ids, labels: (B, S) int64, labels aligned with input_ids (shifted inside), -100 = ignored.
@@ -267,7 +282,7 @@ class Executor:
         over all its micro-batches; the return is this micro-batch's summed token loss / num_tokens, so the
         returns of a step's micro-batches add up to its true mean loss (None = this micro-batch's own count).
         Gradients *accumulate* into every parameter's `.grad` exactly like `(loss * loss_scale).backward()`
-        (zero them between optimizer steps); pass `run_optimizer_hook=False` on all but a step's last
+        (zero them between optimizer steps); pass `last_micro_batch=False` on all but a step's last
         micro-batch.
         """
         batch, seq_len = self._check_inputs(input_ids, labels, attention_mask, position_ids)
@@ -281,7 +296,7 @@ class Executor:
             A = self.memory_sizes(batch, seq_len).boundary_bytes
             spilled = sum(a for a, t in zip(A, self.plan.tiers, strict=True) if t == "nvme")
             check_nvme_space(self.device.nvme_dir, spilled)
-        step = _Step(self, input_ids, labels, attention_mask, position_ids, loss_scale, run_optimizer_hook,
+        step = _Step(self, input_ids, labels, attention_mask, position_ids, loss_scale, last_micro_batch,
                      None if num_tokens is None else int(num_tokens))
         try:
             loss = step.run()
@@ -299,6 +314,7 @@ class Executor:
         backward), so its device peak stays below the plan's; gradients and `last_step` are untouched.
         """
         self._check_inputs(input_ids, labels, attention_mask, position_ids)
+        self.drain()
         step = _Step(self, input_ids, labels, attention_mask, position_ids, 1.0, False, None, forward_only=True)
         try:
             step.run()
@@ -344,11 +360,14 @@ class _Step:
         self.num_tokens = num_tokens
         self.loss_scale = loss_scale
         self.final_micro_batch = run_hook  # gradients are final after this step: take their norm
-        self.run_hook = run_hook and ex.optimizer_hook is not None
+        self.update = None if forward_only else ex._update  # the deferred update runs on this step's lane
+        if not forward_only:
+            ex._update = None
         self.grad_sq_norm = 0.0
         self.batch, self.seq_len = input_ids.shape
         masked = attention_mask is not None or position_ids is not None
-        self.program = ex.program(self.batch, self.seq_len, masked=masked, forward_only=forward_only)
+        self.program = ex.program(self.batch, self.seq_len, masked=masked, forward_only=forward_only,
+                                  updates=self.update is not None)
         self.stall: dict[str, float] = defaultdict(float)
         self.on_device: dict[int, torch.Tensor] = {}  # boundary -> device activation
         self.grads: dict[int, torch.Tensor] = {}  # boundary -> device gradient
@@ -376,8 +395,9 @@ class _Step:
     # ---- the interpreter ------------------------------------------------------------------------
     def run(self) -> torch.Tensor:
         ex, dev = self.ex, self.dev
-        for group in [*ex.layer_groups, ex.head_group]:
-            group.pack()  # bf16: refresh the streamed copy from the fp32 master weights
+        if self.update is None:  # (else each group's update refreshes its copy)
+            for group in [*ex.layer_groups, ex.head_group]:
+                group.pack()  # bf16: refresh the streamed copy from the fp32 master weights
         dev.reset_peak()
         self.links_before = dev.link_stats()
         self.t_start = time.perf_counter()
@@ -456,8 +476,14 @@ class _Step:
         if op.kind == "weights":  # into slot use % 2, after the compute that last read that slot
             group = self._group_of(op)
             slot = self._slot(self.slots, op.target, op.use)
-            return dev.copy("h2d", slot[:group.numel], group.buffer, after=[dev.record_compute()])
-        if op.kind == "boundary0":  # the embedding rows, gathered on the host
+            return dev.copy("h2d", slot[:group.numel], group.buffer, after=[*after, dev.record_compute()])
+        if op.kind == "update":
+            update, target = self.update, op.target
+            assert update is not None
+            return dev.submit("optimizer", lambda: self.ex._run_update(update, target), after=after)
+        if op.kind == "boundary0":  # the embedding rows, gathered on the host (after the embedding's update)
+            for event in after:
+                self._wait(event)
             rows = self.ex.parts.embedding.weight.detach()[self.input_ids].to(self.ex.compute_dtype)  # (B, S, H)
             if dev.torch_device.type == "cuda":
                 rows = rows.pin_memory()
@@ -534,30 +560,17 @@ class _Step:
         self._arrived(index, 2 if self.ex.parts.tied else 1)
 
     def _arrived(self, index: int, parts: int) -> None:
-        """A part of group `index`'s gradient is in `.grad`; run the hook when the group is complete."""
+        """A part of group `index`'s gradient is in `.grad`; on the step's last micro-batch, once the group is
+        complete, run the grad hook (data parallelism sums it) and take its squared norm."""
         self.arrivals[index] += 1
         if self.arrivals[index] == parts and self.final_micro_batch:
             if self.ex.grad_hook is not None:
                 self.ex.grad_hook(index, self.ex.param_groups()[index])
             grads = [p.grad for p in self.ex.param_groups()[index] if p.grad is not None]
-            self.grad_sq_norm += float(per_tensor_sq_norms(grads).sum())  # before the hook may step and drop them
-        if self.arrivals[index] == parts and self.run_hook:
-            params = self.ex.param_groups()[index]
-            self.ex.optimizer_hook(index, params)
-            group = self._group_at(index)
-            if group is not None:
-                group.pack()  # bf16: the streamed copy follows the updated master weights
+            self.grad_sq_norm += float(per_tensor_sq_norms(grads).sum())
 
     def _group_index(self, name: str) -> int:
         return self.ex.group_names().index(name)
-
-    def _group_at(self, index: int) -> WeightGroup | None:
-        name = self.ex.group_names()[index]
-        if name == "head":
-            return self.ex.head_group
-        if name.startswith("layer."):
-            return self.ex.layer_groups[int(name.split(".")[1])]
-        return None
 
     # ---- the arena: the program's alloc/free actions ------------------------------------------------
     def _alloc_buffer(self, kind: str, i: int, num_bytes: int) -> None:

@@ -6,16 +6,18 @@ state or schedule change (the learning-rate schedule counts applied steps only).
 `max_nonfinite_steps` in a row stop the run with one line naming what was non-finite and where it first
 appeared (the loss, or the first layer group of the backward whose gradients were not finite).
 
-Serial mode checks after the backward, before the optimizer. Overlap mode steps each layer group as its
-gradients land, so it checks each group just before applying it: the first non-finite group stops the step's
-remaining updates. A non-finite loss makes the head's gradients (the first group to land) non-finite, so such a
-step is skipped whole; if a lower group is the first non-finite one, the groups above it were already
-applied and the step cannot be skipped: the run stops with one line (use serial mode to skip such steps).
+Both modes check after the step's last backward, before any update: the global norm then exists. Serial mode
+(MegaTrain's code) steps the optimizer there. Overlap mode (overlapped-exact, the default) hands the same
+update, group by group (`group_update`), to the executor, which runs it on its optimizer lane under the next
+step's forward in forward order; each group is clipped with the step's one coefficient and stepped by the same
+per-group kernels, so the parameters after every step are bit-identical to serial mode's, and a non-finite step
+is skipped whole in both.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,15 +37,14 @@ ParamGroup = dict[str, object]  # torch's param group: {"params": [...], "lr": .
 
 
 class NonFiniteRunError(LazyTrainError):
-    """`max_nonfinite_steps` steps in a row had a non-finite loss or gradient norm (or overlap mode met one it
-    could not skip)."""
+    """`max_nonfinite_steps` steps in a row had a non-finite loss or gradient norm."""
 
 
 # =====================================================================================================
 # building
 # =====================================================================================================
 def build_optimizer(job: JobConfig, model: PreTrainedModel) -> torch.optim.Optimizer:
-    """Serial mode: one optimizer over the fp32 master weights, two param groups per layer (decay, no decay)."""
+    """One optimizer over the fp32 master weights, two param groups per layer (decay, no decay); both modes."""
     parts = find_parts(model)
     owners: list[tuple[str, torch.nn.Module]] = [("embedding", parts.embedding)]
     owners += [(f"layer{j}", layer) for j, layer in enumerate(parts.layers)]
@@ -103,7 +104,7 @@ def lr_at(job: JobConfig, step: int) -> float:
     return o.learning_rate * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
 
 
-def set_lr(optimizer: torch.optim.Optimizer | OverlapStepper, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -187,62 +188,49 @@ def backward_order(names: list[str]) -> list[int]:
 
 
 # =====================================================================================================
-# overlap mode
+# overlap mode: the same step, one executor group at a time
 # =====================================================================================================
-class OverlapStepper:
-    """Overlap mode: the executor calls `hook(group_index, params)` on its optimizer stream as soon as a
-    group's (a layer's) gradients are all in `.grad`; the hook checks them, updates that group and drops them.
+def executor_param_groups(optimizer: torch.optim.Optimizer, executor: Executor) -> list[list[int]]:
+    """For each executor group (`executor.param_groups()` order), the indices of the optimizer's param groups
+    holding its parameters (a tied head's group also owns the "embedding" param group)."""
+    owner = {id(p): g for g, params in enumerate(executor.param_groups()) for p in params}
+    out: list[list[int]] = [[] for _ in executor.param_groups()]
+    for k, group in enumerate(optimizer.param_groups):
+        owners = {owner[id(p)] for p in group["params"]}
+        if len(owners) != 1:
+            raise LazyTrainError(f"optimizer param group {group.get('name', k)} spans executor groups {owners}")
+        out[owners.pop()].append(k)
+    return out
 
-    adamw: one fused AdamW per executor group (elementwise, so the same update as one AdamW over all);
-    hybrid8bit, 8bit: one Hybrid8bitAdamW whose `step_group` updates the param groups of that executor group.
-    No clipping (the job refuses max_grad_norm > 0 in this mode).
-    """
 
-    def __init__(self, job: JobConfig, executor: Executor) -> None:
-        self.job = job
-        self.names = executor.group_names()
-        self.groups: list[list[ParamGroup]] = []
-        for params in executor.param_groups():  # [embedding (untied)], layer 0..L-1, head
-            decay = [p for p in params if p.dim() >= 2]
-            no_decay = [p for p in params if p.dim() < 2]
-            self.groups.append([g for g in ({"params": decay, "weight_decay": job.optim.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]])
-        self.optimizers: list[torch.optim.Optimizer]
-        if job.optim.optimizer != "adamw":
-            flat = [g for groups in self.groups for g in groups]
-            self.optimizers = [hybrid8bit_optimizer(job, flat, max_grad_norm=None)]
-            first = [0]
-            for groups in self.groups:
-                first.append(first[-1] + len(groups))
-            self.indices = [range(first[i], first[i + 1]) for i in range(len(self.groups))]
+def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, groups: list[list[int]], grad_norm: float,
+                 lr: float) -> Callable[[int], None]:
+    """`update(executor_group)`: `optimizer_step`'s update restricted to one executor group -- the learning rate
+    of this step, the clip coefficient of the global `grad_norm`, the same per-param-group kernels (torch's
+    fused AdamW and Hybrid8bitAdamW step each param group on its own), then its gradients dropped. Run over
+    every group it equals one `optimizer_step` bit for bit, in any order."""
+    hybrid = job.optim.optimizer != "adamw"
+    coef = optimizer.begin_step(grad_norm=grad_norm) if hybrid else None
+    norm = torch.tensor(grad_norm)
+
+    def update(index: int) -> None:
+        ks = groups[index]
+        params = [p for k in ks for p in optimizer.param_groups[k]["params"] if p.grad is not None]
+        for k in ks:
+            optimizer.param_groups[k]["lr"] = lr
+        if hybrid:
+            for k in ks:
+                optimizer.step_group(k, coef)
         else:
-            self.optimizers = [adamw(job, groups) for groups in self.groups]
-        self.applied_groups = 0  # this step
-        self.nonfinite_group: str | None = None  # this step's first group with non-finite gradients
-
-    @property
-    def param_groups(self) -> list[ParamGroup]:
-        """Every param group of every optimizer (the loop sets their learning rate)."""
-        return [g for opt in self.optimizers for g in opt.param_groups]
-
-    def begin_step(self) -> None:
-        self.applied_groups = 0
-        self.nonfinite_group = None
-        if self.job.optim.optimizer != "adamw":
-            self.optimizers[0].begin_step(grad_norm=0.0)  # no clipping: scale 1 for every group
-
-    def hook(self, group_index: int, params: list[torch.nn.Parameter]) -> None:
-        """Runs on the executor's optimizer stream, concurrently with the device's compute."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.nonfinite_group is None and not all(bool(torch.isfinite(g).all()) for g in grads):
-            self.nonfinite_group = self.names[group_index]
-        if self.nonfinite_group is None:  # check before applying: after a non-finite group, apply nothing
-            if self.job.optim.optimizer != "adamw":
-                for k in self.indices[group_index]:
-                    self.optimizers[0].step_group(k, 1.0)
-            else:
-                self.optimizers[group_index].step()
-            self.applied_groups += 1
+            if job.optim.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, job.optim.max_grad_norm, norm, foreach=True)
+            every = optimizer.param_groups
+            optimizer.param_groups = [every[k] for k in ks]  # torch steps each param group on its own
+            try:
+                optimizer.step()
+            finally:
+                optimizer.param_groups = every
         for p in params:
             p.grad = None
 
+    return update

@@ -61,7 +61,8 @@ class Planned:
 
     def predicted_step_s(self, grad_accum: int) -> float | None:
         """Seconds of one optimizer step: grad_accum - 1 streamed micro-batches without the optimizer, then
-        one with it (serial: after the backward; overlap: hidden under it as far as it goes)."""
+        one with it (serial: after the backward; overlap: the previous step's update under the first one's
+        forward, as far as it goes)."""
         if self.sim is None:
             return None
         return (grad_accum - 1) * (self.serial_step_s - self.cost.total_optimizer_s) + self.sim.step_s

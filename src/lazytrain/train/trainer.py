@@ -60,9 +60,9 @@ from lazytrain.train.data import CorpusBatches, load_data
 from lazytrain.train.metrics import MetricsLog, plot_losses, say, write_json
 from lazytrain.train.optimizer import (
     NonFinitePolicy,
-    NonFiniteRunError,
-    OverlapStepper,
     build_optimizer,
+    executor_param_groups,
+    group_update,
     lr_at,
     nonfinite_where,
     optimizer_step,
@@ -237,10 +237,6 @@ def check_job(job: JobConfig) -> None:
                              f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
-    if job.optim.optimizer_mode == "overlap" and job.optim.max_grad_norm > 0:
-        raise LazyTrainError(f"optimizer_mode overlap steps each layer before the global gradient norm is known, "
-                             f"so it cannot clip at max_grad_norm {job.optim.max_grad_norm}; set max_grad_norm 0 "
-                             "or optimizer_mode serial")
 
 
 # =====================================================================================================
@@ -262,11 +258,9 @@ class Trainer:
     ranks: Ranks | None = None  # data parallelism: the collectives (None: one process)
 
     def __post_init__(self) -> None:
-        if self.job.optim.optimizer_mode == "overlap":  # per-layer updates from the executor's optimizer stream
-            self.optimizer: torch.optim.Optimizer | OverlapStepper = OverlapStepper(self.job, self.executor)
-            self.executor.optimizer_hook = self.optimizer.hook
-        else:
-            self.optimizer = build_optimizer(self.job, self.model)
+        self.optimizer = build_optimizer(self.job, self.model)
+        self.overlap = self.job.optim.optimizer_mode == "overlap"  # the update runs under the next step's forward
+        self.groups = executor_param_groups(self.optimizer, self.executor)
         self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
         self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
@@ -274,15 +268,14 @@ class Trainer:
         self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan else None
         self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
         if self.ranks is not None:  # serial mode: one host copy per node, the optimizer sharded over its ranks
-            self.shard = attach_executor(self.ranks, self.executor, share_host=not isinstance(self.optimizer,
-                                                                                              OverlapStepper))
+            self.shard = attach_executor(self.ranks, self.executor, share_host=not self.overlap)
             if self.shard is not None:
                 self.shard.drop_foreign_states(self.optimizers)
                 say(f"shared   {self.shard.describe()}")
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return self.optimizer.optimizers if isinstance(self.optimizer, OverlapStepper) else [self.optimizer]
+        return [self.optimizer]
 
     def loop(self, signals: StopSignals) -> None:
         """Steps from the current one to `max_steps`; checkpoints every `save_steps`; stops after the step in
@@ -314,6 +307,7 @@ class Trainer:
                 if job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
                         and self.state.step < job.optim.max_steps and self.policy.consecutive == 0:
                     self.save()
+            self.executor.drain()  # the last step's overlapped update
         finally:
             bar.close()
             self.metrics.close()
@@ -323,7 +317,6 @@ class Trainer:
         job, ex = self.job, self.executor
         accum = job.optim.gradient_accumulation_steps
         lr = lr_at(job, self.state.applied_steps)  # the schedule moves with applied steps only
-        set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
 
         # ---- fetch: every micro-batch of the step first; the loss is a mean over the step's tokens ----------
@@ -333,20 +326,15 @@ class Trainer:
             num_tokens = int(self.ranks.all_reduce_sum([num_tokens], f"the token count of step {step}")[0])
 
         # ---- stream forward + backward per micro-batch ----------------------------------------------------
-        overlap = isinstance(self.optimizer, OverlapStepper)
-        if overlap:
-            self.optimizer.begin_step()
         loss, stalls, peak = 0.0, {}, 0
         for i, batch in enumerate(micro):
             last = i == accum - 1
-            if overlap and last and not math.isfinite(loss):
-                self.optimizer.nonfinite_group = "loss"  # the hooks of the last micro-batch apply nothing
-            # Host sync: returns when every gradient of this micro-batch is in p.grad (overlap mode, last
-            # micro-batch: also every layer's update). With num_tokens = the step's count, the returns add up to
-            # the step's true token mean and the gradients accumulate to its gradient.
+            # Host sync: returns when every gradient of this micro-batch is in p.grad (overlap mode, first
+            # micro-batch: also the previous step's update, run under its forward). With num_tokens = the step's
+            # count, the returns add up to the step's true token mean and the gradients accumulate to its gradient.
             loss += float(ex.forward_backward(batch.input_ids, batch.labels, attention_mask=batch.attention_mask,
                                               position_ids=batch.position_ids, num_tokens=num_tokens or None,
-                                              run_optimizer_hook=last))
+                                              last_micro_batch=last))
             for lane, seconds in ex.last_step.stall_s.items():
                 stalls[lane] = stalls.get(lane, 0.0) + seconds
             peak = max(peak, ex.last_step.peak_device_bytes)
@@ -359,14 +347,18 @@ class Trainer:
 
         # ---- optimizer: skip a non-finite step (no parameter, state or schedule change) --------------------
         t_opt = time.perf_counter()
-        where = self._overlap_nonfinite(loss) if overlap else nonfinite_where(ex, loss, grad_norm)
+        where = nonfinite_where(ex, loss, grad_norm)  # every gradient is in: one check for both modes
         if where is not None:
             self.model.zero_grad(set_to_none=True)
             self.policy.skip(where, step)
             self.state.skipped_steps = self.policy.skipped
             say(f"skip     step {step}: non-finite {where}; no update ({self.policy.consecutive} in a row)")
         else:
-            if not overlap:
+            if self.overlap:  # run by the next step's optimizer lane, group by group under its forward
+                assert grad_norm is not None
+                ex.defer_update(group_update(job, self.optimizer, self.groups, grad_norm, lr))
+            else:
+                set_lr(self.optimizer, lr)
                 if self.shard is not None:  # the global norm is taken: step only this rank's groups
                     self.shard.drop_foreign_grads(self.model)
                 grad_norm = optimizer_step(job, self.optimizer, self.model, grad_norm=grad_norm)
@@ -399,20 +391,6 @@ class Trainer:
         self.policy.check()  # the max_nonfinite_steps-th non-finite step in a row stops the run
         return row
 
-    def _overlap_nonfinite(self, loss: float) -> str | None:
-        """Overlap mode: the hooks checked each group before applying it; a step is skipped whole only when
-        nothing was applied yet."""
-        stepper = self.optimizer
-        assert isinstance(stepper, OverlapStepper)
-        bad = stepper.nonfinite_group if stepper.nonfinite_group != "loss" else None
-        where = f"loss {loss}" if not math.isfinite(loss) else (f"gradients of {bad}" if bad else None)
-        if where is not None and stepper.applied_groups:
-            raise NonFiniteRunError(f"non-finite {where} at step {self.state.step} after optimizer_mode overlap had "
-                                 f"already updated {stepper.applied_groups} layer groups; the run stops without "
-                                 "saving over the last good checkpoint; use optimizer_mode serial, which skips such "
-                                 "steps")
-        return where
-
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self) -> float:
         """Mean held-out token loss, forward-only through the executor (streaming like training). With ranks,
@@ -432,6 +410,7 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
+        self.executor.drain()  # the overlapped update of the last step first
         states = None if self.shard is None else self.shard.gathered_states(self.optimizers)  # on rank 0
 
         def write() -> Path:
