@@ -18,9 +18,9 @@ __all__ = ["OptimizerShard", "RankBatches", "RankLost", "Ranks", "attach_executo
 def attach_executor(ranks: Ranks, executor: Executor, *, share_host: bool) -> OptimizerShard | None:
     """Sum each layer group's gradient over the ranks on the optimizer lane as the group lands on the final
     micro-batch of a step: before the executor takes its norm (so the norm is the global one, and clipping
-    agrees with one process) and before an overlapped optimizer steps it; the backward of the next layers runs
-    meanwhile. `share_host`: one host copy of the weights per node and the optimizer sharded over its ranks
-    (distributed/shared.py); returns this rank's shard (None: every rank holds and steps everything)."""
+    agrees with one process); the backward of the next layers runs meanwhile. `share_host`: one host copy of
+    the weights per node and the optimizer sharded over its ranks (distributed/shared.py; serial mode only);
+    returns this rank's shard (None: every rank holds and steps everything)."""
     names = executor.group_names()
     executor.grad_hook = lambda index, params: ranks.reduce_grads(names[index], params)
     if not share_host:
