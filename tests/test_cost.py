@@ -113,8 +113,18 @@ def test_optimizer_modes_change_states_and_time() -> None:
     assert fp32.static_host_bytes() - q8.static_host_bytes() == 8 * n - q8.optimizer_state_bytes()
     executor = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True)
     streamed = n - (0 if spec.tie_word_embeddings else spec.embedding_params)
-    # fp32 weights and grads, then a bf16 copy and a bf16 landing buffer of every streamed group
-    assert executor.static_host_bytes() == 8 * n + 4 * streamed + fp32.optimizer_state_bytes()
+    embedding = n - streamed
+    largest = max(*spec.layer_params, spec.head_params)
+    # fp32 masters, a bf16 copy and bf16 gradients of every streamed group (the untied embedding's gradient in
+    # fp32), one fp32 cast buffer for the largest group: 8 B/param + states
+    assert executor.static_host_bytes() == (4 * n + 2 * streamed + 2 * streamed + 4 * embedding + 4 * largest
+                                            + fp32.optimizer_state_bytes())
+    bf16_masters = CostModel(spec, hw, Workload(1, 16, "bf16"), "8bit", executor_layout=True,
+                             master_weights="bf16")  # the bf16 weights are streamed; bf16 gradients
+    assert bf16_masters.static_host_bytes() == (2 * n + 2 * n + 8 * max(largest, embedding)
+                                                + q8.optimizer_state_bytes())
+    accumulating = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True, grad_accumulation=4)
+    assert accumulating.static_host_bytes() == executor.static_host_bytes() + 4 * streamed - 4 * largest
 
 
 def test_throughput_conventions() -> None:

@@ -2,7 +2,7 @@
 SIGTERM / SIGINT mid-run, a reused output directory. (Model loading faults: tests/test_faults_loading.py.)
 
 Non-finite gradients are injected where a real one appears: in the host gradient a layer group lands with
-(`WeightGroup.accumulate_grads`), before the executor takes the norm (and before any update in either mode).
+(`WeightGroup.land`), before the executor takes the norm (and before any update in either mode).
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ def _instrument(monkeypatch, group: str, steps: set[int], value: float) -> list[
     """Make group `group`'s landed gradient hold `value` on the given training steps (0-based); returns the
     (parameters, optimizer state tensors) cloned after every step."""
     current: dict[str, int | None] = {"step": None}  # None: calibration and evaluation
-    real_accumulate = store.WeightGroup.accumulate_grads
+    real_land = store.WeightGroup.land
 
-    def accumulate(self, flat_grad, scale=1.0):
+    def land(self, **kwargs):
         if self.name == group and current["step"] in steps:
-            flat_grad = flat_grad.clone()
-            flat_grad[RNG.randrange(flat_grad.numel())] = value
-        return real_accumulate(self, flat_grad, scale)
+            self.landing[RNG.randrange(self.landing.numel())] = value
+        return real_land(self, **kwargs)
 
     taken: list[tuple[list, list]] = []
     real_step = trainer_module.Trainer.train_step
@@ -60,7 +59,7 @@ def _instrument(monkeypatch, group: str, steps: set[int], value: float) -> list[
         taken.append((params, states))
         return row
 
-    monkeypatch.setattr(store.WeightGroup, "accumulate_grads", accumulate)
+    monkeypatch.setattr(store.WeightGroup, "land", land)
     monkeypatch.setattr(trainer_module.Trainer, "train_step", train_step)
     return taken
 

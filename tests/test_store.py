@@ -49,15 +49,26 @@ def test_bf16_group_repacks_when_master_changes() -> None:
                                rtol=1e-2, atol=1e-2)
 
 
-def test_gradients_accumulate_in_fp32() -> None:
+def test_gradients_stay_where_they_land_or_sum_in_fp32() -> None:
     layer = small_layer()
     group = WeightGroup("layer.0", list(layer.named_parameters()), torch.bfloat16, host_empty)
-    flat = torch.randn(group.numel).to(torch.bfloat16)
-    group.accumulate_grads(flat)
-    group.accumulate_grads(flat, scale=0.5)
+    first, second = (torch.randn(group.numel).to(torch.bfloat16) for _ in range(2))
+    group.landing.copy_(first)
+    group.land(first=True, last=True)  # one micro-batch: the landing buffer is the gradient, no fp32 copy
+    assert group.grad is group.landing and group.accum is None
+    assert all(p.grad is None for p in layer.parameters())  # bf16 gradient, fp32 masters: cast on demand
+    cast = torch.empty(group.numel)
+    group.expose(lambda numel, dtype: cast[:numel].view(dtype))
     for name, p in layer.named_parameters():
-        assert p.grad.dtype == torch.float32
-        torch.testing.assert_close(p.grad, 1.5 * group.views(flat)[name].float())
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, group.views(first)[name].float())
+    group.release()
+    assert all(p.grad is None for p in layer.parameters())
+    group.land(first=True, last=False)  # two micro-batches: summed in fp32, exactly as autograd's fp32 .grad
+    group.landing.copy_(second)
+    group.land(first=False, last=True)
+    assert group.grad is group.accum and group.accum.dtype == torch.float32
+    for name, p in layer.named_parameters():  # fp32 sum: `.grad` is a view of it
+        assert torch.equal(p.grad, group.views(first)[name].float() + group.views(second)[name].float())
 
 
 def test_nvme_roundtrip_checksum_and_cleanup(tmp_path) -> None:

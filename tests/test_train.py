@@ -134,7 +134,7 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
     check_host_fits(cfg, spec)  # exactly enough
     short = RNG.randint(1, need // 2)
     monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need - short)
-    with pytest.raises(LazyTrainError, match=r"^host memory: needs .* grad landing .*short by"):
+    with pytest.raises(LazyTrainError, match=r"^host memory: needs .* streamed copy .*short by"):
         check_host_fits(cfg, spec)
 
     built = []

@@ -172,6 +172,11 @@ class RuntimeConfig:
     """Compute / activation precision on the device: bf16 (fp32 master weights and gradients on the host),
     fp32, fp16 (planning only), or auto: bf16, except on the emulated device of a CPU without native bf16
     (no avx512_bf16 / AMX), where fp32 runs several times faster."""
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    """The host weights the optimizer updates: fp32 (exact; with bf16 compute 8 bytes/param before optimizer
+    states: fp32 weights, their bf16 streamed copy, bf16 gradients) or bf16 (dtype bf16 and an 8-bit or
+    hybrid8bit optimizer: the streamed bf16 weights are the masters, updated with stochastic rounding; 4
+    bytes/param). Gradient accumulation adds an fp32 gradient sum (4 bytes/param)."""
     h2d_gbps: float = 1.0
     """Emulated host -> device link rate, GB/s (> 0; `inf` = unthrottled). CUDA uses the real link."""
     d2h_gbps: float = 1.0
@@ -345,6 +350,11 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.runtime.master_weights == "bf16" and self.optim.optimizer == "adamw":
+            raise LazyTrainError("master_weights bf16 needs optimizer 8bit or hybrid8bit (their stochastic rounding "
+                                 "keeps updates below half a bf16 step; torch's AdamW would round them away)")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> JobConfig:

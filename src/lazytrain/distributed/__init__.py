@@ -22,7 +22,7 @@ def attach_executor(ranks: Ranks, executor: Executor, *, share_host: bool) -> Op
     the weights per node and the optimizer sharded over its ranks (distributed/shared.py; serial mode only);
     returns this rank's shard (None: every rank holds and steps everything)."""
     names = executor.group_names()
-    executor.grad_hook = lambda index, params: ranks.reduce_grads(names[index], params)
+    executor.grad_hook = lambda index, grads: ranks.reduce_grads(names[index], grads)
     if not share_host:
         return None
     return OptimizerShard.of(ranks, executor, share_host_weights(ranks, executor))

@@ -21,7 +21,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lazytrain.errors import LazyTrainError
 
@@ -61,11 +60,11 @@ class Ranks:
         self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
         return t.tolist()
 
-    def reduce_grads(self, name: str, params: list[nn.Parameter]) -> None:
-        """Sum one layer group's `.grad` over the ranks in place (one flat buffer, one all-reduce).
+    def reduce_grads(self, name: str, grads: list[torch.Tensor]) -> None:
+        """Sum one layer group's gradient buffers (`Executor.gradients`) over the ranks in place (one flat
+        buffer, one all-reduce).
 
         Each rank's gradient is d(its token losses / the global token count): the sum is the global batch's."""
-        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self.comm_device)

@@ -32,7 +32,6 @@ import torch
 from lazytrain.errors import LazyTrainError
 
 if TYPE_CHECKING:
-    from torch import nn
 
     from lazytrain.distributed.ranks import Ranks
     from lazytrain.runtime.executor import Executor
@@ -110,12 +109,6 @@ class OptimizerShard:
         return (f"host weights {self.shared_bytes / 2**20:,.1f} MiB shared by the {self.ranks.local_world_size} ranks "
                 f"of this node; rank {self.ranks.rank} steps {len(self.owned_groups)} layer groups "
                 f"({', '.join(self.owned_groups[:3])}{', ...' if len(self.owned_groups) > 3 else ''})")
-
-    def drop_foreign_grads(self, model: nn.Module) -> None:
-        """Before the step: the gradients of groups another local rank steps (they were only needed for the norm)."""
-        for p in model.parameters():
-            if id(p) not in self.owned:
-                p.grad = None
 
     def drop_foreign_states(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """After building or loading: the states of parameters another local rank steps (8-bit optimizers

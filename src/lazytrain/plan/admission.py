@@ -55,13 +55,28 @@ def _short(what: str, need: int, need_detail: str, limit: int, knob: str, advice
     )
 
 
-def check_host_memory(cost: CostModel, limit: int, knob: str, advice: str) -> None:
-    """Raise when the static host bytes (weights, grads, optimizer states, staging) exceed `limit`."""
+def host_need(cost: CostModel) -> tuple[int, str]:
+    """The static host bytes and their breakdown in words ("weights 28.4 GiB, grads ...")."""
     host = cost.host_breakdown()
-    need = sum(host.values())
+    return sum(host.values()), ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
+
+
+def host_advice(cost: CostModel) -> str:
+    """What would shrink the host layout, most effective first (the same words from both commands)."""
+    options = []
+    if cost.optimizer != "8bit":
+        options.append("--optimizer 8bit (2 instead of 8 bytes of state per parameter)")
+    if cost.executor_layout and cost.master_weights == "fp32" and cost.dtype_bytes == 2:
+        options.append("--master-weights bf16 with an 8-bit optimizer (4 instead of 8 bytes per parameter)")
+    return "use " + ", ".join([*options, "a smaller model or more host memory"])
+
+
+def check_host_memory(cost: CostModel, limit: int, knob: str) -> None:
+    """Raise when the static host bytes (weights, grads, optimizer states, buffers) exceed `limit`: the one rule
+    of `lazytrain plan` (against --cpu-mem) and `lazytrain train` (against the available memory)."""
+    need, detail = host_need(cost)
     if need > limit:
-        detail = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
-        raise _short("host memory", need, detail, limit, knob, advice)
+        raise _short("host memory", need, detail, limit, knob, host_advice(cost))
 
 
 def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
@@ -74,8 +89,7 @@ def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     host_limit = budgets.host_mem_bytes if budgets.host_mem_bytes is not None else hw.host_mem_bytes
     host_knob = "--cpu-mem" if budgets.host_mem_bytes is not None else f"the {hw.name} host memory"
     if host_limit is not None:
-        check_host_memory(cost, host_limit, host_knob, "use a smaller model or more host memory"
-                          if cost.optimizer == "8bit" else "use --optimizer 8bit, a smaller model or more host memory")
+        check_host_memory(cost, host_limit, host_knob)
 
     # ---- device memory: slots, working sets, loss head, constants ----------------------------------
     cap = budgets.gpu_mem_cap_bytes if budgets.gpu_mem_cap_bytes is not None else hw.gpu_mem_bytes

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from lazytrain.config import RULES, JobConfig, add_job_arguments, job_config_from_args
 from lazytrain.errors import LazyTrainError
 from lazytrain.jsonio import check_writable
+from lazytrain.plan.admission import host_need
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import (
     Deadline,
@@ -165,6 +166,10 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     spec, hw, wl = cost.spec, cost.hardware, cost.workload
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}), optimizer {job.optim.optimizer}")
+    need, detail = host_need(cost)  # the rule `lazytrain train` checks against the machine's available memory
+    limit = admission.host_limit_bytes
+    print(f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
+          + (f"fits {format_bytes(limit)}" if limit is not None else "not checked (no --cpu-mem)"))
     cpu = "unlimited" if admission.cpu_act_bytes is None else format_bytes(admission.cpu_act_bytes)
     nvme = "unlimited" if admission.nvme_act_bytes is None else format_bytes(admission.nvme_act_bytes)
     print(f"budgets: gpu cap {format_bytes(admission.gpu_mem_cap_bytes)} = static "

@@ -107,10 +107,17 @@ def model_spec(model: str) -> ModelSpec:
 
 
 def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_size: int) -> CostModel:
-    """The hardware's estimate of every time and byte for one step of `batch_size` x cutoff_len."""
+    """The hardware's estimate of every time and byte for one step of `batch_size` x cutoff_len, with the host
+    layout the executor allocates (the one admission rule of both commands)."""
     dtype = resolve_dtype(job.runtime.dtype, emulated=hardware.name.startswith("emulated"))
     workload = Workload(batch_size=batch_size, seq_len=job.data.cutoff_len, dtype=dtype)
-    return CostModel(spec, hardware, workload, optimizer=COST_OPTIMIZER[job.optim.optimizer])
+    return CostModel(spec, hardware, workload, optimizer=COST_OPTIMIZER[job.optim.optimizer], **host_layout(job))
+
+
+def host_layout(job: JobConfig) -> dict[str, object]:
+    """The CostModel arguments of the executor's host layout for this job (master weights, accumulation)."""
+    return {"executor_layout": True, "master_weights": job.runtime.master_weights,
+            "grad_accumulation": job.optim.gradient_accumulation_steps}
 
 
 # ---- budgets ----------------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ the device-memory count and this executor follow one schedule. Every transfer is
 program gives it (a function of the plan's tiers). Weights stream into two device slots sized for layers, use
 k into slot k % 2 (a loss head larger than a layer into its own slot); weight gradients leave through two
 gradient slots (and the head's own); activations are offloaded, spilled,
-reloaded and recomputed exactly as the program says; the optimizer lane adds each group's gradients into
-the fp32 `.grad` and, at the start of the step after `defer_update`, runs the previous step's update group by
-group in forward order, each before that group's forward weight h2d (the overlapped-exact optimizer). The
+reloaded and recomputed exactly as the program says; weight gradients land in each group's host buffer
+(`WeightGroup.land`: the gradient itself with one micro-batch, else summed in fp32) and, at the start of the
+step after `defer_update`, the optimizer lane runs the previous step's update group by group in forward order,
+each before that group's forward weight h2d (the overlapped-exact optimizer). The
 step's peak device bytes equal `StepProgram.device_peak_bytes()` (the arena counts exactly its alloc/free actions).
 """
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,7 @@ from lazytrain.runtime.hf import (
     layer_forward,
     shift_labels,
 )
-from lazytrain.runtime.store import ActivationStore, WeightGroup
+from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
 from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.workload import Workload
 
@@ -49,8 +51,9 @@ OFFLOADED = ("cpu", "nvme")
 HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.spec.cost uses the same default)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# grad_hook(group_index, params): on the optimizer lane once every gradient of that group is in `.grad`.
-GradHook = Callable[[int, list[nn.Parameter]], None]
+# hook(group_index, gradients): the group's gradient buffers (`Executor.gradients`), to change in place, on the
+# optimizer lane once the group's gradient is complete.
+GradHook = Callable[[int, list[torch.Tensor]], None]
 # update(group_index): one group's optimizer update (clip, step, drop its gradients), on the optimizer lane.
 GroupUpdate = Callable[[int], None]
 
@@ -112,8 +115,8 @@ def estimate_head_working_bytes(config: Any, batch: int, seq_len: int, dtype_byt
 class Executor:
     """Runs a `Plan` for a `transformers` causal LM whose parameters stay on the host.
 
-    compute_dtype: activations and streamed weights (fp32 for exactness; bf16 with the model's fp32
-      parameters as master weights and fp32 `.grad` accumulation).
+    compute_dtype: activations, streamed weights and landed gradients (fp32 for exactness; bf16 with the
+      model's parameters as master weights: fp32 ones, or bf16 ones that are the streamed buffers themselves).
     The optimizer: step it yourself after `forward_backward` (serial), or hand `defer_update` the update of
       each group: the next step runs it on the optimizer lane under its forward (overlapped-exact).
     cost: a `lazytrain.spec.cost.CostModel` whose `working_bytes` / `head_working_bytes` the arena
@@ -140,7 +143,7 @@ class Executor:
         self.device = device if device is not None else EmulatedDevice()
         self.compute_dtype = compute_dtype
         self._update: GroupUpdate | None = None  # the deferred update of the last step (defer_update)
-        # grad_hook(group_index, params): on the optimizer link when a group's gradient is complete on a step's
+        # grad_hook(group_index, gradients): on the optimizer link when a group's gradient is complete on a step's
         # final micro-batch, before its norm is taken and the optimizer hook runs (data parallelism sums it here).
         self.grad_hook: GradHook | None = None
         self.cost = cost
@@ -162,8 +165,9 @@ class Executor:
         self.head_group = WeightGroup("head", head_named_params(self.parts), compute_dtype, host_empty)
         self.slot_numel = max(g.numel for g in self.layer_groups)  # layer slots are sized for layers
         self.head_slot_numel = self.head_group.numel if self.head_group.numel > self.slot_numel else 0
-        # Host staging for each group's gradients (compute dtype, pinned on CUDA).
-        self._grad_host = {id(g): host_empty((g.numel,), compute_dtype) for g in [*self.layer_groups, self.head_group]}
+        self._embedding_grad: torch.Tensor | None = None  # an untied embedding's gradient, in its dtype
+        self._cast: torch.Tensor | None = None  # `WeightGroup.expose`'s transient: the largest group, one dtype
+        self._accumulating = False  # the last micro-batch was not its step's last: the next one adds to it
         self.store = ActivationStore(self.device.nvme_dir, host_empty)
         self.rotary = Rotary(self.parts, self.device.torch_device)
         self.last_step: StepStats | None = None
@@ -197,7 +201,9 @@ class Executor:
     def _run_update(self, update: GroupUpdate, target: int) -> None:
         """Group `target`'s update (-1 embedding, j layer, L head) and its streamed copy's refresh."""
         L = self.parts.num_layers
-        update(self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}"))
+        index = self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}")
+        with self.group_grads(index):  # `.grad` in the masters' dtype, this group only (runtime/store.py)
+            update(index)
         if target >= 0:
             (self.head_group if target == L else self.layer_groups[target]).pack()
 
@@ -213,6 +219,48 @@ class Executor:
     def group_names(self) -> list[str]:
         names = [] if self.parts.tied else ["embedding"]
         return names + [g.name for g in self.layer_groups] + ["head"]
+
+    def group_at(self, index: int) -> WeightGroup | None:
+        """The streamed group of `param_groups()[index]`; None for an untied embedding (it stays on the host)."""
+        if not self.parts.tied:
+            index -= 1
+            if index < 0:
+                return None
+        return self.layer_groups[index] if index < len(self.layer_groups) else self.head_group
+
+    # ---- gradients (the host layout: runtime/store.py) ---------------------------------------
+    def gradients(self, index: int) -> list[torch.Tensor]:
+        """The gradient buffers of `param_groups()[index]` as they are kept (compute dtype or fp32, flat): what
+        a collective sums or a non-finite check reads. Empty before the group's first gradient."""
+        group = self.group_at(index)
+        grad = self._embedding_grad if group is None else group.grad
+        return [] if grad is None else [grad]
+
+    @contextmanager
+    def group_grads(self, index: int) -> Iterator[list[nn.Parameter]]:
+        """The parameters of `param_groups()[index]`, each with a `.grad` in its own dtype while inside: views of
+        the kept gradient, or (bf16 gradients of fp32 masters) its fp32 cast in one transient buffer sized for
+        the largest group. Step the optimizer on them one group at a time; the casts are dropped on exit. One
+        transient buffer: one group at a time, from one thread at a time (the optimizer lane, or the caller's
+        after `forward_backward` returned). The gradients stay until the next step's backward lands its own."""
+        group = self.group_at(index)
+        params = self.param_groups()[index]
+        if group is None:
+            params[0].grad = self._embedding_grad
+            yield params
+            return
+        group.expose(self._transient)
+        try:
+            yield params
+        finally:
+            group.release()
+
+    def _transient(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        size = torch.empty((), dtype=dtype).element_size()
+        if self._cast is None:
+            largest = max(self.slot_numel, self.head_group.numel)
+            self._cast = aligned_empty(largest * size, torch.uint8, self.device.host_empty)
+        return self._cast[:numel * size].view(dtype)
 
     # ---- accounting ---------------------------------------------------------------------------
     def memory_sizes(self, batch: int, seq_len: int, *, masked: bool = False) -> Shapes:
@@ -281,9 +329,10 @@ class Executor:
         example; attention never crosses examples. num_tokens: the step's count of non-ignored shifted labels
         over all its micro-batches; the return is this micro-batch's summed token loss / num_tokens, so the
         returns of a step's micro-batches add up to its true mean loss (None = this micro-batch's own count).
-        Gradients *accumulate* into every parameter's `.grad` exactly like `(loss * loss_scale).backward()`
-        (zero them between optimizer steps); pass `last_micro_batch=False` on all but a step's last
-        micro-batch.
+        A step's gradient is the sum over its micro-batches, exactly like `(loss * loss_scale).backward()` on each:
+        pass `last_micro_batch=False` on all but a step's last micro-batch; the next call starts a new step's
+        gradient. Where the kept gradient has the parameter's dtype `p.grad` is a view of it; otherwise (bf16
+        gradients of fp32 masters) read it through `group_grads` or `gradients`.
         """
         batch, seq_len = self._check_inputs(input_ids, labels, attention_mask, position_ids)
         if num_tokens is not None and (isinstance(num_tokens, bool) or int(num_tokens) != num_tokens
@@ -302,6 +351,7 @@ class Executor:
             loss = step.run()
         finally:
             step.cleanup()
+        self._accumulating = not last_micro_batch
         self.last_step = step.stats
         return loss
 
@@ -363,6 +413,7 @@ class _Step:
         self.update = None if forward_only else ex._update  # the deferred update runs on this step's lane
         if not forward_only:
             ex._update = None
+        self.first_micro_batch = not ex._accumulating  # gradients start afresh (the last step's were taken)
         self.grad_sq_norm = 0.0
         self.batch, self.seq_len = input_ids.shape
         masked = attention_mask is not None or position_ids is not None
@@ -509,10 +560,10 @@ class _Step:
             group = self.ex.head_group if i == self.L else self.ex.layer_groups[i]
             index = self._group_index("head" if i == self.L else f"layer.{i}")
             parts = 1 + self.ex.parts.tied if i == self.L else 1
-            host = self.ex._grad_host[id(group)]
+            sum_fp32 = parts > 1 and self.ex.compute_dtype != torch.float32  # a tied head: exact in fp32
 
             def land() -> None:
-                group.accumulate_grads(host)
+                group.land(first=self.first_micro_batch, last=self.final_micro_batch, sum_fp32=sum_fp32)
                 self._arrived(index, parts)
 
             return dev.submit("optimizer", land, after=after)
@@ -543,30 +594,46 @@ class _Step:
             for name, flat in group.views(grad_slot).items():
                 flat.copy_(self.weight_grads[name])
             self.weight_grads = {}
-        host = self.ex._grad_host[id(group)]
-        return self.dev.copy("d2h", host, grad_slot[:group.numel], after=[self.dev.record_compute()])
+        return self.dev.copy("d2h", group.landing, grad_slot[:group.numel], after=[self.dev.record_compute()])
 
     def _embedding_backward(self, host_grad: torch.Tensor, index: int) -> None:
-        emb = self.ex.parts.embedding
+        """The embedding's gradient from the boundary-0 gradient, scattered on the host: into the untied
+        embedding's own gradient (its dtype), or into the tied weight's view of the head group's gradient."""
+        ex = self.ex
+        emb = ex.parts.embedding
         weight = emb.weight
+        if ex.parts.tied:
+            grad = ex.head_group.grad_of(weight)
+        else:
+            if ex._embedding_grad is None:
+                ex._embedding_grad = torch.zeros_like(weight, device="cpu")
+            elif self.first_micro_batch:
+                ex._embedding_grad.zero_()
+            grad = weight.grad = ex._embedding_grad
         ids = self.input_ids.reshape(-1)
-        g = host_grad.reshape(-1, host_grad.shape[-1]).to(weight.dtype)
+        g = host_grad.reshape(-1, host_grad.shape[-1])
         if emb.padding_idx is not None:  # nn.Embedding gives the padding row no gradient
             keep = ids != emb.padding_idx
             ids, g = ids[keep], g[keep]
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, ids, g)  # scattered in place: no vocab x hidden temporary
-        self._arrived(index, 2 if self.ex.parts.tied else 1)
+        if grad.dtype == torch.float32:
+            grad.index_add_(0, ids, g.to(grad.dtype))  # scattered in place: no vocab x hidden temporary
+        else:  # bf16 master weights: each row's tokens summed in fp32, rounded once
+            rows, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32).index_add_(0, inverse, g.float())
+            grad.index_add_(0, rows, summed.to(grad.dtype))
+        self._arrived(index, 2 if ex.parts.tied else 1)
 
     def _arrived(self, index: int, parts: int) -> None:
-        """A part of group `index`'s gradient is in `.grad`; on the step's last micro-batch, once the group is
+        """A part of group `index`'s gradient is in place; on the step's last micro-batch, once the group is
         complete, run the grad hook (data parallelism sums it) and take its squared norm."""
         self.arrivals[index] += 1
-        if self.arrivals[index] == parts and self.final_micro_batch:
-            if self.ex.grad_hook is not None:
-                self.ex.grad_hook(index, self.ex.param_groups()[index])
-            grads = [p.grad for p in self.ex.param_groups()[index] if p.grad is not None]
+        if self.arrivals[index] != parts or not self.final_micro_batch:
+            return
+        ex = self.ex
+        if ex.grad_hook is not None:
+            ex.grad_hook(index, ex.gradients(index))
+        with ex.group_grads(index) as params:
+            grads = [p.grad for p in params if p.grad is not None]
             self.grad_sq_norm += float(per_tensor_sq_norms(grads).sum())
 
     def _group_index(self, name: str) -> int:

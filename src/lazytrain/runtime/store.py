@@ -2,10 +2,18 @@
 
 - `WeightGroup`: one layer's (or the loss head's) parameters packed densely, in the compute dtype, into
   one host buffer that starts on a 4 KiB boundary, so a layer crosses the link as one copy.
-  In fp32 the model's parameters are re-pointed at views of the buffer (no second copy; the optimizer
-  updates the buffer in place). In bf16 the buffer is a compute-dtype copy of the fp32 master
-  parameters, re-packed before every step: fused optimizers (torch's fused AdamW, our 8-bit kernel) write
-  parameters in place without bumping tensor version counters, so no cheaper staleness test is reliable.
+  When the parameters are in the compute dtype (fp32 compute, or bf16 master weights) they are re-pointed at
+  views of the buffer (no second copy; the optimizer updates the buffer in place). Otherwise (bf16 compute,
+  fp32 masters) the buffer is a compute-dtype copy of the fp32 master parameters, re-packed before every step:
+  fused optimizers (torch's fused AdamW, our 8-bit kernel) write parameters in place without bumping tensor
+  version counters, so no cheaper staleness test is reliable.
+  Gradients land (d2h) in the group's `landing` buffer, in the compute dtype, and stay there: with one
+  micro-batch per step that buffer *is* the group's gradient, and no whole-model fp32 `.grad` exists. A step
+  of several micro-batches (or a tied head in bf16, whose gradient sums the LM head's and the embedding's)
+  sums them in an fp32 `accum` buffer instead, exactly as autograd's fp32 `.grad` would. `p.grad` is a view
+  of the gradient where the dtypes agree; elsewhere `expose` casts the group into a transient buffer for the
+  optimizer, one group at a time. Every buffer comes from one allocator (`host_empty`), so a group's weights
+  and gradients could live in pinned or shared memory.
 - `ActivationStore`: host buffers for `cpu` boundaries and files for `nvme` boundaries, with a CRC32
   checked on read and every file closed when the step ends. Spill files have no name (O_TMPFILE, or
   unlinked right after creation): SIGKILL, SIGTERM or a crash leave nothing behind, and nobody can
@@ -60,10 +68,14 @@ class WeightGroup:
             offset += p.numel()
         self.slots = slots
         self.numel = offset
+        self._host_empty = host_empty
         self.buffer = aligned_empty(offset, dtype, host_empty)
         self.aliased = all(p.dtype == dtype for p in self.params)
         self._ptrs: list[int] = []
         self.pack(force=True)
+        self.landing = aligned_empty(offset, dtype, host_empty)  # where the d2h writes the gradients
+        self.accum: torch.Tensor | None = None  # fp32 sum over micro-batches, made on first use
+        self.grad: torch.Tensor | None = None  # the group's gradient: `landing` or `accum`; None = none yet
 
     @property
     def num_bytes(self) -> int:
@@ -87,7 +99,7 @@ class WeightGroup:
                 view = self.buffer[s.offset:s.offset + s.numel].view(s.shape)
                 view.copy_(p.detach())
                 if self.aliased:
-                    p.data = view  # fp32: the parameter *is* the streamed buffer
+                    p.data = view  # the parameter *is* the streamed buffer
         self._ptrs = [p.data_ptr() for p in self.params]
         return True
 
@@ -103,11 +115,53 @@ class WeightGroup:
                 p.data = buffer[s.offset:s.offset + s.numel].view(s.shape)
         self._ptrs = [p.data_ptr() for p in self.params]
 
-    def accumulate_grads(self, flat_grad: torch.Tensor, scale: float = 1.0) -> None:
-        """Add a flat gradient (compute dtype, this group's layout) into each parameter's fp32 `.grad`."""
+    # ---- gradients ----------------------------------------------------------------------------------
+    def land(self, *, first: bool, last: bool, sum_fp32: bool = False) -> None:
+        """`landing` holds one micro-batch's gradient: make it the group's gradient (`first` and `last`: the
+        step's only micro-batch) or add it into the fp32 `accum` (several micro-batches, or `sum_fp32`: more
+        parts will be added to this one, e.g. a tied embedding's)."""
+        if first and last and not sum_fp32:
+            self.grad = self.landing
+        else:
+            if self.accum is None:
+                self.accum = aligned_empty(self.numel, torch.float32, self._host_empty)
+            if first:
+                self.accum.copy_(self.landing)
+            else:
+                self.accum.add_(self.landing)
+            self.grad = self.accum
+        self._link()
+
+    def _link(self) -> None:
+        """`p.grad` = a view of the gradient where its dtype is p's (no copy), else None (see `expose`)."""
+        assert self.grad is not None
         for s, p in zip(self.slots, self.params, strict=True):
-            g = flat_grad[s.offset:s.offset + s.numel].view(s.shape)
-            add_grad(p, g, scale)
+            p.grad = self.grad[s.offset:s.offset + s.numel].view(s.shape) if self.grad.dtype == p.dtype else None
+
+    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The view of p's gradient in the group's gradient buffer (any dtype)."""
+        assert self.grad is not None
+        s = self.slots[next(i for i, q in enumerate(self.params) if q is p)]
+        return self.grad[s.offset:s.offset + s.numel].view(s.shape)
+
+    def expose(self, transient: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        """Give every parameter a `.grad` in its own dtype: a view of the gradient where the dtypes agree, else
+        the gradient cast into `transient(numel, dtype)` (one buffer for the largest group, reused group after
+        group: with one micro-batch, fp32 masters get exactly the fp32 `.grad` autograd would have made)."""
+        if self.grad is None:
+            return
+        self._link()
+        cast = [(s, p) for s, p in zip(self.slots, self.params, strict=True) if p.grad is None]
+        if not cast:
+            return
+        flat = transient(self.numel, cast[0][1].dtype)
+        for s, p in cast:
+            p.grad = flat[s.offset:s.offset + s.numel].view(s.shape).copy_(self.grad_of(p))
+
+    def release(self) -> None:
+        """Drop the casts `expose` made; views of the kept gradient stay."""
+        if self.grad is not None:
+            self._link()
 
 
 def aligned_empty(numel: int, dtype: torch.dtype,
@@ -117,18 +171,6 @@ def aligned_empty(numel: int, dtype: torch.dtype,
     raw = host_empty((numel * size + ALIGN_BYTES,), torch.uint8)
     skip = -raw.data_ptr() % ALIGN_BYTES
     return raw[skip:skip + numel * size].view(dtype)
-
-
-def add_grad(p: torch.nn.Parameter, g: torch.Tensor, scale: float = 1.0) -> None:
-    """`p.grad += scale * g` in p's dtype, creating `.grad` on first use (what autograd does)."""
-    if p.grad is None:
-        p.grad = g.to(p.dtype, copy=True)
-        if scale != 1.0:
-            p.grad.mul_(scale)
-    elif scale != 1.0:
-        p.grad.add_(g.to(p.dtype), alpha=scale)
-    else:
-        p.grad.add_(g.to(p.dtype))
 
 
 class ActivationStore:

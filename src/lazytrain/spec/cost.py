@@ -25,9 +25,12 @@ Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_m
             per 256-element block per state; hybrid = 2% of the parameters in 8 bits), and pinned staging =
             2 gradient landing slots: the paper's accounting, which reproduces its GPT-OSS-120B admission
             figures (CPU base 1321 GiB hybrid vs 683 GiB all 8-bit) within 2.5%. `executor_layout=True`
-            counts what `lazytrain train`'s executor allocates instead: the model's fp32 parameters and
-            fp32 gradients, a packed compute-dtype copy of every streamed group in bf16, and one gradient
-            landing buffer per streamed group (bf16: 12 B/param + states instead of 4).
+            counts what the executor and optimizer allocate (what `lazytrain plan` and `lazytrain train`
+            both admit by; see host_breakdown): per parameter, states excluded, gradient accumulation 1,
+            bf16 compute: fp32 masters 4 + bf16 streamed copy 2 + bf16 gradients 2 = 8 (+ a transient fp32
+            cast of the largest group); bf16 masters 2 + 2 = 4 (+ the optimizer's fp32 working copies of
+            the largest group); fp32 compute 4 + 4 = 8. Accumulating micro-batches adds an fp32 sum of
+            every streamed group's gradient (4 B/param), so the sum is exact.
     device: 2 weight slots + 2 gradient slots (each the largest layer) and, when the loss head is larger than a
             layer, its own weight slot and gradient slot; the largest working set, 2 boundary-gradient buffers
             (static part); boundary activations come and go.
@@ -54,6 +57,7 @@ LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk
 # transformers uses on a GPU when `fla` is installed) or transformers' torch fallback (the CPU).
 LINEAR_ATTN_KERNELS = ("auto", "fla", "torch")
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
+MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
 
 def _rate(gbps: float) -> float:
@@ -64,8 +68,8 @@ class CostModel:
     """Per-layer seconds and bytes of one training step (see the module docstring for the formulas)."""
 
     def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
-                 *, executor_layout: bool = False, head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
-                 linear_attention_kernel: str = "auto") -> None:
+                 *, executor_layout: bool = False, master_weights: str = "fp32", grad_accumulation: int = 1,
+                 head_chunk_tokens: int = HEAD_CHUNK_TOKENS, linear_attention_kernel: str = "auto") -> None:
         if optimizer not in OPTIMIZERS:
             raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
         if linear_attention_kernel not in LINEAR_ATTN_KERNELS:
@@ -76,6 +80,13 @@ class CostModel:
         self.linear_attention_kernel = linear_attention_kernel
         self.spec, self.hardware, self.workload, self.optimizer = spec, hardware, workload, optimizer
         self.executor_layout = executor_layout
+        if master_weights not in MASTER_WEIGHTS:
+            raise LazyTrainError(f"master_weights {master_weights!r} is not one of {', '.join(MASTER_WEIGHTS)}")
+        if master_weights == "bf16" and workload.dtype != "bf16":
+            raise LazyTrainError(f"master_weights bf16 keeps the bf16 streamed weights as the masters, but dtype is "
+                                 f"{workload.dtype}; set dtype bf16 or master_weights fp32")
+        self.master_weights = master_weights
+        self.grad_accumulation = grad_accumulation
         self.num_layers = L = spec.num_layers
         tokens, dtype_bytes = workload.tokens, workload.dtype_bytes
         self.dtype_bytes = dtype_bytes
@@ -228,17 +239,49 @@ class CostModel:
     def host_breakdown(self) -> dict[str, int]:
         """Static host bytes by kind (see static_host_bytes)."""
         n, dtype_bytes = self.spec.num_params, self.dtype_bytes
-        if not self.executor_layout:
+        if not self.executor_layout:  # the paper's accounting (its admission figures), not what the executor holds
             return {"weights": n * dtype_bytes, "grads": n * dtype_bytes,
                     "optimizer_states": self.optimizer_state_bytes(), "pinned_staging": 2 * self.slot_bytes}
-        # the executor streams layers and the head; an untied embedding stays on the host, unpacked
-        streamed = n - (0 if self.spec.tie_word_embeddings else self.spec.embedding_params)
+        return self._executor_host_breakdown()
+
+    def _executor_host_breakdown(self) -> dict[str, int]:
+        """What the executor (runtime/store.py, runtime/executor.py) and the optimizer allocate on the host.
+
+        weights          the masters: fp32 (4 B/param), or bf16 (2) that are the streamed buffers themselves
+        streamed_copy    bf16 compute with fp32 masters: the packed bf16 copy each step streams (2 B/param)
+        grads            where each streamed group's gradient lands (compute dtype) and stays; an untied
+                         embedding's gradient in its masters' dtype
+        grad_sum         gradient accumulation > 1 (or a tied head in bf16, whose gradient adds the LM
+                         head's and the embedding's): an fp32 sum per group, so the sum is exact
+        grad_cast        where a group's gradient dtype is not its masters' (bf16 landing, fp32 masters; an
+                         fp32 sum, bf16 masters): one transient buffer for the largest streamed group, into
+                         which the optimizer casts each group in turn
+        optimizer_work   bf16 masters: Hybrid8bitAdamW's fp32 working copies of a group's weights and
+                         gradients while it updates that group (8 B/param of the largest group)
+        optimizer_states Adam's moments (optimizer_state_bytes)
+        """
+        spec, c = self.spec, self.dtype_bytes
+        m = 2 if self.master_weights == "bf16" else 4
+        n = spec.num_params
+        embedding = 0 if spec.tie_word_embeddings else spec.embedding_params  # stays on the host, unpacked
+        streamed_groups = [*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings
+                                                                   else 0)]
+        streamed = sum(streamed_groups)
+        accumulating = self.grad_accumulation > 1
+        summed = streamed if accumulating else (streamed_groups[-1] if spec.tie_word_embeddings and c < 4 else 0)
+        fp32_sum_groups = streamed_groups if accumulating else streamed_groups[-1:] if summed else []
+        landing_groups = [] if accumulating else streamed_groups[:-1] if summed else streamed_groups
+        # a group is cast when its kept gradient's dtype (c where it lands, 4 where summed) is not the masters'
+        casts = (bool(landing_groups) and c != m) or (bool(fp32_sum_groups) and m != 4)
+        largest = max(streamed_groups)
         return {
-            "weights": 4 * n,  # the model's fp32 parameters, which the optimizer updates
-            "grads": 4 * n,
-            "streamed_copy": streamed * dtype_bytes if dtype_bytes < 4 else 0,  # fp32: the parameters are views
+            "weights": m * n,
+            "streamed_copy": streamed * c if c != m else 0,
+            "grads": streamed * c + embedding * m,
+            "grad_sum": 4 * summed,
+            "grad_cast": m * largest if casts else 0,
+            "optimizer_work": 8 * max(largest, embedding) if m == 2 else 0,
             "optimizer_states": self.optimizer_state_bytes(),
-            "grad_landing": streamed * dtype_bytes,
         }
 
     def static_host_bytes(self) -> int:

@@ -11,7 +11,7 @@ from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import check_host_memory
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.planner import cuda_hardware
+from lazytrain.plan.planner import cuda_hardware, host_layout
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
@@ -62,13 +62,16 @@ def model_source(job: JobConfig, vocab_size: int) -> ModelSource:
 
 
 def build_model(job: JobConfig, source: ModelSource) -> PreTrainedModel:
-    """The fp32 host causal LM: built on the meta device first, its parameter count checked against the
-    ModelSpec and the host memory (admission), then its weights loaded tensor by tensor (or a seeded random
-    init: built-in shapes, a bare config.json, init random)."""
+    """The host causal LM (fp32, or bf16 with master_weights bf16): built on the meta device first, its parameter
+    count checked against the ModelSpec and the host memory (admission), then its weights loaded tensor by tensor
+    (or a seeded random init: built-in shapes, a bare config.json, init random)."""
     check_init(source, job.model.init)  # the weights are there: the root cause before any count of them
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
-    return load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
+    model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
+    if job.runtime.master_weights == "bf16":  # tensor by tensor: the streamed bf16 weights become the masters
+        model.to(torch.bfloat16)
+    return model
 
 
 def starts_from_weights(job: JobConfig, source: ModelSource) -> bool:
@@ -83,11 +86,8 @@ def check_host_fits(job: JobConfig, spec: ModelSpec) -> None:
     if available is None:
         return
     cost = CostModel(spec, HardwareSpec.load("emulated"), workload_of(job), COST_OPTIMIZER[job.optim.optimizer],
-                     executor_layout=True)
-    advice = "use a smaller model or a machine with more memory"
-    if job.optim.optimizer != "8bit":
-        advice = "use optimizer 8bit (2 instead of 8 bytes of state per parameter), a smaller model or more memory"
-    check_host_memory(cost, available, "this machine's available memory", advice)
+                     **host_layout(job))
+    check_host_memory(cost, available, "this machine's available memory")
 
 
 # =====================================================================================================

@@ -5,7 +5,7 @@
         model-0000k-of-0000n.safetensors + index    AutoModelForCausalLM.from_pretrained loads
         tokenizer files (with the chat template)    when the run has an HF tokenizer
         trainer_state/
-            master.safetensors    fp32 master weights (only when the compute dtype is not fp32)
+            master.safetensors    fp32 master weights (only when they are not the compute dtype)
             optimizer.pt          each optimizer's state_dict, as stored (8-bit codes and absmax scales)
             state.pt              RNG states and the data loader's state
             trainer.json          step, schedule position, skip counters, losses so far (readable)
@@ -226,7 +226,8 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
                          optimizer_states: list[dict[str, object]], data_state: dict[str, object], plan: Plan) -> None:
     path.mkdir(parents=True)
-    if compute_dtype != torch.float32:  # the HF folder holds rounded copies: keep the fp32 masters
+    if any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
+        # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
         masters = {k: v.detach().clone().contiguous() for k, v in _unique_state(model).items()}
         save_file(masters, str(path / "master.safetensors"))
     torch.save(optimizer_states, path / "optimizer.pt")

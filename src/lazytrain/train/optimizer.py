@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.optim import Hybrid8bitAdamW, global_grad_norm
+from lazytrain.optim import Hybrid8bitAdamW
 from lazytrain.runtime.hf import find_parts
 from lazytrain.spec.cost import HYBRID_8BIT_FRACTION
 
@@ -112,25 +112,42 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # =====================================================================================================
 # one step (serial mode)
 # =====================================================================================================
-def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, model: PreTrainedModel, *,
-                   grad_norm: float | None = None, zero_grad: bool = True) -> float:
-    """Clip and step on the host; returns the global gradient norm before clipping.
+def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor, *,
+                   grad_norm: float, only: set[int] | None = None) -> float:
+    """Clip and step on the host, one executor group at a time in forward order (`Executor.group_grads`: each
+    group's `.grad` in its masters' dtype, cast in one transient buffer where the kept gradient is bf16), then
+    drop the gradients; returns the global gradient norm before clipping.
 
-    `grad_norm`: the norm the executor already took as gradients landed (`last_step.grad_norm`): neither the
-    clip nor Hybrid8bitAdamW's fused clip scale then needs another pass over the gradients.
+    `grad_norm`: the norm the executor took as gradients landed (`last_step.grad_norm`): neither the clip nor
+    Hybrid8bitAdamW's fused clip scale then needs another pass over the gradients. The updates are elementwise,
+    so stepping group by group gives bit for bit the parameters of one step over all of them. `only`: the ids of
+    the parameters this rank steps (a node's optimizer shard, distributed/shared.py); None = every parameter.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if grad_norm is None:
-        grad_norm = global_grad_norm([p.grad for p in params])
-    if job.optim.optimizer != "adamw":
-        optimizer.step(grad_norm=grad_norm)
-    else:
-        if job.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, job.optim.max_grad_norm, torch.tensor(grad_norm),
-                                                 foreach=True)
-        optimizer.step()
-    if zero_grad:
-        optimizer.zero_grad(set_to_none=True)
+    hybrid = isinstance(optimizer, Hybrid8bitAdamW)
+    if hybrid:
+        clip_coef = optimizer.begin_step(grad_norm=grad_norm)
+        if clip_coef is None:  # not finite (the trainer skips such steps before; kept for direct callers)
+            return grad_norm
+        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    for params in executor.param_groups():  # `.grad` only inside group_grads: one group per optimizer.step()
+        for p in params:
+            p.grad = None
+    for index in range(len(executor.group_names())):
+        with executor.group_grads(index) as params:
+            for p in params:
+                if only is not None and id(p) not in only:
+                    p.grad = None  # another local rank steps it (its gradient was needed for the norm only)
+            live = [p for p in params if p.grad is not None]
+            if hybrid:
+                for k in sorted({group_of[id(p)] for p in live}):
+                    optimizer.step_group(k, clip_coef)
+            elif live:
+                if job.optim.max_grad_norm > 0:
+                    torch.nn.utils.clip_grads_with_norm_(live, job.optim.max_grad_norm, torch.tensor(grad_norm),
+                                                         foreach=True)
+                optimizer.step()  # steps the parameters that have a gradient: this group's
+        for p in params:
+            p.grad = None
     return grad_norm
 
 
@@ -173,7 +190,7 @@ def nonfinite_where(executor: Executor, loss: float, grad_norm: float | None) ->
         return None
     names = executor.group_names()
     for index in backward_order(names):
-        grads = [p.grad for p in executor.param_groups()[index] if p.grad is not None]
+        grads = executor.gradients(index)
         if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
             return f"gradients of {names[index]}"
     return f"gradient norm {grad_norm}"

@@ -109,11 +109,12 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
 
     Four steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
     forward and backward and the loss head exactly as the executor runs them (the first step warms up);
-    five steps of a throwaway optimizer of the run's kind time the host update (the parameters are restored
-    afterwards); `lazytrain.runtime.calibrate` turns them into the CostModel. On CUDA the executor's
-    per-layer timers see asynchronous launches, so there the FLOP estimate is scaled by the measured step
-    time instead. Link rates are the configured (emulated) ones. `masked`: the run's batches carry an attention
-    mask or position ids, whose device bytes the cost model then counts.
+    five steps of a throwaway optimizer of the run's kind at learning rate 0 time the host update (the same
+    work; the weights do not move, so no copy of them is needed); `lazytrain.runtime.calibrate` turns them
+    into the CostModel. On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
+    estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
+    `masked`: the run's batches carry an attention mask or position ids, whose device bytes the cost model then
+    counts.
     """
     hardware = build_hardware(job, kind)
     dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
@@ -130,21 +131,19 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
     constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len, masked=masked).constant_bytes
 
-    snapshot = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(job, model)
+    for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
+        group["lr"] = 0.0
     samples = []
     for _ in range(5):  # the first steps allocate and first-touch the states: the median of the later four
         t0 = time.perf_counter()
-        optimizer_step(job, optimizer, model, zero_grad=False)
+        optimizer_step(job, optimizer, executor, grad_norm=executor.last_step.grad_norm)
         samples.append(time.perf_counter() - t0)
-    with torch.no_grad():
-        for p, saved in zip(model.parameters(), snapshot, strict=True):
-            p.copy_(saved)
-    del optimizer, snapshot
+    del optimizer
     model.zero_grad(set_to_none=True)
 
-    cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[job.optim.optimizer], executor_layout=True
-                     ).with_device_constants(constant_bytes)
+    cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[job.optim.optimizer],
+                     **planner.host_layout(job)).with_device_constants(constant_bytes)
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
     # the fastest of the later samples: a shared machine's interference only ever adds time (their medians moved
     # 60x run to run under load; docs/reliability.md)

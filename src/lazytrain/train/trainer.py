@@ -359,9 +359,8 @@ class Trainer:
                 ex.defer_update(group_update(job, self.optimizer, self.groups, grad_norm, lr))
             else:
                 set_lr(self.optimizer, lr)
-                if self.shard is not None:  # the global norm is taken: step only this rank's groups
-                    self.shard.drop_foreign_grads(self.model)
-                grad_norm = optimizer_step(job, self.optimizer, self.model, grad_norm=grad_norm)
+                only = None if self.shard is None else self.shard.owned  # the global norm is taken: this
+                grad_norm = optimizer_step(job, self.optimizer, ex, grad_norm=grad_norm, only=only)  # rank's groups
                 if self.shard is not None:
                     self.shard.fence(step)
             self.policy.applied()
