@@ -217,3 +217,49 @@ def test_resume_is_exact_in_each_master_weights_mode(tmp_path, master: str) -> N
         assert torch.equal(a, b)
     masters = out / "checkpoint-5" / "trainer_state" / "master.safetensors"
     assert masters.exists() == (master == "fp32")  # bf16 masters are the exported HF weights themselves
+
+
+def _executor_curve(master: str, steps: int, eval_every: int) -> list[float]:
+    """The tiny Markov-language Llama of test_optim_tiny_lm trained through the executor (bf16 compute, 8-bit
+    states, clipping at 1.0, the trainer's serial optimizer step); its held-out loss every `eval_every` steps."""
+    import transformers
+    from test_optim_tiny_lm import SEQ, VOCAB, _batch, _markov_table
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ)
+    model = transformers.LlamaForCausalLM(cfg)
+    if master == "bf16":
+        model = model.to(torch.bfloat16)
+    ex = Executor(model, Plan.from_tiers(model, ["gpu", "recompute", "gpu"]), EmulatedDevice(),
+                  compute_dtype=torch.bfloat16)
+    opt = Hybrid8bitAdamW([{"params": g} for g in ex.param_groups()], lr=3e-3, weight_decay=0.01, max_grad_norm=1.0,
+                          min_8bit_size=0)
+    cfg_job = job(optimizer="8bit", master_weights=master, dtype="bf16")
+    gen = torch.Generator().manual_seed(1)
+    table = _markov_table(gen)
+    curve = []
+    for step in range(1, steps + 1):
+        ids = _batch(table, gen)
+        ex.forward_backward(ids, ids)
+        optimizer_step(cfg_job, opt, ex, grad_norm=ex.last_step.grad_norm)
+        if step % eval_every == 0:
+            eval_gen = torch.Generator().manual_seed(2)
+            sums = [ex.forward_loss(b, b) for b in (_batch(table, eval_gen) for _ in range(8))]
+            curve.append(sum(s for s, _ in sums) / sum(n for _, n in sums))
+    return curve
+
+
+@pytest.mark.slow  # ~30 s of CPU
+def test_tiny_lm_with_bf16_master_weights_tracks_fp32_masters_through_the_executor() -> None:
+    """The issue's bar: bf16 master weights (stochastic rounding) within 2% of fp32 masters on the tiny LM, both
+    trained by the executor and the trainer's optimizer step (bf16 compute, 8-bit states, clipping)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = (_executor_curve(master, steps=100, eval_every=25) for master in ("fp32", "bf16"))
+    finally:
+        torch.set_num_threads(threads)
+    assert fp32[-1] < 0.6 * 4.16, fp32  # it learned (uniform: ln 64 = 4.16)
+    for ours, ref in zip(bf16[1:], fp32[1:], strict=True):  # the first point is mid-descent: steep
+        assert abs(ours - ref) <= 0.02 * ref, (bf16, fp32)

@@ -142,7 +142,7 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
 
     monkeypatch.setattr(build_module, "load_model", lambda *a, **k: built.append(a))  # only the meta model is built
     out = tmp_path / "run"
-    assert main(["train", "--output-dir", str(out), *TINY]) == 2
+    assert main(["train", "--output-dir", str(out), *TINY, "--dtype", "bf16", "--optimizer", cfg.optim.optimizer]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: host memory: ") and "\n" not in err and "available memory" in err
     assert not built and not (out / "metrics.jsonl").exists()
