@@ -33,7 +33,8 @@ MODES = {  # name: (dtype, master_weights)
 }
 
 MEASURE = textwrap.dedent("""
-    import json, sys, threading, time
+    import gc, json, os, sys, threading, time
+    collect = os.environ.get("LT_GC") == "1"
     import torch, transformers
     from lazytrain import EmulatedDevice, Executor, Plan
     from lazytrain.config import load_job_config
@@ -82,13 +83,21 @@ MEASURE = textwrap.dedent("""
     ex = Executor(model, Plan.from_tiers(model, tiers), device, compute_dtype=compute)
     opt = Hybrid8bitAdamW([{"params": g} for g in ex.param_groups()], lr=1e-4, max_grad_norm=1.0)
     ids = torch.randint(0, config.vocab_size, (1, 64), generator=gen)
-    times = []
+    times, phases = [], {"built": status() - base}
+    def phase(name):
+        phases[name] = max(phases.get(name, 0), peak["host"])
+        peak["host"] = phases["after " + name] = status() - base - device.used_bytes
+    phase("build")
     for _ in range(steps):
         t0 = time.perf_counter()
         for i in range(accumulation):
-            ex.forward_backward(ids, ids, run_optimizer_hook=i == accumulation - 1)
+            ex.forward_backward(ids, ids, last_micro_batch=i == accumulation - 1)
+        gc.collect() if collect else None
+        phase("forward_backward")
         optimizer_step(job, opt, ex, grad_norm=ex.last_step.grad_norm)
+        phase("optimizer")
         times.append(time.perf_counter() - t0)
+    peak["host"] = max(v for k, v in phases.items() if not k.startswith("after"))
     done = True
     thread.join()
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(1, 64, dtype),
@@ -97,7 +106,7 @@ MEASURE = textwrap.dedent("""
     breakdown["optimizer_states"] = opt.state_bytes()  # tensors under 4096 elements keep fp32 states
     print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "predicted": sum(breakdown.values()),
                       "breakdown": breakdown, "peak_host": peak["host"], "peak_rss": peak["rss"],
-                      "after": status() - base - device.used_bytes, "step_s": times}))
+                      "after": status() - base - device.used_bytes, "step_s": times, "phases": phases}))
 """)
 
 
@@ -119,6 +128,7 @@ def main() -> None:
                                   str(args.accumulation)], check=True, env=env, capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
         r = rows[0]
+        print("  phases (MiB):", {k: round(v / 2**20) for k, v in r["phases"].items()})
         n, predicted = r["params"], r["predicted"]
         peak = statistics.median(row["peak_host"] for row in rows)
         parts = ", ".join(f"{k} {v / n:.2f}" for k, v in r["breakdown"].items() if v)

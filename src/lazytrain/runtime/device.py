@@ -121,6 +121,8 @@ class _Link:
             self.busy_s += event.end_s - event.start_s
             self.bytes_moved += num_bytes
             event.set()
+            # drop the job before waiting for the next: its closure holds device tensors (a step's slots)
+            job = fn = after = on_done = event = None
 
 
 class Device(Protocol):

@@ -90,6 +90,17 @@ class StepStats:
         return sum(self.stall_s.values())
 
 
+NORM_CHUNK = 1 << 20  # elements per fp32 norm of a bf16 gradient
+
+
+def sq_norm(grads: list[torch.Tensor]) -> float:
+    """Summed squared L2 norms (fp32 per tensor, as the optimizer's clipping takes them). bf16 gradients (bf16
+    master weights) are taken in chunks: torch upcasts a whole tensor to fp32 first, 4 B per element of it."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return float(per_tensor_sq_norms(grads).sum())
+    return sum(float(per_tensor_sq_norms(g.reshape(-1).split(NORM_CHUNK)).sum()) for g in grads)
+
+
 def estimate_working_bytes(config: Any, batch: int, seq_len: int, dtype_bytes: int) -> int:
     """Autograd working set of one dense decoder layer (saved activations + their gradients), bytes.
 
@@ -430,7 +441,7 @@ class _Step:
         self.loss: torch.Tensor | None = None
         self.loss_sum: tuple[float, int] | None = None  # forward_only: (summed token loss, token count)
         self.reserved = 0
-        self.allocated: list[torch.Tensor] = []
+        self.allocated: dict[int, torch.Tensor] = {}  # id -> device tensor, until freed (then released)
         self.slots: list[torch.Tensor] = []  # two layer slots, then the head's own when it has one
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
@@ -634,7 +645,7 @@ class _Step:
             ex.grad_hook(index, ex.gradients(index))
         with ex.group_grads(index) as params:
             grads = [p.grad for p in params if p.grad is not None]
-            self.grad_sq_norm += float(per_tensor_sq_norms(grads).sum())
+            self.grad_sq_norm += sq_norm(grads)
 
     def _group_index(self, name: str) -> int:
         return self.ex.group_names().index(name)
@@ -674,16 +685,17 @@ class _Step:
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
         t = self.dev.alloc(shape, dtype, tag)
-        self.allocated.append(t)
+        self.allocated[id(t)] = t
         return t
 
     def _adopt(self, t: torch.Tensor, tag: str) -> torch.Tensor:
         self.dev.adopt(t, tag)
-        self.allocated.append(t)
+        self.allocated[id(t)] = t
         return t
 
     def _free(self, t: torch.Tensor) -> None:
         self.dev.free(t)
+        self.allocated.pop(id(t), None)  # our reference goes with the count: the memory is released
 
     def _reserve(self, num_bytes: int, tag: str) -> None:
         self.dev.reserve(num_bytes, tag)
@@ -704,7 +716,7 @@ class _Step:
                 event.wait()
             except BaseException:  # the first error is already propagating
                 pass
-        for t in self.allocated:
+        for t in self.allocated.values():
             self.dev.free(t)
         if self.reserved:
             self.dev.unreserve(self.reserved)
