@@ -27,17 +27,16 @@ def _run(tmp_path, mode: str, *, bad_step: int | None, **values):
     """Train with `values`; on `bad_step` (0-based) layer 1's landed gradient holds an inf. Returns the result and
     the parameters cloned after every step."""
     taken: list[list[torch.Tensor]] = []
-    real_accumulate = store.WeightGroup.accumulate_grads
+    real_land = store.WeightGroup.land
     real_step = trainer_module.Trainer.train_step
     real_group_update = trainer_module.group_update
     current: dict[str, int | None] = {"step": None}
     on_lane: list[bool] = []  # per group update: did it run on the executor's optimizer lane
 
-    def accumulate(self, flat_grad, scale=1.0):
+    def land(self, **kwargs):
         if self.name == "layer.1" and current["step"] == bad_step:
-            flat_grad = flat_grad.clone()
-            flat_grad[RNG.randrange(flat_grad.numel())] = math.inf
-        return real_accumulate(self, flat_grad, scale)
+            self.landing[RNG.randrange(self.landing.numel())] = math.inf
+        return real_land(self, **kwargs)
 
     def slow_group_update(*args, **kwargs):
         update = real_group_update(*args, **kwargs)
@@ -59,7 +58,7 @@ def _run(tmp_path, mode: str, *, bad_step: int | None, **values):
         return row
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(store.WeightGroup, "accumulate_grads", accumulate)
+        mp.setattr(store.WeightGroup, "land", land)
         mp.setattr(trainer_module.Trainer, "train_step", train_step)
         mp.setattr(trainer_module, "group_update", slow_group_update)
         result = train(load_job_config({**BASE, **values, "optimizer_mode": mode,
