@@ -45,7 +45,9 @@ def test_link_takes_bytes_over_bandwidth_and_overlaps_compute() -> None:
     elapsed = time.perf_counter() - t0
     assert torch.equal(dst, src)
     assert 0.1 <= elapsed < 0.4  # upper bound loose: other processes share the cores
-    assert abs(stall - max(0.0, 0.1 - hidden)) < 0.03  # only the part of the copy compute did not hide
+    # only the part of the copy compute did not hide: at least the copy's remaining 0.1 s - hidden, at most the
+    # time spent waiting (bounds that hold on a loaded machine, where the link thread may start late)
+    assert 0.1 - hidden - 0.005 <= stall <= elapsed - hidden + 0.005
 
 
 def test_links_are_fifo_and_independent() -> None:

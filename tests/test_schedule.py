@@ -103,7 +103,8 @@ def test_the_milp_step_is_the_simulated_step_and_its_plans_fit_their_cap(case: d
         plan = solve_milp(cost, budgets, time_limit_s=20, optimizer_mode=case["mode"])
     except LazyTrainError:
         return  # no placement fits this cap: the error says so (tested in test_milp.py)
-    assert plan.report.status == "optimal"
+    # on a loaded machine a 16-layer solve may stop at its limit: the property holds for the incumbent too
+    assert plan.report.status in ("optimal", "time_limit")
     sim = simulate(plan, cost, optimizer_mode=case["mode"])
     assert sim.peak_bytes["gpu"] <= cap
     milp_s = plan.report.options["step_s"]
