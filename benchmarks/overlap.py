@@ -28,6 +28,7 @@ from executor import batch_of, build_model, replayed
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
 from lazytrain.plan.schedule import update_order
 from lazytrain.plan.sim import simulate
+from lazytrain.train.optimizer import step_param_groups
 
 INF = float("inf")
 
@@ -39,13 +40,8 @@ def group_stepper(ex: Executor, slow_s: float, seconds: dict[int, list[float]]):
     def update(index: int) -> None:
         t0 = time.perf_counter()
         time.sleep(slow_s)
-        every = opt.param_groups
-        opt.param_groups = [every[index]]
-        try:
-            opt.step()
-        finally:
-            opt.param_groups = every
-        for p in every[index]["params"]:
+        step_param_groups(opt, [index])
+        for p in opt.param_groups[index]["params"]:
             p.grad = None
         seconds.setdefault(index, []).append(time.perf_counter() - t0)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import build_program
+from lazytrain.train.optimizer import step_param_groups
 
 VOCAB = 61
 NUM_LAYERS = 6
@@ -150,13 +151,8 @@ def test_deferred_update_runs_in_forward_order_before_each_groups_weights(kind: 
     def update(index: int) -> None:
         seen.append(index)
         time.sleep(0.01)  # slow: the forward must wait for it
-        every = opt.param_groups
-        opt.param_groups = [every[index]]
-        try:
-            opt.step()
-        finally:
-            opt.param_groups = every
-        for p in every[index]["params"]:
+        step_param_groups(opt, [index])
+        for p in opt.param_groups[index]["params"]:
             p.grad = None
 
     for _ in range(3):

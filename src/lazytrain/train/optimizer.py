@@ -220,6 +220,17 @@ def executor_param_groups(optimizer: torch.optim.Optimizer, executor: Executor) 
     return out
 
 
+def step_param_groups(optimizer: torch.optim.Optimizer, indices: list[int]) -> None:
+    """`optimizer.step()` on the param groups `indices` alone: torch steps each param group on its own, so their
+    updates are those of one step over every group, bit for bit."""
+    every = optimizer.param_groups
+    optimizer.param_groups = [every[k] for k in indices]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = every
+
+
 def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, groups: list[list[int]], grad_norm: float,
                  lr: float) -> Callable[[int], None]:
     """`update(executor_group)`: `optimizer_step`'s update restricted to one executor group -- the learning rate
@@ -241,12 +252,7 @@ def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, groups: list[
         else:
             if job.optim.max_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, job.optim.max_grad_norm, norm, foreach=True)
-            every = optimizer.param_groups
-            optimizer.param_groups = [every[k] for k in ks]  # torch steps each param group on its own
-            try:
-                optimizer.step()
-            finally:
-                optimizer.param_groups = every
+            step_param_groups(optimizer, ks)
         for p in params:
             p.grad = None
 
