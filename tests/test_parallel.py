@@ -19,13 +19,16 @@ from safetensors.torch import load_file  # noqa: E402
 
 from lazytrain.config import load_job_config  # noqa: E402
 from lazytrain.data.loader import Example, Loader  # noqa: E402
-from lazytrain.distributed import RankBatches, Ranks  # noqa: E402
+from lazytrain.distributed import RankBatches, RankLost, Ranks  # noqa: E402
 from lazytrain.errors import LazyTrainError  # noqa: E402
 from lazytrain.train import train  # noqa: E402
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
-# serial: one host copy per node, the optimizer sharded over the ranks; overlap (overlapped-exact): replicated
-MODE = {"tiny-llama": "serial", "tiny-qwen2": "overlap"}
+# Either mode: one host copy per node, the optimizer sharded over the ranks. In the default suite one run per model
+# (the overlapped optimizer's fence with the tied head of Qwen2); the other two run with -m slow.
+RUNS = [("tiny-llama", "serial"), ("tiny-qwen2", "overlap"),
+        pytest.param("tiny-llama", "overlap", marks=pytest.mark.slow),
+        pytest.param("tiny-qwen2", "serial", marks=pytest.mark.slow)]
 # fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps, 3 held-out
 # batches (split unevenly over the ranks). The ranks sum rows in another order than one process (float noise
 # ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from blowing the noise of a near-zero gradient up to a full
@@ -60,28 +63,33 @@ def _torchrun(config: Path, out: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """Both models' 2-rank runs, launched together (each is mostly interpreter start-up): (output dir, output)."""
+def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, str]]:
+    """The 2-rank runs the selected tests compare, launched together (each is mostly interpreter start-up):
+    (output dir, output)."""
     root = tmp_path_factory.mktemp("dp")
     shm_before = set(glob.glob("/dev/shm/lazytrain-*"))
-    runs = {m: (_torchrun(_yaml(root / f"{m}.yaml", dict(JOB, model=m, optimizer_mode=MODE[m])), root / m), root / m)
-            for m in MODELS}
+    selected = {(item.callspec.params["model"], item.callspec.params["mode"]) for item in request.session.items
+                if item.originalname == "test_two_ranks_equal_one_process_with_the_global_batch"}
+    runs = {}
+    for model, mode in sorted(selected):
+        out = root / f"{model}-{mode}"
+        runs[model, mode] = (_torchrun(_yaml(root / f"{model}-{mode}.yaml", dict(JOB, model=model,
+                                                                                  optimizer_mode=mode)), out), out)
     outputs = {}
-    for model, (proc, _) in runs.items():
-        outputs[model], _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{model}: torchrun exited {proc.returncode}\n{outputs[model][-3000:]}"
+    for key, (proc, _) in runs.items():
+        outputs[key], _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{key}: torchrun exited {proc.returncode}\n{outputs[key][-3000:]}"
     assert set(glob.glob("/dev/shm/lazytrain-*")) <= shm_before  # the shared weights' file is gone
-    return {m: (out, outputs[m]) for m, (_, out) in runs.items()}
+    return {key: (out, outputs[key]) for key, (_, out) in runs.items()}
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model):
+@pytest.mark.parametrize(("model", "mode"), RUNS)
+def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model, mode):
     one = train(load_job_config(dict(JOB, model=model, per_device_train_batch_size=JOB["per_device_train_batch_size"]
-                                     * WORLD, optimizer_mode=MODE[model], output_dir=str(tmp_path / "one"))))
-    two, output = two_rank_runs[model]
-    # serial: one host copy of the weights, the optimizer sharded: each rank steps its own layer groups
-    shared = "shared by the 2 ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
-    assert shared == (MODE[model] == "serial")
+                                     * WORLD, optimizer_mode=mode, output_dir=str(tmp_path / "one"))))
+    two, output = two_rank_runs[model, mode]
+    # one host copy of the weights, the optimizer sharded: each rank steps its own layer groups
+    assert "shared by the 2 ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
     rows_one, rows_two = _rows(one.output_dir / "metrics.jsonl"), _rows(two / "metrics.jsonl")
     assert [r["step"] for r in rows_two] == list(range(JOB["max_steps"]))
     for a, b in zip(rows_one, rows_two, strict=True):
@@ -225,3 +233,59 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes_exactly(tmp
     refused = subprocess.run([sys.executable, "-m", "lazytrain", "train", str(config), f"output_dir={out}",
                               "resume_from_checkpoint=auto", f"max_steps={last + 4}"], capture_output=True, text=True)
     assert refused.returncode == 2 and "resume with torchrun --nproc_per_node 2" in refused.stderr
+
+
+# ---- the overlapped optimizer's fence across a node's ranks (distributed/shared.py GroupFence) ----------------
+def _fence(rank: int, owner_pid: int, timeout_s: float = 30.0):
+    from lazytrain.distributed.shared import GroupFence
+
+    ranks = Ranks(rank=rank, world_size=2, local_rank=rank, local_world_size=2, backend="gloo", timeout_s=timeout_s)
+    words = torch.zeros(3 + 2, dtype=torch.int64)  # groups 0..2 (0, 2 owned by local rank 0), then the pids
+    words[3:] = torch.tensor([owner_pid, os.getpid()])
+    return GroupFence(ranks, words, ["layer.0", "layer.1", "head"])
+
+
+def test_the_fence_holds_a_rank_until_the_owner_published_the_update():
+    import threading
+    import time
+
+    from lazytrain.distributed.shared import OptimizerShard
+
+    fence = _fence(1, os.getpid())
+    weights = torch.zeros(4)
+    owner = OptimizerShard(ranks=fence.ranks, owned_indices={0, 2}, group_fence=fence)
+    waiter = OptimizerShard(ranks=fence.ranks, owned_indices={1}, group_fence=fence)
+    seen: list[float] = []
+
+    def update(index: int) -> None:
+        time.sleep(0.3)  # the owner's AdamW, slow
+        weights.fill_(1.0)
+
+    run_owner = owner.deferred(update)  # update number 1 on both ranks
+    run_waiter = waiter.deferred(lambda index: pytest.fail("a rank updated a group it does not own"))
+    thread = threading.Thread(target=run_owner, args=(2,))
+    thread.start()
+    run_waiter(2)  # returns once the update is in: the streamed copy it refreshes next is the updated one
+    seen.append(float(weights.sum()))
+    thread.join()
+    assert seen == [4.0] and int(fence.words[2]) == 1
+    run_waiter_again = waiter.deferred(lambda index: None)  # the next step's number (2) is not published yet
+    fence.ranks.timeout_s = 1.0
+    with pytest.raises(RankLost, match=r"rank 0 lost during the update of head .*no update within 1 s"):
+        run_waiter_again(2)
+
+
+def test_the_fence_names_an_owner_whose_process_is_gone_at_once():
+    import time
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: no /proc entry
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)  # exited, not reaped yet: a zombie (what a SIGKILLed rank is until torchrun reaps it)
+    for pid in (gone.pid, zombie.pid):
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"rank 0 lost during the update of layer.0 .*its process is gone"):
+            _fence(1, pid).wait(0, 1)
+        assert time.monotonic() - t0 < 5
+    zombie.wait()

@@ -15,16 +15,13 @@ __all__ = ["OptimizerShard", "RankBatches", "RankLost", "Ranks", "attach_executo
            "init_ranks", "launched_local_world_size", "launched_world_size", "save_once"]
 
 
-def attach_executor(ranks: Ranks, executor: Executor, *, share_host: bool) -> OptimizerShard | None:
+def attach_executor(ranks: Ranks, executor: Executor) -> OptimizerShard:
     """Sum each layer group's gradient over the ranks on the optimizer lane as the group lands on the final
     micro-batch of a step: before the executor takes its norm (so the norm is the global one, and clipping
-    agrees with one process); the backward of the next layers runs meanwhile. `share_host`: one host copy of
-    the weights per node and the optimizer sharded over its ranks (distributed/shared.py; serial mode only);
-    returns this rank's shard (None: every rank holds and steps everything)."""
+    agrees with one process); the backward of the next layers runs meanwhile. One host copy of the weights per
+    node and the optimizer sharded over its ranks (distributed/shared.py): returns this rank's shard."""
     names = executor.group_names()
     executor.grad_hook = lambda index, grads: ranks.reduce_grads(names[index], grads)
-    if not share_host:
-        return None
     return OptimizerShard.of(ranks, executor, share_host_weights(ranks, executor))
 
 

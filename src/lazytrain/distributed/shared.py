@@ -9,11 +9,16 @@ mappings stay valid until the processes end).
 
 Optimizer. Executor group i (the untied embedding, layer 0..L-1, the head) belongs to local rank
 i % local ranks. Every rank still sums every group's gradient as it lands (all-reduce), so the global norm and
-the non-finite check are the single process's; just before the step a rank drops the gradients of the groups
-it does not own, so its optimizer updates (and torch's AdamW creates states for) its own groups only, in the
-shared weights. Ranks of the same local rank on different nodes own the same groups and step them alike on
-their nodes' copies. A barrier after the step is the fence: no rank starts the next forward before every
-group's update is in the shared copy.
+the non-finite check are the single process's; a rank updates (and torch's AdamW creates states for) its own
+groups only, in the shared weights. Ranks of the same local rank on different nodes own the same groups and
+step them alike on their nodes' copies. The fence that keeps a rank from streaming a group before its owner
+updated it:
+  serial  a barrier after the step: no rank starts the next forward before every group's update is in.
+  overlap (`GroupFence`) the owner of group i runs its update on its optimizer lane at the start of the next
+          step and then publishes the update's number in a per-group counter in the node's shared mapping; every
+          other rank's optimizer lane, at the same place in its program (before group i's forward weight h2d),
+          waits until the counter reaches that number, then refreshes its own streamed copy (bf16). The wait
+          polls; it names the owner as lost at once when its process is gone, or after `collective_timeout_s`.
 
 Checkpoints gather the shards' optimizer states to rank 0, which writes them as one state (the single
 process's layout); resuming, every rank loads it and drops the states of the groups it does not own.
@@ -23,26 +28,31 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
 
 if TYPE_CHECKING:
-
     from lazytrain.distributed.ranks import Ranks
-    from lazytrain.runtime.executor import Executor
+    from lazytrain.runtime.executor import Executor, GroupUpdate
 
 SHM_DIR = Path("/dev/shm")
 ALIGN_BYTES = 4096
 KEPT_STATE = ("step", "eightbit")  # per-parameter entries a rank keeps for groups it does not own
+FENCE_POLL_S = 0.0002  # how often a rank waiting at the fence reads its group's counter
+ALIVE_CHECK_S = 1.0  # how often it checks that the group's owner still runs (and the timeout)
 
 
-def share_host_weights(ranks: Ranks, executor: Executor) -> int:
-    """Put this node's host weights in one shared-memory file mapped by every local rank; returns its bytes."""
+def share_host_weights(ranks: Ranks, executor: Executor) -> tuple[int, torch.Tensor]:
+    """Put this node's host weights in one shared-memory file mapped by every local rank; returns their bytes and
+    the fence's words (`GroupFence`: a counter per executor group, then each local rank's pid), zeroed, in the
+    same mapping."""
     groups = [g for g in [*executor.layer_groups, executor.head_group] if g.aliased]
     in_groups = {id(p) for g in groups for p in g.params}
     loose = list({id(p): p for p in executor.model.parameters() if id(p) not in in_groups}.values())
@@ -50,7 +60,9 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> int:
     offsets, total = [], 0
     for t in regions:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+        total += _aligned(t.numel() * t.element_size())
+    words = len(executor.group_names()) + ranks.local_world_size
+    weights_bytes, total = total, total + _aligned(8 * words)
     if not SHM_DIR.is_dir():
         raise LazyTrainError(f"data parallelism shares the weights of a node's ranks through {SHM_DIR}, which this "
                              "machine does not have; run one rank per node")
@@ -72,6 +84,8 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> int:
         ranks.barrier("mapping the shared weights")
         if ranks.local_rank != 0:
             mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        fence = mapping[weights_bytes:weights_bytes + 8 * words].view(torch.int64)
+        fence[len(executor.group_names()) + ranks.local_rank] = os.getpid()
         with torch.no_grad():
             for g, offset in zip(groups, offsets[:len(groups)], strict=True):
                 g.adopt(_view(mapping, offset, g.buffer))
@@ -81,7 +95,11 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> int:
     finally:  # every rank has it mapped (or the run stops): the file goes, the mappings stay
         if ranks.local_rank == 0:
             path.unlink(missing_ok=True)
-    return total
+    return weights_bytes, fence
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _view(mapping: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -90,20 +108,88 @@ def _view(mapping: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tenso
 
 
 @dataclass
+class GroupFence:
+    """The overlapped optimizer's fence across a node's ranks: per-group update counters in the node's shared
+    mapping (module docstring). Counters, not a collective: the owner never waits for the others, and a rank
+    waits only for the one group it is about to stream."""
+
+    ranks: Ranks
+    words: torch.Tensor  # int64: one counter per executor group, then each local rank's pid
+    names: list[str]  # the executor groups' names
+
+    def publish(self, index: int, number: int) -> None:
+        """Group `index`'s update number `number` is in the shared weights (called by its owner, after it)."""
+        self.words[index] = number
+
+    def wait(self, index: int, number: int) -> None:
+        """Until the owner of group `index` published update `number`; RankLost naming the owner when its process
+        is gone or `collective_timeout_s` passed. x86 keeps stores in order, so the weights written before the
+        counter are visible once the counter is."""
+        r = self.ranks
+        owner_local = index % r.local_world_size
+        owner = r.rank - r.local_rank + owner_local
+        pid = int(self.words[len(self.names) + owner_local])
+        start = time.monotonic()
+        check = start + ALIVE_CHECK_S
+        while int(self.words[index]) < number:
+            now = time.monotonic()
+            if now >= check:
+                check = now + ALIVE_CHECK_S
+                gone = not _alive(pid)
+                if gone or now - start > r.timeout_s:
+                    why = "its process is gone" if gone else f"no update within {r.timeout_s:g} s"
+                    raise RankLost(f"rank {owner} lost during the update of {self.names[index]} (rank {r.rank} of "
+                                   f"{r.world_size} stops; {why}); resume from the last checkpoint with "
+                                   "resume_from_checkpoint=auto")
+            time.sleep(FENCE_POLL_S)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a killed child its parent has not reaped yet is a zombie: gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@dataclass
 class OptimizerShard:
     """The parameters this rank's optimizer steps: the executor groups it owns (module docstring)."""
 
     ranks: Ranks
     owned: set[int] = field(default_factory=set)  # id() of the parameters this rank steps
-    owned_groups: list[str] = field(default_factory=list)  # their executor groups' names
+    owned_indices: set[int] = field(default_factory=set)  # their executor groups' indices
+    owned_groups: list[str] = field(default_factory=list)  # and names
     shared_bytes: int = 0  # the node's shared host weights
+    group_fence: GroupFence | None = None  # the overlapped optimizer's fence (None: no shared weights)
+    updates: int = 0  # deferred updates handed out (`deferred`), the number each publishes
 
     @classmethod
-    def of(cls, ranks: Ranks, executor: Executor, shared_bytes: int = 0) -> OptimizerShard:
+    def of(cls, ranks: Ranks, executor: Executor, shared: tuple[int, torch.Tensor] | None = None) -> OptimizerShard:
         mine = [i for i in range(len(executor.param_groups())) if i % ranks.local_world_size == ranks.local_rank]
         groups, names = executor.param_groups(), executor.group_names()
-        return cls(ranks=ranks, owned={id(p) for i in mine for p in groups[i]}, owned_groups=[names[i] for i in mine],
-                   shared_bytes=shared_bytes)
+        shared_bytes, words = shared if shared is not None else (0, None)
+        return cls(ranks=ranks, owned={id(p) for i in mine for p in groups[i]}, owned_indices=set(mine),
+                   owned_groups=[names[i] for i in mine], shared_bytes=shared_bytes,
+                   group_fence=None if words is None else GroupFence(ranks, words, names))
+
+    def deferred(self, update: GroupUpdate) -> GroupUpdate:
+        """`update` (one step's, `Executor.defer_update`) as this rank runs it on its optimizer lane: its own
+        groups' updates, each published when in the shared weights; for every other group, the wait for its
+        owner's (after which the executor refreshes this rank's streamed copy of it)."""
+        assert self.group_fence is not None
+        self.updates += 1
+        number, fence, owned = self.updates, self.group_fence, self.owned_indices
+
+        def run(index: int) -> None:
+            if index in owned:
+                update(index)
+                fence.publish(index, number)
+            else:
+                fence.wait(index, number)
+
+        return run
 
     def describe(self) -> str:
         return (f"host weights {self.shared_bytes / 2**20:,.1f} MiB shared by the {self.ranks.local_world_size} ranks "
@@ -120,7 +206,8 @@ class OptimizerShard:
                         del state[key]
 
     def fence(self, step: int) -> None:
-        """After the step: every group's update is in the shared weights before any rank's next forward."""
+        """Serial mode, after the step: every group's update is in the shared weights before any rank's next
+        forward."""
         self.ranks.barrier(f"the updated weights of step {step}")
 
     def gathered_states(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, object]] | None:

@@ -129,8 +129,7 @@ def _print_ranks(job: JobConfig, cost: CostModel, plan: Plan, topology: Topology
     limit = hw.host_mem_bytes if job.plan.cpu_mem_bytes is None else job.plan.cpu_mem_bytes
     over = f" of {format_bytes(limit)}" + ("  OVER THE NODE'S HOST MEMORY" if p.host["node"] > limit else "") \
         if limit is not None else ""
-    shared = (f"shared {format_bytes(p.host['shared'])} (weights once, optimizer states sharded over the ranks)"
-              if p.topology.shared_host else "nothing shared (optimizer_mode overlap: every rank its own host copy)")
+    shared = f"shared {format_bytes(p.host['shared'])} (weights once, optimizer states sharded over the ranks)"
     print(f"  host per node {format_bytes(p.host['node'])}{over} = {shared} + {g} x "
           f"{format_bytes(p.host['per_rank'])} per rank (gradients, offloaded activations)")
 

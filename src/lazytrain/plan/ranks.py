@@ -26,12 +26,10 @@ if TYPE_CHECKING:
 
 def topology_of(job: JobConfig, hardware: HardwareSpec) -> Topology:
     """The job's ranks and nodes; gradients reduced on the device (nccl) on a GPU, on the host (gloo) on the
-    emulated device or with backend gloo -- as `lazytrain train` picks its backend; the host shared by a node's
-    ranks in serial optimizer mode, as `lazytrain train` shares it."""
+    emulated device or with backend gloo -- as `lazytrain train` picks its backend."""
     emulated = hardware.name.startswith("emulated")
     collective = "host" if emulated or job.parallel.backend == "gloo" else "device"
-    return Topology(world_size=job.parallel.world_size, nodes=job.parallel.nodes, collective=collective,
-                    shared_host=job.optim.optimizer_mode == "serial")
+    return Topology(world_size=job.parallel.world_size, nodes=job.parallel.nodes, collective=collective)
 
 
 def rank_budgets(budgets: Budgets, cost: CostModel, topology: Topology) -> Budgets:

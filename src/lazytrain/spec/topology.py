@@ -42,9 +42,6 @@ class Topology:
     world_size: int = 1
     nodes: int = 1
     collective: str = "device"
-    # a node's ranks share one host copy of the weights and shard the optimizer states (distributed/shared.py);
-    # the runtime does so in serial optimizer mode only, so False (replicated) for the overlapped optimizer
-    shared_host: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -110,12 +107,12 @@ SHARED_HOST = ("weights", "optimizer_states")  # host_breakdown keys a node's sh
 
 
 def node_host_bytes(cost: CostModel, topology: Topology, rank_activation_bytes: int = 0) -> dict[str, int]:
-    """Host bytes of one node: what its ranks share (with `topology.shared_host`: the weights once, the optimizer
-    states sharded, one copy in all) and what each rank holds for itself (its gradients, their casts and sums,
+    """Host bytes of one node: what its ranks share (the weights once, the optimizer states sharded, one copy in
+    all) and what each rank holds for itself (its gradients, their casts and sums,
     a bf16 streamed copy, the optimizer's working buffers, and its offloaded activations and NVMe staging,
     `rank_activation_bytes`), as distributed/shared.py allocates them. {"shared", "per_rank", "node"}."""
     breakdown = cost.host_breakdown()
-    shared = sum(v for k, v in breakdown.items() if k in SHARED_HOST) if topology.shared_host else 0
+    shared = sum(v for k, v in breakdown.items() if k in SHARED_HOST)
     private = sum(breakdown.values()) - shared + rank_activation_bytes
     return {"shared": shared, "per_rank": private, "node": shared + topology.local_ranks * private}
 

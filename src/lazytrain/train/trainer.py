@@ -267,11 +267,10 @@ class Trainer:
         self.resumed = False
         self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan else None
         self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
-        if self.ranks is not None:  # serial mode: one host copy per node, the optimizer sharded over its ranks
-            self.shard = attach_executor(self.ranks, self.executor, share_host=not self.overlap)
-            if self.shard is not None:
-                self.shard.drop_foreign_states(self.optimizers)
-                say(f"shared   {self.shard.describe()}")
+        if self.ranks is not None:  # one host copy per node, the optimizer sharded over its ranks
+            self.shard = attach_executor(self.ranks, self.executor)
+            self.shard.drop_foreign_states(self.optimizers)
+            say(f"shared   {self.shard.describe()}")
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -356,7 +355,9 @@ class Trainer:
         else:
             if self.overlap:  # run by the next step's optimizer lane, group by group under its forward
                 assert grad_norm is not None
-                ex.defer_update(group_update(job, self.optimizer, self.groups, grad_norm, lr))
+                update = group_update(job, self.optimizer, self.groups, grad_norm, lr)
+                # data parallel: this rank's groups, and the fence on every other group's owner
+                ex.defer_update(update if self.shard is None else self.shard.deferred(update))
             else:
                 set_lr(self.optimizer, lr)
                 only = None if self.shard is None else self.shard.owned  # the global norm is taken: this
