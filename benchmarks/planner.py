@@ -6,6 +6,7 @@
     python benchmarks/planner.py instances  # the issue-10 instances: MILP step vs simulated step, both modes
     python benchmarks/planner.py tflops     # simulated TFLOPS, MILP vs rule, at the paper's batch sizes (H800)
     python benchmarks/planner.py maxbatch   # largest feasible batch on the rtx3090 preset, MILP vs rules
+    python benchmarks/planner.py ranks      # solve time and step with the collective lane, 1 to 16 ranks
 
 The solve instances are the paper's 27B / H800 case (batch 72, seq 1024, gpu cap 70 GB, cpu act 15 GB,
 nvme act 32 GB) with the Qwen3.6-27B layer shapes repeated to L layers. Times are medians of 3 runs.
@@ -30,6 +31,7 @@ from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
 from lazytrain.spec.model import PRESET_DIR, ModelSpec
+from lazytrain.spec.topology import Topology
 from lazytrain.spec.workload import Workload
 
 GB = 10**9
@@ -168,13 +170,48 @@ def bench_max_batch() -> None:
         sys.stdout.flush()
 
 
+RANK_LAYOUTS = ((1, 1, "device"), (8, 1, "device"), (16, 2, "device"), (16, 2, "host"))
+RANK_INSTANCES = (("qwen3.6-27b", 72, 1024, PAPER_BUDGETS, {}),
+                  ("qwen3.6-27b", 72, 1024, PAPER_BUDGETS, {"intra_node_gbps": 5.0, "inter_node_gbps": 1.0}),
+                  ("qwen2.5-7b", 8, 2048, Budgets(gpu_mem_cap_bytes=30 * GB, cpu_act_bytes=40 * GB), {}))
+
+
+def bench_ranks(time_limit_s: float = 120.0) -> None:
+    """The MILP with the collective lane in its windows (one rank of a topology): solve time (HiGHS, median of
+    3), its step against the simulated one, and the plan, beside the one-rank MILP on the same rank's cost model
+    (no collective in its rows: what `lazytrain plan --world-size` solved before) and its plan simulated with ranks."""
+    print("## MILP with the collective lane: one rank of N, serial optimizer, HiGHS, median of 3 solves")
+    print("| model | links (intra / inter GB/s) | ranks / nodes / reduce | tiers G/C/N/R | solve s | status | "
+          "MILP step s | simulated s | one-rank MILP's tiers | its solve s | its simulated s with ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for preset, batch, seq, budgets, overrides in RANK_INSTANCES:
+        base = HardwareSpec.load("h800", **overrides)
+        for world, nodes, collective in RANK_LAYOUTS:
+            topology = Topology(world_size=world, nodes=nodes, collective=collective)
+            cost = CostModel(ModelSpec.load(preset), topology.rank_hardware(base), Workload(batch, seq))
+            _, admitted_budgets = admitted(cost, budgets)
+            runs = [solve_milp(cost, admitted_budgets, time_limit_s=time_limit_s, optimizer_mode="serial",
+                               topology=topology) for _ in range(3)]
+            plan, r = runs[-1], runs[-1].report
+            sim = simulate(plan, cost, optimizer_mode="serial", topology=topology)
+            alones = [solve_milp(cost, admitted_budgets, time_limit_s=time_limit_s, optimizer_mode="serial")
+                      for _ in range(3)]
+            alone = alones[-1]
+            alone_s = simulate(alone, cost, optimizer_mode="serial", topology=topology).step_s
+            print(f"| {preset} | {base.intra_node_gbps:g} / {base.inter_node_gbps:g} | {world} / {nodes} / "
+                  f"{collective} | {tier_counts(plan.tiers)} | {statistics.median(x.report.seconds for x in runs):.2f} "
+                  f"| {r.status} | {r.options['step_s']:.3f} | {sim.step_s:.3f} | {tier_counts(alone.tiers)} | "
+                  f"{statistics.median(x.report.seconds for x in alones):.2f} | {alone_s:.3f} |")
+            sys.stdout.flush()
+
+
 def main(argv: list[str]) -> None:
     which = argv or ["solve", "tight", "instances", "tflops", "maxbatch"]
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}; "
           f"command: python benchmarks/planner.py {' '.join(argv)}".rstrip())
     for name in which:
         {"solve": bench_solve, "tight": bench_solve_tight, "instances": bench_instances, "tflops": bench_tflops,
-         "maxbatch": bench_max_batch}[name]()
+         "maxbatch": bench_max_batch, "ranks": bench_ranks}[name]()
         print()
 
 

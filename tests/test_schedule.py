@@ -22,6 +22,7 @@ from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
 from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.topology import Topology
 from lazytrain.spec.workload import Workload
 
 SHAPES = Shapes(boundary_bytes=(100,) * 7, param_bytes=(1000,) * 6, head_param_bytes=1000, working_bytes=(50,) * 6,
@@ -112,6 +113,83 @@ def test_the_milp_step_is_the_simulated_step_and_its_plans_fit_their_cap(case: d
     assert milp_s == pytest.approx(sim.step_s, rel=1e-6)
     inst = instance_from_cost(cost, budgets, optimizer_mode=case["mode"])
     assert milp_step_s(plan.tiers, inst) == pytest.approx(milp_s, rel=1e-6)
+
+
+ranks = st.fixed_dictionaries({
+    "local_ranks": st.sampled_from([1, 2, 4, 8]),
+    "nodes": st.sampled_from([1, 2, 4]),
+    "collective": st.sampled_from(["device", "host"]),
+    "intra_gbps": st.sampled_from([0.1, 1.0, 10.0, 160.0, math.inf]),  # very slow .. free
+    "inter_gbps": st.sampled_from([0.1, 1.0, 10.0, 50.0, math.inf]),
+})
+
+
+def _check_ranks(case: dict, rank: dict) -> None:
+    """The MILP's step of its plan equals the simulated step with the collective lane, for one rank of a drawn
+    topology (the rank's hardware: its share of the node's NVMe), and its plan fits the cap."""
+    L, mode = case["L"], case["mode"]
+    topology = Topology(world_size=rank["local_ranks"] * rank["nodes"], nodes=rank["nodes"],
+                        collective=rank["collective"])
+    cost = _cost(L, case["rate_gbps"], case["links"])
+    cost = CostModel(cost.spec, topology.rank_hardware(cost.hardware.with_overrides(
+        intra_node_gbps=rank["intra_gbps"], inter_node_gbps=rank["inter_gbps"])), cost.workload)
+    A = max(cost.boundary_bytes)
+    cap = int(cost.static_device_bytes() + A * min(case["cap_boundaries"], L + 3))
+    budgets = Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=int(A * case["cpu_boundaries"]),
+                      nvme_act_bytes=int(A * L) if case["nvme"] else 0)
+    try:
+        plan = solve_milp(cost, budgets, time_limit_s=20, optimizer_mode=mode, topology=topology)
+    except LazyTrainError:
+        return
+    assert plan.report.status in ("optimal", "time_limit")
+    sim = simulate(plan, cost, optimizer_mode=mode, topology=topology)
+    assert sim.peak_bytes["gpu"] <= cap
+    milp_s = plan.report.options["step_s"]
+    assert milp_s == pytest.approx(sim.step_s, rel=1e-6)
+    inst = instance_from_cost(cost, budgets, optimizer_mode=mode, topology=topology)
+    assert milp_step_s(plan.tiers, inst) == pytest.approx(milp_s, rel=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=instances, rank=ranks)
+def test_the_milp_step_is_the_simulated_step_with_the_collective_lane(case: dict, rank: dict) -> None:
+    """Issue 10's property for data parallelism: world sizes 1-32 over 1-4 nodes, the gradients reduced on the
+    device (nccl) or on the host (gloo), intra- and inter-node links from 0.1 GB/s to free."""
+    _check_ranks(case, rank)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(case=instances, rank=ranks)
+def test_the_milp_step_is_the_simulated_step_with_the_collective_lane_many_draws(case: dict, rank: dict) -> None:
+    _check_ranks(case, rank)
+
+
+def test_one_rank_plans_as_it_always_did() -> None:
+    """World size 1 is the one-process MILP to the bit: the same instance, rows and solution."""
+    cost = _cost(8, 3.0, (1.0, 0.5, 1.0, 1.0))
+    budgets = Budgets(gpu_mem_cap_bytes=int(cost.static_device_bytes() + 6 * max(cost.boundary_bytes)),
+                      cpu_act_bytes=int(2 * max(cost.boundary_bytes)))
+    alone = solve_milp(cost, budgets)
+    one = solve_milp(cost, budgets, topology=Topology(world_size=1))
+    assert instance_from_cost(cost, budgets) == instance_from_cost(cost, budgets, topology=Topology(world_size=1))
+    assert (one.tiers, one.report.options["step_s"], one.report.objective) == \
+        (alone.tiers, alone.report.options["step_s"], alone.report.objective)
+
+
+def test_a_slow_collective_link_changes_the_plan_and_the_milp_sees_it() -> None:
+    """The collective lane in the objective: over a slow link the gradients' reduce dominates the backward
+    windows, and the MILP's step is the simulated one (not the one-rank step it used to report)."""
+    cost = _cost(8, 10.0, (1.0, 1.0, 1.0, 1.0))
+    cost = CostModel(cost.spec, cost.hardware.with_overrides(intra_node_gbps=1.0), cost.workload)
+    budgets = Budgets(gpu_mem_cap_bytes=int(cost.static_device_bytes() + 12 * max(cost.boundary_bytes)))
+    topology = Topology(world_size=4)
+    plan = solve_milp(cost, budgets, topology=topology)
+    ranks, alone = simulate(plan, cost, topology=topology), simulate(plan, cost)
+    assert ranks.exposed_s["collective"] > 0.1 * ranks.step_s
+    assert plan.report.options["step_s"] == pytest.approx(ranks.step_s, rel=1e-6)
+    assert plan.report.options["step_s"] > alone.step_s * 1.1
+    assert plan.report.options["world_size"] == 4
 
 
 def test_a_plan_file_records_both_step_figures(tmp_path) -> None:

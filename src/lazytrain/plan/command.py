@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
         topology = topology_of(job, hardware)
         cost = cost_model(job, spec, topology.rank_hardware(hardware), job.data.per_device_train_batch_size)
         admission, budgets = admitted(cost, rank_budgets(default_budgets(job.plan, cost), cost, topology))
-        plan = make_plan(job.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode)
-    own, milp_s = _print_plan(job, cost, admission, plan)
+        plan = make_plan(job.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode,
+                         topology=topology)
+    own, milp_s = _print_plan(job, cost, admission, plan, topology)
     if topology.parallel:
         _print_ranks(job, cost, plan, topology)
     if args.json:
@@ -146,23 +147,24 @@ def _ranges(boundaries: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _prediction_rows(job: JobConfig, cost: CostModel, plan: Plan) -> tuple[list[tuple[str, str, SimResult]],
-                                                                              SimResult]:
+def _prediction_rows(job: JobConfig, cost: CostModel, plan: Plan, topology: Topology
+                     ) -> tuple[list[tuple[str, str, SimResult]], SimResult]:
     mode, interval = job.optim.optimizer_mode, job.plan.interval
-    own = simulate(plan, cost, optimizer_mode=mode)
+    own = simulate(plan, cost, optimizer_mode=mode, topology=topology)
     name = plan.report.planner + (f" K={plan.report.options.get('interval')}" if plan.report.planner == "megatrain"
                                   else "")
     # serial vs overlapped-exact (both clip), the plan's and MegaTrain's rule's, like for like
-    rows = [(name, mode, own)] + [(name, other, simulate(plan, cost, optimizer_mode=other))
+    rows = [(name, mode, own)] + [(name, other, simulate(plan, cost, optimizer_mode=other, topology=topology))
                                   for other in ("overlap", "serial") if other != mode]
     rule = make_rule_plan("megatrain", cost.spec, interval=interval, workload=cost.workload)
     if plan.tiers != rule.tiers:
-        rows += [(f"megatrain K={interval}", other, simulate(rule, cost, optimizer_mode=other))
+        rows += [(f"megatrain K={interval}", other, simulate(rule, cost, optimizer_mode=other, topology=topology))
                  for other in ("overlap", "serial")]
     return rows, own
 
 
-def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan) -> tuple[SimResult, float | None]:
+def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan, topology: Topology
+                ) -> tuple[SimResult, float | None]:
     spec, hw, wl = cost.spec, cost.hardware, cost.workload
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}), optimizer {job.optim.optimizer}")
@@ -188,14 +190,16 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     else:
         print(f"rule: {r.planner}{' K=' + str(r.options['interval']) if 'interval' in r.options else ''}, "
               f"MILP objective of its tiers {r.objective:.3f} s")
-    rows, own = _prediction_rows(job, cost, plan)
-    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission, optimizer_mode=job.optim.optimizer_mode))
+    rows, own = _prediction_rows(job, cost, plan, topology)
+    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission, optimizer_mode=job.optim.optimizer_mode,
+                                                        topology=topology))
     if milp_s is None:
         print(f"step: simulated {own.step_s:.3f} s (the MILP does not place the last segment's start on nvme)")
     else:
         print(f"step: MILP {milp_s:.3f} s, simulated {own.step_s:.3f} s "
               f"({100 * (milp_s - own.step_s) / own.step_s:+.2f}%)")
-    print("prediction (simulator):")
+    print("prediction (simulator" + (f", one rank of {topology.world_size} with the collective lane):"
+                                     if topology.parallel else "):"))
     print(f"  {'plan':<16} {'optimizer':<9} {'step s':>8} {'TFLOPS':>7} {'tok/s':>8} {'peak gpu':>10}  exposed")
     for name, mode, res in rows:
         exposed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in res.exposed_s.items() if v > 5e-4) or "none"

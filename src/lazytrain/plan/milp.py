@@ -17,6 +17,9 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
     p[j]        weight (= gradient) bytes of layer j; p[L] the loss head's
     land[j]     optimizer-lane job of group j's gradients (accumulation into .grad; in overlap mode also the
                 group's optimizer step); land[L] the head's
+    d[j]        seconds from the start of the window that sends group j's gradients to the release of land[j]:
+                a_D p[j] on one rank; with ranks (data parallelism) the d2h chained with the group's reduce on
+                the collective lane, red[j] + a_D ceil(p[j] / g) on the device, a_D p[j] + red[j] on the host
     M_G         device bytes for activations = gpu memory cap - static device bytes (weight and gradient
                 slots, the largest working set, boundary-gradient buffers)
     M_C, M_N    host DRAM / NVMe bytes for offloaded activations
@@ -68,6 +71,7 @@ from lazytrain.plan.schedule import (
     update_order,
 )
 from lazytrain.plan.sim import op_seconds, update_seconds
+from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
@@ -118,9 +122,19 @@ class PlanningInstance:
     # (embedding, layers 0..L-1, head; sim.update_seconds), run in forward order (schedule.update_order)
     update_s: tuple[float, ...] = ()
     tied_head: bool = False  # the head's group owns the embedding: its update goes first
+    # data parallelism (spec/topology.py): every group's gradient is reduced over the ranks on the collective
+    # lane, reduce_s[j] seconds for groups j = 0..L-1 and the head (L); the embedding's gradient (made on the
+    # host, embedding_grad_bytes) in embedding_reduce_s after its optimizer-lane job. One rank: none of this.
+    topology: Topology = ONE_RANK
+    reduce_s: tuple[float, ...] = ()
+    embedding_grad_bytes: float = 0.0
+    embedding_reduce_s: float = 0.0
 
     def __post_init__(self) -> None:
         L = len(self.forward_s)
+        if self.topology.parallel and len(self.reduce_s) != L + 1:
+            raise LazyTrainError(f"planning instance: {self.topology.world_size} ranks need reduce_s for the {L} "
+                                 f"layers and the head ({L + 1} entries), got {len(self.reduce_s)}")
         for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if L < 1 or len(self.backward_s) != L or len(self.param_bytes) != L or len(self.boundary_bytes) != L + 1:
@@ -151,6 +165,8 @@ class PlanningInstance:
         if op.lane in LINK_RATES:
             rate = getattr(self, LINK_RATES[op.lane])
             return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
+        if op.lane == "collective":
+            return self.embedding_reduce_s if op.target < 0 else self.reduce_s[op.target]
         return {"land": lambda: self.land_seconds()[op.target], "embedding": lambda: self.embedding_s,
                 "step": lambda: self.optimizer_step_s, "update": lambda: self.update_s[op.target + 1]}[op.kind]()
 
@@ -160,8 +176,15 @@ class PlanningInstance:
         shapes = Shapes(boundary_bytes=tuple(round(a) for a in self.boundary_bytes),
                         param_bytes=tuple(round(p) for p in self.param_bytes),
                         head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0,
-                        tied_head=self.tied_head)
-        return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode, updates=bool(self.update_s))
+                        tied_head=self.tied_head, embedding_grad_bytes=round(self.embedding_grad_bytes))
+        return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode, updates=bool(self.update_s),
+                             topology=self.topology)
+
+    def grad_d2h_bytes(self) -> tuple[int, ...]:
+        """Bytes of group j's gradients (j = 0..L, L the head) that the d2h moves: all of them, or this rank's
+        shard when the ranks reduce on the device (the program's bytes: rounded, then split)."""
+        return tuple(self.topology.d2h_grad_bytes(round(b)) if self.topology.parallel else round(b)
+                     for b in (*self.param_bytes, self.head_param_bytes))
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
@@ -177,14 +200,15 @@ class PlanningInstance:
 
 
 def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optimizer_mode: str = "overlap",
-                       **options: Any) -> PlanningInstance:
+                       topology: Topology = ONE_RANK, **options: Any) -> PlanningInstance:
     """A PlanningInstance from a CostModel (spec/cost.py) and Budgets (plan/budgets.py).
 
     M_G = (budgets.gpu_mem_cap_bytes or the device's memory) - cost.static_device_bytes(); M_C = cpu activation
     budget (None = unlimited); M_N = nvme activation budget (None = unlimited, 0 = no nvme tier).
     U_F = the gradient slots and boundary-gradient buffers, which the schedule allocates only at the loss head.
-    The optimizer-lane seconds are the simulator's for `optimizer_mode`. `options` override PlanningInstance
-    fields (e.g. lambda_z).
+    The optimizer-lane seconds are the simulator's for `optimizer_mode`; the collective lane's (`topology` of
+    more than one rank) the simulator's for the program's bytes. `options` override PlanningInstance fields
+    (e.g. lambda_z).
     """
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
@@ -218,6 +242,12 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         update_s=update_seconds(cost) if optimizer_mode == "overlap" else (),
         tied_head=bool(cost.spec.tie_word_embeddings),
     )
+    if topology.parallel:  # the program's bytes (Shapes.from_cost), timed as the simulator times them
+        shapes = Shapes.from_cost(cost)
+        groups = (*shapes.param_bytes, shapes.head_param_bytes)
+        fields.update(topology=topology, reduce_s=tuple(topology.reduce_s(b, cost.hardware) for b in groups),
+                      embedding_grad_bytes=float(shapes.embedding_grad_bytes),
+                      embedding_reduce_s=topology.reduce_s(shapes.embedding_grad_bytes, cost.hardware))
     breakdown = cost.device_breakdown() if hasattr(cost, "device_breakdown") else {}
     fields["fwd_unallocated_bytes"] = float(breakdown.get("grad_slots", 0) + breakdown.get("boundary_grads", 0))
     fields.update(options)
@@ -279,7 +309,8 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
     solvers' tolerances meaningful (with raw bytes SCIP stalls on 1e9-sized rows and 1e-10 costs)."""
     byte_fields = ("gpu_act_bytes", "head_param_bytes", "cpu_act_bytes", "nvme_act_bytes", "h2d_bytes_per_s",
                    "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "fwd_unallocated_bytes",
-                   "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes")
+                   "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
+                   "embedding_grad_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
     changes["boundary_bytes"] = tuple(a / unit for a in inst.boundary_bytes)
     changes["param_bytes"] = tuple(p / unit for p in inst.param_bytes)
@@ -289,6 +320,10 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
 class _Formulation:
     def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None) -> None:
         self.unit = max(max(inst.boundary_bytes), 1.0)  # bytes per model unit
+        parallel = inst.topology.parallel
+        self.grad_d2h = tuple(b / self.unit for b in inst.grad_d2h_bytes()) if parallel else ()
+        # the embedding's reduce runs only when the program has one (its bytes, before scaling)
+        self.embedding_reduce_s = inst.embedding_reduce_s if parallel and round(inst.embedding_grad_bytes) else 0.0
         inst = _scaled(inst, self.unit)
         self.inst, self.K, self.L = inst, max_segment, inst.num_layers
         self.m = _Model()
@@ -417,21 +452,24 @@ class _Formulation:
           F_j   T >= rho[j], a_H p[j+1] (the next weights; the head's after F_{L-1}), a_D A[j] (c[j] + n[j]),
                 a_W A[j-1] n[j-1]
           H     T >= rho[L], a_H (sum_s x[s,L] p[s] + sum_s A[s] v[s,L]), a_W A[L-1] n[L-1], a_R sum_s A[s] vn[s,L-1]
-          R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  a_D sum_{e >= j+2} x[j,e] p[e]   (j+1 recomputed)
+          R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  sum_{e >= j+2} x[j,e] d[e]   (j+1 recomputed)
           B_j   T >= beta[j], a_H (p[j-1] (1 - z[j]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j]),
-                a_D p[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
+                d[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
         with p[L] the loss head's, v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in H when e = L),
         vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H). The last
         segment's start cannot be on nvme (its read would chain with its h2d in H): n[s] + x[s,L] <= 1.
 
         The step: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
         Q[L] = start + sum_j T[F_j] + T[H], Q[k] = Q[k+1] + T[B_k] + T[R_k]. The optimizer lane is a FIFO queue:
-        group k's job (land[k]) is released when its gradients' d2h ends, a_D p[k] after the end of B_k (of H for
-        the head), and the groups arrive in the order L, L-1, .., 0, then the embedding backward (released after
-        the end window's d2h of B_0's gradients and boundary 0's). So the step S is at least each release plus
-        the work queued from there on:
-          S >= Q[0] + a_D (p[0] + A[0]) + emb
-          S >= Q[k] + sum_{j=s..k-1} T[R_j] + a_D p[k] + sum_{k' <= k} land[k'] + emb - M (1 - sum_{e>k} x[s,e])
+        group k's job (land[k]) is released when its gradients' d2h (and reduce) ends, d[k] after the end of B_k
+        (of H for the head), and the groups arrive in the order L, L-1, .., 0, then the embedding backward
+        (released d0 after the end window starts, when boundary 0's gradient d2h, queued behind B_0's gradients,
+        ends), then with ranks the embedding gradient's reduce (red_emb; the collective lane is free by then).
+        So the step S is at least each release plus the work queued from there on (emb = the embedding
+        backward + red_emb):
+          S >= Q[0] + d0 + emb,   d0 = a_D (p[0] + A[0]); with ranks (red[0] on the device) + a_D (d2h bytes
+                                  of group 0 + A[0])
+          S >= Q[k] + sum_{j=s..k-1} T[R_j] + d[k] + sum_{k' <= k} land[k'] + emb - M (1 - sum_{e>k} x[s,e])
         for every s <= k that may start B_k's segment (s = k needs no M: the sum is empty). In serial mode the
         whole optimizer step follows: the objective's offset."""
         inst, m, L, x, A = self.inst, self.m, self.L, self.x, self.inst.boundary_bytes
@@ -439,6 +477,7 @@ class _Formulation:
         aW, aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
         p = [*inst.param_bytes, inst.head_param_bytes]  # p[L]: the loss head
         land = inst.land_seconds()
+        send, grad0 = self._send_seconds(aD, p)
         use_nvme = inst.nvme_act_bytes > 0
         for (s0, s1), xv in x.items():  # v[s,L]: the last segment's start, reloaded in the head window
             if s0 > 0 and s1 == L:
@@ -482,11 +521,11 @@ class _Formulation:
         H = window("T[H]", inst.head_s, loads)
         for j in range(L - 1):  # R_j runs only when boundary j+1 is recomputed
             busy = max(inst.forward_s[j], aH * p[j + 1])
-            grads = {xv: aD * p[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
+            grads = {xv: send[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
             R.append(window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy}), (0.0, grads)],
                             ub=max([busy, *grads.values()])))
         for j in range(L):
-            g = aD * p[j + 1]
+            g = send[j + 1]
             loads = [(g, {self.z[j + 1]: -g, x[j, j + 1]: g})]
             if j > 0:
                 h2d = {self.z[j]: -aH * p[j - 1]}
@@ -524,11 +563,11 @@ class _Formulation:
         for k in range(L):
             m.row(f"Q[{k}]", {Q[k]: 1.0, Q[k + 1]: -1.0, B[k]: -1.0, **({R[k]: -1.0} if k < L - 1 else {})}, 0, 0)
         S = self.S = m.var("S", cost=1.0)
-        emb = inst.embedding_s
-        m.row("S_end", {S: 1.0, Q[0]: -1.0}, lo=aD * (p[0] + A[0]) + emb)
+        emb = inst.embedding_s + self.embedding_reduce_s  # the embedding backward, then (ranks) its reduce
+        m.row("S_end", {S: 1.0, Q[0]: -1.0}, lo=grad0 + emb)
         queued = [sum(land[:k + 1]) + emb for k in range(L + 1)]  # work queued from group k on (k = L: all)
         for k in range(L + 1):
-            m.row(f"S_land[{k}]", {S: 1.0, Q[k]: -1.0}, lo=aD * p[k] + queued[k])
+            m.row(f"S_land[{k}]", {S: 1.0, Q[k]: -1.0}, lo=send[k] + queued[k])
             if k == L:
                 continue
             for s in range(max(0, k - self.K + 1), k):  # B_k's segment starts at s: its R_s..R_{k-1} run before
@@ -539,8 +578,23 @@ class _Formulation:
                 coefs = {S: 1.0, Q[k]: -1.0, **{R[j]: -1.0 for j in range(s, k)}}
                 for xv in starts:
                     coefs[xv] = -M
-                m.row(f"S_land[{k},{s}]", coefs, lo=aD * p[k] + queued[k] - M)
+                m.row(f"S_land[{k},{s}]", coefs, lo=send[k] + queued[k] - M)
         m.offset = inst.optimizer_step_s if inst.optimizer_mode == "serial" else 0.0
+
+    def _send_seconds(self, aD: float, p: list[float]) -> tuple[list[float], float]:
+        """Seconds from the start of the window that sends group k's gradients (k = 0..L) to the release of its
+        optimizer-lane job, and from the end window's start to the release of the embedding backward (boundary
+        0's gradient d2h queues behind B_0's gradients in the FIFO d2h lane). One rank: the d2h. Several: the
+        d2h chained with the group's reduce on the collective lane, both fenced in the window -- on the device
+        the reduce first and the d2h of this rank's shard after it; on the host the whole d2h first."""
+        inst, A = self.inst, self.inst.boundary_bytes
+        if not inst.topology.parallel:
+            return [aD * p[k] for k in range(self.L + 1)], aD * (p[0] + A[0])
+        d2h = [aD * b for b in self.grad_d2h]
+        send = [d + r for d, r in zip(d2h, inst.reduce_s, strict=True)]
+        before = inst.reduce_s[0] if inst.topology.collective == "device" else 0.0
+        return send, before + d2h[0] + aD * A[0]
+
 
 # ---- solvers ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
@@ -701,7 +755,9 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         options={"max_segment": max_segment, "time_limit_s": time_limit_s, "mip_rel_gap": mip_rel_gap,
                  "num_binaries": sum(m.integer), "fixed_tiers": fixed_tiers is not None,
                  "build_s": round(sum(form.build_s.values()), 4), "step_s": step_s,
-                 "optimizer_mode": inst.optimizer_mode},
+                 "optimizer_mode": inst.optimizer_mode,
+                 **({"world_size": inst.topology.world_size, "nodes": inst.topology.nodes,
+                     "collective": inst.topology.collective} if inst.topology.parallel else {})},
     )
     return MilpSolution(tiers=tiers, transfers=plan_transfers(tiers, inst), report=report, step_s=step_s)
 
@@ -754,10 +810,11 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
 def solve_milp(cost: CostModel, budgets: Budgets | None = None, *, max_segment: int = DEFAULT_MAX_SEGMENT,
                time_limit_s: float = 60.0, mip_rel_gap: float = 0.0, solver: str = "highs",
                fixed_tiers: Sequence[str] | None = None, start_tiers: Sequence[str] | None = None,
-               deadline_s: float | None = None, optimizer_mode: str = "overlap") -> Plan:
+               deadline_s: float | None = None, optimizer_mode: str = "overlap",
+               topology: Topology = ONE_RANK) -> Plan:
     """Solve the MILP for a CostModel under Budgets and return the Plan (Contract 1); its report's
-    `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode`."""
-    inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode)
+    `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode` on one rank of `topology`."""
+    inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode, topology=topology)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
                               solver=solver, fixed_tiers=fixed_tiers, start_tiers=start_tiers, deadline_s=deadline_s)
     return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)

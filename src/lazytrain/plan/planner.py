@@ -34,6 +34,7 @@ from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec, resolve_dtype
 from lazytrain.spec.model import ModelSpec, preset_names
+from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.spec.workload import Workload
 
 if TYPE_CHECKING:
@@ -146,17 +147,19 @@ def admitted(cost: CostModel, budgets: Budgets) -> tuple[Admission, Budgets]:
 
 # ---- planning ---------------------------------------------------------------------------------------------
 def make_plan(options: PlanConfig, cost: CostModel, budgets: Budgets, *, feasibility_only: bool = False,
-              strict_rules: bool = True, deadline: Deadline | None = None, optimizer_mode: str = "overlap") -> Plan:
+              strict_rules: bool = True, deadline: Deadline | None = None, optimizer_mode: str = "overlap",
+              topology: Topology = ONE_RANK) -> Plan:
     """The MILP's plan (planner auto|milp), or a rule's, under `budgets`.
 
     A rule's tiers are checked against the same constraints; `strict_rules` refuses one that does not fit
     (train passes False when the cap is its own default and gives the device the rule's peak instead).
     `feasibility_only`: any incumbent will do (the largest-batch search). The MILP's step is for the job's
-    `optimizer_mode`.
+    `optimizer_mode`, on one rank of `topology` (its collective lane in the step).
     """
     if options.planner in RULES:
         plan = make_rule_plan(options.planner, cost.spec, interval=options.interval, workload=cost.workload)
-        evaluation = evaluate_tiers(plan.tiers, instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode))
+        evaluation = evaluate_tiers(plan.tiers, instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode,
+                                                                   topology=topology))
         if strict_rules and not evaluation.feasible:
             raise LazyTrainError(f"the {options.planner} rule does not fit: {evaluation.violations[0]}; lower "
                                  "per_device_train_batch_size or raise the budget")
@@ -166,7 +169,8 @@ def make_plan(options: PlanConfig, cost: CostModel, budgets: Budgets, *, feasibi
     time_limit_s = options.time_limit_s if deadline is None else deadline.left_s()
     return solve_milp(cost, budgets, max_segment=options.max_segment, time_limit_s=time_limit_s,
                       mip_rel_gap=0.999 if feasibility_only else options.mip_rel_gap, solver=options.solver,
-                      deadline_s=None if deadline is None else deadline.end_s, optimizer_mode=optimizer_mode)
+                      deadline_s=None if deadline is None else deadline.end_s, optimizer_mode=optimizer_mode,
+                      topology=topology)
 
 
 def describe(plan: Plan) -> str:
