@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import platform
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +15,7 @@ import torch
 
 from lazytrain import EmulatedDevice
 from lazytrain.errors import LazyTrainError
-from lazytrain.runtime.device import DeviceOutOfMemoryError, check_nvme_dir
+from lazytrain.runtime.device import DeviceOutOfMemoryError, check_nvme_dir, keep_host_memory
 
 
 def test_arena_counts_and_refuses_over_capacity() -> None:
@@ -97,3 +101,41 @@ def test_bad_rates_and_nvme_dirs(tmp_path) -> None:
 def test_default_nvme_dir_is_a_temporary_directory() -> None:
     dev = EmulatedDevice()
     assert dev.nvme_dir.is_dir()
+
+
+# A step's pattern: many blocks allocated, touched, all freed; the second round shows what the heap kept.
+_ROUND = """
+import ctypes, resource, sys
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "keep":
+    from lazytrain.runtime.device import keep_host_memory
+    assert keep_host_memory()
+def round_faults():
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    blocks = [libc.malloc(4 << 20) for _ in range(24)]  # 96 MiB in 4 MiB blocks
+    for b in blocks:
+        ctypes.memset(b, 1, 4 << 20)
+    for b in reversed(blocks):
+        libc.free(b)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+round_faults()
+print(round_faults())
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_emulated_device_memory_is_kept_between_steps() -> None:
+    """glibc hands freed memory back (the heap top trimmed, large blocks unmapped), so every step page-faulted its
+    tensors afresh; with the device's allocator settings a second round of the same allocations faults nothing."""
+    def faults(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        out = subprocess.run([sys.executable, "-c", _ROUND, mode], capture_output=True, text=True, check=True, env=env)
+        return int(out.stdout.split()[-1])
+
+    pages = 24 * (4 << 20) // resource.getpagesize()
+    assert faults("default") > pages // 2  # glibc's defaults: the memory went back to the kernel
+    assert faults("keep") < pages // 50
+    EmulatedDevice()
+    assert keep_host_memory()

@@ -13,11 +13,17 @@ Both export the same small interface (`Device`), so the executor has one code pa
   stream and wait for it, so a set `Event` always means the bytes are there.
 - `wait(event)` blocks the compute thread until the event is set and returns the seconds it
   waited: the measured stall of that stream.
+
+The emulated device's memory is this process's heap: `keep_host_memory` (run when one is made) tells glibc's
+malloc to keep freed memory mapped, as a GPU's caching allocator keeps its blocks, instead of handing it back to
+the kernel and page-faulting it afresh (zeroed) in the next step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import queue
 import shutil
 import tempfile
@@ -35,6 +41,8 @@ from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file, sp
 from lazytrain.units import format_bytes
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+MMAP_THRESHOLD_MAX_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
 
 
 class DeviceOutOfMemoryError(torch.OutOfMemoryError):
@@ -292,6 +300,7 @@ class EmulatedDevice(_ArenaDevice):
         super().__init__(torch.device("cpu"), capacity_bytes,
                          {"h2d": h2d_gbps, "d2h": d2h_gbps, "nvme_read": nvme_read_gbps,
                           "nvme_write": nvme_write_gbps}, nvme_dir)
+        keep_host_memory()
 
     def slow_link(self, link: str, factor: float) -> None:
         """Test hook: from now on `link` moves bytes `factor` times slower (a throttled link only)."""
@@ -377,6 +386,35 @@ class CudaDevice(_ArenaDevice):
     def max_allocated_bytes(self) -> int:
         """What the CUDA caching allocator saw (includes autograd intermediates not in the arena)."""
         return torch.cuda.max_memory_allocated(self.torch_device)
+
+
+_kept_host_memory = False
+
+
+def keep_host_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (once per process); returns whether it does.
+
+    By default glibc returns memory to the kernel: blocks over a dynamic threshold are mmapped and unmapped on
+    free, and the heap top is trimmed past another. A training step frees and re-allocates the same tensors
+    (boundaries, layer intermediates, gradients) every step, so each step page-faulted them in again (~10-25 k
+    minor faults per step of the default job; docs/benchmarks.md). Fixed thresholds stop
+    both: heap blocks up to 32 MiB are reused, and the heap is never trimmed (the process keeps its high-water
+    mark, as a GPU's caching allocator does). Other C libraries (no `mallopt`), and a process started with glibc's
+    own malloc settings (MALLOC_*_ or GLIBC_TUNABLES, e.g. benchmarks/host.py's), are left as they are."""
+    global _kept_host_memory
+    if _kept_host_memory:
+        return True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") or any(
+            k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    # -1: never trim (mallopt(3)); a fixed mmap threshold also turns off its dynamic adjustment
+    _kept_host_memory = bool(mallopt(M_TRIM_THRESHOLD, -1) and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX_BYTES))
+    return _kept_host_memory
 
 
 def check_nvme_dir(path: Path) -> None:
