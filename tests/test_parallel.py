@@ -24,11 +24,13 @@ from lazytrain.errors import LazyTrainError  # noqa: E402
 from lazytrain.train import train  # noqa: E402
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
-# Either mode: one host copy per node, the optimizer sharded over the ranks. In the default suite one run per model
-# (the overlapped optimizer's fence with the tied head of Qwen2); the other two run with -m slow.
-RUNS = [("tiny-llama", "serial"), ("tiny-qwen2", "overlap"),
-        pytest.param("tiny-llama", "overlap", marks=pytest.mark.slow),
-        pytest.param("tiny-qwen2", "serial", marks=pytest.mark.slow)]
+# (model, optimizer mode, nodes). Either mode: one host copy per node, the optimizer sharded over its ranks, each
+# group's gradient summed into its owners. In the default suite one run per model (the overlapped optimizer's
+# fence with the tied head of Qwen2) and two nodes of one rank (each owns every group; the owners all-reduce
+# across nodes); the other two run with -m slow.
+RUNS = [("tiny-llama", "serial", 1), ("tiny-qwen2", "overlap", 1), ("tiny-llama", "overlap", 2),
+        pytest.param("tiny-llama", "overlap", 1, marks=pytest.mark.slow),
+        pytest.param("tiny-qwen2", "serial", 1, marks=pytest.mark.slow)]
 # fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps, 3 held-out
 # batches (split unevenly over the ranks). The ranks sum rows in another order than one process (float noise
 # ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from blowing the noise of a near-zero gradient up to a full
@@ -63,33 +65,37 @@ def _torchrun(config: Path, out: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, str]]:
+def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple[Path, str]]:
     """The 2-rank runs the selected tests compare, launched together (each is mostly interpreter start-up):
-    (output dir, output)."""
+    (output dir, output). One node: torchrun; two: the ranks as torchrun would start them on two nodes."""
     root = tmp_path_factory.mktemp("dp")
     shm_before = set(glob.glob("/dev/shm/lazytrain-*"))
-    selected = {(item.callspec.params["model"], item.callspec.params["mode"]) for item in request.session.items
+    selected = {tuple(item.callspec.params[k] for k in ("model", "mode", "nodes")) for item in request.session.items
                 if item.originalname == "test_two_ranks_equal_one_process_with_the_global_batch"}
     runs = {}
-    for model, mode in sorted(selected):
-        out = root / f"{model}-{mode}"
-        runs[model, mode] = (_torchrun(_yaml(root / f"{model}-{mode}.yaml", dict(JOB, model=model,
-                                                                                  optimizer_mode=mode)), out), out)
+    for model, mode, nodes in sorted(selected):
+        out = root / f"{model}-{mode}-{nodes}"
+        config = _yaml(root / f"{model}-{mode}-{nodes}.yaml", dict(JOB, model=model, optimizer_mode=mode))
+        runs[model, mode, nodes] = ([_torchrun(config, out)] if nodes == 1 else _spawn_ranks(config, out, nodes=2), out)
     outputs = {}
-    for key, (proc, _) in runs.items():
-        outputs[key], _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{key}: torchrun exited {proc.returncode}\n{outputs[key][-3000:]}"
+    for key, (procs, _) in runs.items():
+        outputs[key] = ""
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            outputs[key] += stdout + (stderr or "")
+            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\n{outputs[key][-3000:]}"
     assert set(glob.glob("/dev/shm/lazytrain-*")) <= shm_before  # the shared weights' file is gone
     return {key: (out, outputs[key]) for key, (_, out) in runs.items()}
 
 
-@pytest.mark.parametrize(("model", "mode"), RUNS)
-def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model, mode):
+@pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
+def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model, mode, nodes):
     one = train(load_job_config(dict(JOB, model=model, per_device_train_batch_size=JOB["per_device_train_batch_size"]
                                      * WORLD, optimizer_mode=mode, output_dir=str(tmp_path / "one"))))
-    two, output = two_rank_runs[model, mode]
-    # one host copy of the weights, the optimizer sharded: each rank steps its own layer groups
-    assert "shared by the 2 ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
+    two, output = two_rank_runs[model, mode, nodes]
+    # one host copy of the weights per node, the optimizer sharded: each rank steps its own layer groups
+    g = WORLD // nodes
+    assert f"shared by the {g} ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
     rows_one, rows_two = _rows(one.output_dir / "metrics.jsonl"), _rows(two / "metrics.jsonl")
     assert [r["step"] for r in rows_two] == list(range(JOB["max_steps"]))
     for a, b in zip(rows_one, rows_two, strict=True):
@@ -177,14 +183,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_ranks(config: Path, out: Path, *extra: str) -> list[subprocess.Popen]:
-    """The ranks as torchrun would start them (its environment), without the agent in between: what a rank
-    does about a lost peer is its own doing."""
+def _spawn_ranks(config: Path, out: Path, *extra: str, nodes: int = 1) -> list[subprocess.Popen]:
+    """The ranks as torchrun would start them (its environment) on `nodes` nodes, without the agent in between:
+    what a rank does about a lost peer is its own doing."""
     port = _free_port()
     procs = []
+    g = WORLD // nodes
     for rank in range(WORLD):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD)}
+               "RANK": str(rank), "LOCAL_RANK": str(rank % g), "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(g)}
         procs.append(subprocess.Popen([sys.executable, "-m", "lazytrain", "train", str(config), f"output_dir={out}",
                                        *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     return procs

@@ -1,5 +1,6 @@
-"""Data-parallel training on torch.distributed: one streaming executor per rank, gradients summed per layer
-group as each group lands on the host, one checkpoint writer (docs/parallel.md)."""
+"""Data-parallel training on torch.distributed: one streaming executor per rank, one host copy of the weights per
+node with the optimizer sharded over its ranks, each layer group's gradient summed into its owners as it lands
+on the host, one checkpoint writer (docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lazytrain.distributed.batches import RankBatches, check_world_size
+from lazytrain.distributed.grads import OwnerGrads
 from lazytrain.distributed.ranks import RankLost, Ranks, init_ranks, launched_local_world_size, launched_world_size
 from lazytrain.distributed.shared import OptimizerShard, share_host_weights
 from lazytrain.runtime.executor import Executor
 
-__all__ = ["OptimizerShard", "RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size",
+__all__ = ["OptimizerShard", "OwnerGrads", "RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size",
            "init_ranks", "launched_local_world_size", "launched_world_size", "save_once"]
 
 
 def attach_executor(ranks: Ranks, executor: Executor) -> OptimizerShard:
-    """Sum each layer group's gradient over the ranks on the optimizer lane as the group lands on the final
-    micro-batch of a step: before the executor takes its norm (so the norm is the global one, and clipping
-    agrees with one process); the backward of the next layers runs meanwhile. One host copy of the weights per
-    node and the optimizer sharded over its ranks (distributed/shared.py): returns this rank's shard."""
-    names = executor.group_names()
-    executor.grad_hook = lambda index, grads: ranks.reduce_grads(names[index], grads)
-    return OptimizerShard.of(ranks, executor, share_host_weights(ranks, executor))
+    """One host copy of the weights per node and the optimizer sharded over its ranks (distributed/shared.py);
+    each group's gradient summed over the ranks into the group's owners on the optimizer lane as it lands, micro-
+    batch by micro-batch, while the backward of the next layers runs (distributed/grads.py). Returns this rank's
+    shard."""
+    shard = OptimizerShard.of(ranks, executor, share_host_weights(ranks, executor))
+    largest = max(executor.slot_numel, executor.head_group.numel)
+    executor.keep_gradients(OwnerGrads(ranks, shard.owned_indices, executor.group_names(), largest),
+                            shard.owned_indices)
+    return shard
 
 
 def save_once(ranks: Ranks, step: int, write: Callable[[], Path]) -> Path:

@@ -42,6 +42,8 @@ class Ranks:
     local_world_size: int
     backend: str
     timeout_s: float
+    node_group: dist.ProcessGroup | None = None  # this node's ranks (None: one node, the whole world)
+    across_group: dist.ProcessGroup | None = None  # the same local rank on every node (None: one node)
 
     @property
     def is_main(self) -> bool:
@@ -60,19 +62,47 @@ class Ranks:
         self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
         return t.tolist()
 
-    def reduce_grads(self, name: str, grads: list[torch.Tensor]) -> None:
-        """Sum one layer group's gradient buffers (`Executor.gradients`) over the ranks in place (one flat
-        buffer, one all-reduce).
+    def sum_to_owners(self, what: str, t: torch.Tensor, owner_local: int) -> bool:
+        """Sum `t` over every rank into the owners, local rank `owner_local` of each node: a reduce in the node,
+        then an all-reduce among the nodes' owners. Returns whether this rank is an owner: only there is `t` the
+        sum (elsewhere the reduce may have used it as scratch)."""
+        flat = t.to(self.comm_device)
+        owner = self.rank - self.local_rank + owner_local
+        if self.local_world_size > 1:
+            self._collective(f"reduce of {what}", lambda: dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM,
+                                                                     group=self.node_group))
+        if self.local_rank != owner_local:
+            return False
+        if self.across_group is not None:
+            self._collective(f"all_reduce of {what} across nodes",
+                             lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.across_group))
+        if flat is not t:
+            t.copy_(flat)  # (back to the host with nccl)
+        return True
 
-        Each rank's gradient is d(its token losses / the global token count): the sum is the global batch's."""
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.comm_device)
-        self._collective(f"all_reduce of {name}'s gradients", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))  # (back to the host with nccl)
-            offset += g.numel()
+    def gather_to_owners(self, what: str, tensors: list[torch.Tensor], owner_local: int
+                         ) -> list[list[torch.Tensor]] | None:
+        """Every rank's `tensors` (shaped alike on every rank), as one list per rank in rank order, on the owners
+        (local rank `owner_local` of each node); None on the other ranks."""
+        owner = self.rank - self.local_rank + owner_local
+        mine = self.local_rank == owner_local
+        nodes = self.world_size // self.local_world_size
+        per_tensor = []
+        for t in tensors:
+            t = t.to(self.comm_device)
+            parts = [t]
+            if self.local_world_size > 1:
+                parts = [torch.empty_like(t) for _ in range(self.local_world_size)] if mine else []
+                self._collective(f"gather of {what}", lambda t=t, parts=parts: dist.gather(
+                    t, parts if mine else None, dst=owner, group=self.node_group))
+            if mine and self.across_group is not None:
+                node = torch.stack(parts)
+                every = [torch.empty_like(node) for _ in range(nodes)]
+                self._collective(f"all_gather of {what} across nodes",
+                                 lambda every=every, node=node: dist.all_gather(every, node, group=self.across_group))
+                parts = [p for n in every for p in n.unbind(0)]
+            per_tensor.append([p.cpu() for p in parts])
+        return [list(one_rank) for one_rank in zip(*per_tensor, strict=True)] if mine else None
 
     def barrier(self, what: str) -> None:
         self._collective(what, lambda: dist.barrier())
@@ -152,10 +182,17 @@ def init_ranks(*, backend: str, timeout_s: float, cuda: bool) -> Ranks | None:
     local_world = launched_local_world_size()
     if cuda:
         torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world)
+        dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world)
     except (RuntimeError, ValueError) as err:
         raise LazyTrainError(f"rank {rank} could not join the {world} ranks of the run within {timeout_s:g} s "
                              f"({str(err).strip().splitlines()[0][:160]}); check the torchrun flags") from None
+    node_group = across_group = None
+    if world > local_world:  # several nodes: every rank makes every group (new_group is a collective)
+        nodes = [dist.new_group(list(range(n, n + local_world)), timeout=timeout)
+                 for n in range(0, world, local_world)]
+        across = [dist.new_group(list(range(r, world, local_world)), timeout=timeout) for r in range(local_world)]
+        node_group, across_group = nodes[rank // local_world], across[local_rank]
     return Ranks(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                 backend=backend, timeout_s=timeout_s)
+                 backend=backend, timeout_s=timeout_s, node_group=node_group, across_group=across_group)

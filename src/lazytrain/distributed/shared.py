@@ -8,10 +8,11 @@ frees its private copies; after a second barrier the file is unlinked, so nothin
 mappings stay valid until the processes end).
 
 Optimizer. Executor group i (the untied embedding, layer 0..L-1, the head) belongs to local rank
-i % local ranks. Every rank still sums every group's gradient as it lands (all-reduce), so the global norm and
-the non-finite check are the single process's; a rank updates (and torch's AdamW creates states for) its own
-groups only, in the shared weights. Ranks of the same local rank on different nodes own the same groups and
-step them alike on their nodes' copies. The fence that keeps a rank from streaming a group before its owner
+i % local ranks. Its gradient is summed into its owners as it lands (distributed/grads.py), and the global norm
+is the sum of the owners' squared norms (`norm_share`), so clipping and the non-finite check are the single
+process's; a rank updates (and torch's AdamW creates states for) its own groups only, in the shared weights.
+Ranks of the same local rank on different nodes own the same groups and step them alike on their nodes' copies.
+The fence that keeps a rank from streaming a group before its owner
 updated it:
   serial  a barrier after the step: no rank starts the next forward before every group's update is in.
   overlap (`GroupFence`) the owner of group i runs its update on its optimizer lane at the start of the next
@@ -174,6 +175,11 @@ class OptimizerShard:
                    owned_groups=[names[i] for i in mine], shared_bytes=shared_bytes,
                    group_fence=None if words is None else GroupFence(ranks, words, names))
 
+    def norm_share(self, sq_norm: float) -> float:
+        """This rank's part of the step's squared gradient norm, summed over the ranks: its groups' on node 0 (the
+        owners on other nodes hold the same sums)."""
+        return sq_norm if self.ranks.rank < self.ranks.local_world_size else 0.0
+
     def deferred(self, update: GroupUpdate) -> GroupUpdate:
         """`update` (one step's, `Executor.defer_update`) as this rank runs it on its optimizer lane: its own
         groups' updates, each published when in the shared weights; for every other group, the wait for its
@@ -194,7 +200,8 @@ class OptimizerShard:
     def describe(self) -> str:
         return (f"host weights {self.shared_bytes / 2**20:,.1f} MiB shared by the {self.ranks.local_world_size} ranks "
                 f"of this node; rank {self.ranks.rank} steps {len(self.owned_groups)} layer groups "
-                f"({', '.join(self.owned_groups[:3])}{', ...' if len(self.owned_groups) > 3 else ''})")
+                f"({', '.join(self.owned_groups[:3])}{', ...' if len(self.owned_groups) > 3 else ''}) and keeps "
+                "their gradients alone")
 
     def drop_foreign_states(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """After building or loading: the states of parameters another local rank steps (8-bit optimizers

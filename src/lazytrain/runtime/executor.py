@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -51,9 +51,22 @@ OFFLOADED = ("cpu", "nvme")
 HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.spec.cost uses the same default)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# hook(group_index, gradients): the group's gradient buffers (`Executor.gradients`), to change in place, on the
-# optimizer lane once the group's gradient is complete.
-GradHook = Callable[[int, list[torch.Tensor]], None]
+
+
+class GradReducer(Protocol):
+    """Data parallelism (distributed/grads.py): each group's gradient summed over the ranks into its owners, micro-
+    batch by micro-batch as it lands, on the optimizer lane in program order (collectives: every rank calls)."""
+
+    def node_sum(self, index: int, landing: torch.Tensor) -> torch.Tensor | None:
+        """The sum over the ranks of group `index`'s landed micro-batch gradient on its owners, None elsewhere."""
+        ...
+
+    def rows(self, index: int, grad0: torch.Tensor, ids: torch.Tensor
+             ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every rank's boundary-0 gradient rows and token ids, in rank order, on the owners of `index`."""
+        ...
+
+
 # update(group_index): one group's optimizer update (clip, step, drop its gradients), on the optimizer lane.
 GroupUpdate = Callable[[int], None]
 
@@ -80,6 +93,7 @@ class StepStats:
     # link as each group's gradients land (off the critical path; hand it to the optimizer's clipping).
     # None on micro-batches run with last_micro_batch=False (their gradients are not final yet).
     grad_norm: float | None = None
+    grad_sq_norm: float | None = None  # its square, summed group by group (data parallel: this rank's groups)
     # The measured step, op by op: (lane, op name, start s, end s) from the step's start (compute: wall clock
     # around each op; lanes: their jobs' events). Drawn as a trace beside the prediction (lazytrain.viz).
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
@@ -154,9 +168,9 @@ class Executor:
         self.device = device if device is not None else EmulatedDevice()
         self.compute_dtype = compute_dtype
         self._update: GroupUpdate | None = None  # the deferred update of the last step (defer_update)
-        # grad_hook(group_index, gradients): on the optimizer link when a group's gradient is complete on a step's
-        # final micro-batch, before its norm is taken and the optimizer hook runs (data parallelism sums it here).
-        self.grad_hook: GradHook | None = None
+        # data parallelism: sums each group's landed gradient over the ranks into the group's owners (None: one
+        # process); set with `keep_gradients`
+        self.grad_reducer: GradReducer | None = None
         self.cost = cost
         self.head_chunk_tokens = head_chunk_tokens
         off_host = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
@@ -240,6 +254,23 @@ class Executor:
         return self.layer_groups[index] if index < len(self.layer_groups) else self.head_group
 
     # ---- gradients (the host layout: runtime/store.py) ---------------------------------------
+    def keep_gradients(self, reducer: GradReducer, owned: set[int]) -> None:
+        """Data parallelism: sum every group's gradient over the ranks with `reducer` as it lands, and keep the
+        gradients of the groups in `owned` (`param_groups()` indices) only. Every other streamed group lands in
+        one of two pooled buffers sized for the largest group (alternating in backward order; a d2h into one waits
+        for the land that last read it), which the reducer sends on and nothing keeps."""
+        self.grad_reducer = reducer
+        foreign = [i for i in reversed(range(len(self.param_groups())))
+                   if i not in owned and self.group_at(i) is not None]
+        if not foreign:
+            return
+        largest = max(self.slot_numel, self.head_group.numel)
+        pool = [aligned_empty(largest, self.compute_dtype, self.device.host_empty) for _ in range(2)]
+        for k, index in enumerate(foreign):
+            group = self.group_at(index)
+            assert group is not None
+            group.landing, group.accum, group.grad = pool[k % 2][:group.numel], None, None
+
     def gradients(self, index: int) -> list[torch.Tensor]:
         """The gradient buffers of `param_groups()[index]` as they are kept (compute dtype or fp32, flat): what
         a collective sums or a non-finite check reads. Empty before the group's first gradient."""
@@ -446,6 +477,7 @@ class _Step:
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
         self.arrivals: dict[int, int] = defaultdict(int)  # group index -> gradient parts landed
+        self.landing_free: dict[int, Event] = {}  # landing buffer address -> the land op that last read it
         self.timeline: list[tuple[str, str, float, float]] = []  # compute ops: (lane, name, start, end)
         self.marks: list[tuple[Op, object, object]] = []  # compute ops and their device marks (CUDA events)
         L = self.L
@@ -485,7 +517,9 @@ class _Step:
         if self.loss is None:  # forward only: evaluate
             return torch.tensor(float("nan"))
         self.stats.loss = float(self.loss)
-        self.stats.grad_norm = self.grad_sq_norm ** 0.5 if self.final_micro_batch else None
+        if self.final_micro_batch:
+            self.stats.grad_sq_norm = self.grad_sq_norm
+            self.stats.grad_norm = self.grad_sq_norm ** 0.5
         return self.loss.detach().cpu()
 
     # ---- compute ops ------------------------------------------------------------------------------
@@ -574,10 +608,16 @@ class _Step:
             sum_fp32 = parts > 1 and self.ex.compute_dtype != torch.float32  # a tied head: exact in fp32
 
             def land() -> None:
-                group.land(first=self.first_micro_batch, last=self.final_micro_batch, sum_fp32=sum_fp32)
+                reducer = self.ex.grad_reducer  # data parallel: summed over the ranks into the group's owners
+                source = group.landing if reducer is None else reducer.node_sum(index, group.landing)
+                if source is not None:
+                    group.land(first=self.first_micro_batch, last=self.final_micro_batch, sum_fp32=sum_fp32,
+                               source=source)
                 self._arrived(index, parts)
 
-            return dev.submit("optimizer", land, after=after)
+            event = dev.submit("optimizer", land, after=after)
+            self.landing_free[group.landing.data_ptr()] = event  # a pooled landing buffer is free again
+            return event
         if op.kind == "grad0":
             grad0 = self.grads[0]
             self.host[-1] = store.host_buffer(-1, tuple(grad0.shape), grad0.dtype)
@@ -605,14 +645,23 @@ class _Step:
             for name, flat in group.views(grad_slot).items():
                 flat.copy_(self.weight_grads[name])
             self.weight_grads = {}
-        return self.dev.copy("d2h", group.landing, grad_slot[:group.numel], after=[self.dev.record_compute()])
+        free = self.landing_free.get(group.landing.data_ptr())  # a pooled buffer: after its last land
+        return self.dev.copy("d2h", group.landing, grad_slot[:group.numel],
+                             after=[self.dev.record_compute(), *([free] if free is not None else [])])
 
     def _embedding_backward(self, host_grad: torch.Tensor, index: int) -> None:
         """The embedding's gradient from the boundary-0 gradient, scattered on the host: into the untied
-        embedding's own gradient (its dtype), or into the tied weight's view of the head group's gradient."""
+        embedding's own gradient (its dtype), or into the tied weight's view of the head group's gradient. Data
+        parallel: every rank's rows, gathered to the group's owners in rank order (the global batch's rows)."""
         ex = self.ex
         emb = ex.parts.embedding
         weight = emb.weight
+        parts = 2 if ex.parts.tied else 1
+        gathered = [(host_grad, self.input_ids)] if ex.grad_reducer is None else \
+            ex.grad_reducer.rows(index, host_grad, self.input_ids)
+        if gathered is None:  # another rank owns the group
+            self._arrived(index, parts)
+            return
         if ex.parts.tied:
             grad = ex.head_group.grad_of(weight)
         else:
@@ -621,8 +670,9 @@ class _Step:
             elif self.first_micro_batch:
                 ex._embedding_grad.zero_()
             grad = weight.grad = ex._embedding_grad
-        ids = self.input_ids.reshape(-1)
-        g = host_grad.reshape(-1, host_grad.shape[-1])
+        ids = torch.cat([i.reshape(-1) for _, i in gathered]) if len(gathered) > 1 else self.input_ids.reshape(-1)
+        g = torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in gathered]) if len(gathered) > 1 else \
+            host_grad.reshape(-1, host_grad.shape[-1])
         if emb.padding_idx is not None:  # nn.Embedding gives the padding row no gradient
             keep = ids != emb.padding_idx
             ids, g = ids[keep], g[keep]
@@ -632,20 +682,19 @@ class _Step:
             rows, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(len(rows), g.shape[-1], dtype=torch.float32).index_add_(0, inverse, g.float())
             grad.index_add_(0, rows, summed.to(grad.dtype))
-        self._arrived(index, 2 if ex.parts.tied else 1)
+        self._arrived(index, parts)
 
     def _arrived(self, index: int, parts: int) -> None:
         """A part of group `index`'s gradient is in place; on the step's last micro-batch, once the group is
-        complete, run the grad hook (data parallelism sums it) and take its squared norm."""
+        complete, take its squared norm."""
         self.arrivals[index] += 1
         if self.arrivals[index] != parts or not self.final_micro_batch:
             return
         ex = self.ex
-        if ex.grad_hook is not None:
-            ex.grad_hook(index, ex.gradients(index))
         with ex.group_grads(index) as params:
             grads = [p.grad for p in params if p.grad is not None]
-            self.grad_sq_norm += sq_norm(grads)
+            if grads:  # (data parallel: only a group's owners hold its gradient)
+                self.grad_sq_norm += sq_norm(grads)
 
     def _group_index(self, name: str) -> int:
         return self.ex.group_names().index(name)

@@ -116,19 +116,23 @@ class WeightGroup:
         self._ptrs = [p.data_ptr() for p in self.params]
 
     # ---- gradients ----------------------------------------------------------------------------------
-    def land(self, *, first: bool, last: bool, sum_fp32: bool = False) -> None:
-        """`landing` holds one micro-batch's gradient: make it the group's gradient (`first` and `last`: the
-        step's only micro-batch) or add it into the fp32 `accum` (several micro-batches, or `sum_fp32`: more
-        parts will be added to this one, e.g. a tied embedding's)."""
+    def land(self, *, first: bool, last: bool, sum_fp32: bool = False, source: torch.Tensor | None = None) -> None:
+        """`source` (default `landing`; data parallel: its sum over the ranks, fp32 for a bf16 one) holds one
+        micro-batch's gradient: make it the group's gradient in `landing` (`first` and `last`: the step's only
+        micro-batch; a bf16 sum is rounded once) or add it into the fp32 `accum` (several micro-batches, or
+        `sum_fp32`: more parts will be added to this one, e.g. a tied embedding's)."""
+        source = self.landing if source is None else source
         if first and last and not sum_fp32:
+            if source is not self.landing:
+                self.landing.copy_(source)
             self.grad = self.landing
         else:
             if self.accum is None:
                 self.accum = aligned_empty(self.numel, torch.float32, self._host_empty)
             if first:
-                self.accum.copy_(self.landing)
+                self.accum.copy_(source)
             else:
-                self.accum.add_(self.landing)
+                self.accum.add_(source)
             self.grad = self.accum
         self._link()
 

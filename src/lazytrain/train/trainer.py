@@ -337,12 +337,15 @@ class Trainer:
             for lane, seconds in ex.last_step.stall_s.items():
                 stalls[lane] = stalls.get(lane, 0.0) + seconds
             peak = max(peak, ex.last_step.peak_device_bytes)
-        grad_norm = ex.last_step.grad_norm  # the norm the executor took as the gradients landed
+        grad_norm = ex.last_step.grad_norm  # the norm the executor took as the gradients landed (its own groups')
         if step == min(1, self.job.optim.max_steps - 1):  # one measured step (after a warm-up) beside its prediction
             write_trace(ex.last_step.timeline, self.out / "step_trace_measured.json", process="measured step")
             write_trace(self.planned.sim.events, self.out / "step_trace_predicted.json", process="predicted step")
-        if self.ranks is not None:  # each rank's share of the global mean; the gradients were summed as they landed
-            loss = self.ranks.all_reduce_sum([loss], f"the loss of step {step}")[0]
+        if self.ranks is not None:  # each rank's share of the global mean; each group's squared norm from its owner
+            assert self.shard is not None and ex.last_step.grad_sq_norm is not None
+            loss, sq_norm = self.ranks.all_reduce_sum([loss, self.shard.norm_share(ex.last_step.grad_sq_norm)],
+                                                      f"the loss and gradient norm of step {step}")
+            grad_norm = sq_norm ** 0.5
 
         # ---- optimizer: skip a non-finite step (no parameter, state or schedule change) --------------------
         t_opt = time.perf_counter()
