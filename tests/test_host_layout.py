@@ -14,9 +14,11 @@ import torch
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
 from lazytrain.cli import main
 from lazytrain.config import load_job_config
+from lazytrain.distributed import OptimizerShard, OwnerGrads, Ranks
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim import Hybrid8bitAdamW
 from lazytrain.runtime import store
+from lazytrain.spec.topology import Topology, node_host_bytes, rank_reduce_bytes
 from lazytrain.train.optimizer import optimizer_step
 
 RNG = random.Random(20261203)
@@ -263,3 +265,67 @@ def test_tiny_lm_with_bf16_master_weights_tracks_fp32_masters_through_the_execut
     assert fp32[-1] < 0.6 * 4.16, fp32  # it learned (uniform: ln 64 = 4.16)
     for ours, ref in zip(bf16[1:], fp32[1:], strict=True):  # the first point is mid-descent: steep
         assert abs(ours - ref) <= 0.02 * ref, (bf16, fp32)
+
+
+class _NodeRank(Ranks):
+    """Local rank r of a 2-rank node, without a process group: each owner's sum is its own gradient (the bytes the
+    runtime holds do not depend on the values)."""
+
+    def sum_to_owners(self, what: str, t: torch.Tensor, owner_local: int) -> bool:
+        return self.local_rank == owner_local
+
+    def gather_to_owners(self, what: str, tensors: list[torch.Tensor], owner_local: int
+                         ) -> list[list[torch.Tensor]] | None:
+        return [tensors] if self.local_rank == owner_local else None
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("mode", ["fp32", "bf16-fp32-masters"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_nodes_host_bytes_are_what_plan_world_size_counts(kind: str, mode: str, accumulation: int) -> None:
+    """Two ranks of a node: the weights once (shared), each rank the states and kept gradients of its own groups
+    (sharded), its pooled landing buffers and fp32 sum transient -- to the byte `node_host_bytes`."""
+    world = 2
+    allocated = {"weights": 0}
+    for rank in range(world):
+        model, ex = setup(kind, mode)
+        ranks = _NodeRank(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo",
+                          timeout_s=1)
+        shard = OptimizerShard.of(ranks, ex)
+        ex.keep_gradients(OwnerGrads(ranks, shard.owned_indices, ex.group_names(), max(ex.slot_numel,
+                                                                                         ex.head_group.numel)),
+                          shard.owned_indices)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        for step in range(2):
+            steps(ex, accumulation, seed=10 * step)
+            optimizer_step(job(), opt, ex, grad_norm=1.0, only=shard.owned)
+        groups = [*ex.layer_groups, ex.head_group]
+        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        first = len(ex.param_groups()) - len(groups)  # an untied embedding is group 0
+        kept = [g for i, g in enumerate(groups, start=first) if i in shard.owned_indices]
+        pooled = {g.landing.untyped_storage().data_ptr(): g.landing.untyped_storage().nbytes() - store.ALIGN_BYTES
+                  for g in groups if g not in kept}  # the two pooled landing buffers (without their alignment)
+        assert len(pooled) == 2
+        assert all(g.grad is None for g in groups if g not in kept)  # nothing kept of another rank's groups
+        allocated["weights"] = sum(nbytes(p) for p in model.parameters())  # one copy per node (shared)
+        mine = {
+            "streamed_copy": sum(g.num_bytes for g in groups if not g.aliased),
+            "grads": sum(nbytes(g.landing) for g in kept) + nbytes(ex._embedding_grad),
+            "grad_sum": sum(nbytes(g.accum) for g in groups),
+            "grad_cast": nbytes(ex._cast),
+            "optimizer_states": sum(s[k].numel() * s[k].element_size() for s in opt.state.values()
+                                    for k in ("exp_avg", "exp_avg_sq")),
+            "grad_pool": sum(pooled.values()),
+            "grad_reduce": nbytes(ex.grad_reducer.transient),
+        }
+        for key, value in mine.items():
+            allocated[key] = allocated.get(key, 0) + value
+    workload = Workload(3, 11, "bf16" if mode != "fp32" else "fp32")
+    cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload, "fp32",
+                     executor_layout=True, grad_accumulation=accumulation)
+    topology = Topology(world_size=world, collective="host")
+    node = node_host_bytes(cost, topology)
+    assert cost.host_breakdown()["optimizer_work"] == 0
+    assert sum(allocated.values()) == node["node"], (allocated, cost.host_breakdown())
+    assert allocated["grad_pool"] == rank_reduce_bytes(cost, topology)["grad_pool"] * world
+    assert (allocated["grad_reduce"] > 0) == (mode != "fp32")

@@ -113,13 +113,16 @@ def test_a_slow_collective_link_is_exposed_and_the_step_adds_up() -> None:
 
 
 def test_a_node_holds_the_shared_part_once_and_each_rank_its_own() -> None:
-    cost = CostModel(ModelSpec.load("qwen2.5-7b"), H800, Workload(8, 1024), optimizer="fp32")
+    cost = CostModel(ModelSpec.load("qwen2.5-7b"), H800, Workload(8, 1024), optimizer="fp32", executor_layout=True)
     hb = cost.host_breakdown()
     one = node_host_bytes(cost, Topology())
     assert one["node"] == cost.static_host_bytes()
     eight = node_host_bytes(cost, Topology(world_size=8), rank_activation_bytes=10**9)
-    assert eight["shared"] == hb["weights"] + hb["optimizer_states"]  # what distributed/shared.py shares
-    assert eight["per_rank"] == cost.static_host_bytes() - eight["shared"] + 10**9
+    # weights shared, states and kept gradients sharded (distributed/shared.py, distributed/grads.py)
+    assert eight["shared"] == hb["weights"] + hb["optimizer_states"] + hb["grads"] + hb["grad_sum"]
+    pool = 2 * max(max(cost.spec.layer_params), cost.spec.head_params) * 2  # bf16 landing buffers
+    reduce = 4 * max(max(cost.spec.layer_params), cost.spec.head_params)  # the fp32 sum of a bf16 gradient
+    assert eight["per_rank"] == cost.static_host_bytes() - eight["shared"] + pool + reduce + 10**9
     assert eight["node"] == eight["shared"] + 8 * eight["per_rank"]
     room = rank_host_room(cost, Topology(world_size=8), H800.host_mem_bytes)
     full = node_host_bytes(cost, Topology(world_size=8), rank_activation_bytes=room)["node"]

@@ -264,8 +264,7 @@ class CostModel:
         m = 2 if self.master_weights == "bf16" else 4
         n = spec.num_params
         embedding = 0 if spec.tie_word_embeddings else spec.embedding_params  # stays on the host, unpacked
-        streamed_groups = [*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings
-                                                                   else 0)]
+        streamed_groups = self.streamed_group_params
         streamed = sum(streamed_groups)
         accumulating = self.grad_accumulation > 1
         summed = streamed if accumulating else (streamed_groups[-1] if spec.tie_word_embeddings and c < 4 else 0)
@@ -283,6 +282,12 @@ class CostModel:
             "optimizer_work": 8 * max(largest, embedding) if m == 2 else 0,
             "optimizer_states": self.optimizer_state_bytes(),
         }
+
+    @property
+    def streamed_group_params(self) -> list[int]:
+        """Parameters of each group the executor streams: layer 0..L-1, then the head (with a tied embedding)."""
+        spec = self.spec
+        return [*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0)]
 
     def static_host_bytes(self) -> int:
         """What lives on the host for the whole run (host_breakdown): weights, grads, states, staging."""

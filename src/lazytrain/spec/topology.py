@@ -103,17 +103,28 @@ ONE_RANK = Topology()  # one process: no collective ops
 
 
 # ---- host memory of a node -------------------------------------------------------------------------------
-SHARED_HOST = ("weights", "optimizer_states")  # host_breakdown keys a node's sharing ranks hold once in all
+# host_breakdown keys a node holds once in all: the weights shared by its ranks; the optimizer states, the kept
+# gradients and their fp32 sums sharded over them by layer group (distributed/shared.py, distributed/grads.py)
+SHARED_HOST = ("weights", "optimizer_states", "grads", "grad_sum")
+
+
+def rank_reduce_bytes(cost: CostModel, topology: Topology) -> dict[str, int]:
+    """What each rank holds to sum gradients into their owners (distributed/grads.py): two pooled landing buffers
+    for the groups it does not own (g > 1), and an fp32 transient of the largest group to sum a bf16 gradient."""
+    largest = max(cost.streamed_group_params)
+    return {"grad_pool": 2 * largest * cost.dtype_bytes if topology.local_ranks > 1 else 0,
+            "grad_reduce": 4 * largest if topology.parallel and cost.dtype_bytes != 4 else 0}
 
 
 def node_host_bytes(cost: CostModel, topology: Topology, rank_activation_bytes: int = 0) -> dict[str, int]:
-    """Host bytes of one node: what its ranks share (the weights once, the optimizer states sharded, one copy in
-    all) and what each rank holds for itself (its gradients, their casts and sums,
-    a bf16 streamed copy, the optimizer's working buffers, and its offloaded activations and NVMe staging,
-    `rank_activation_bytes`), as distributed/shared.py allocates them. {"shared", "per_rank", "node"}."""
+    """Host bytes of one node: what its ranks hold once in all (`SHARED_HOST`) and what each rank holds for itself
+    (a bf16 streamed copy, the optimizer's cast and working buffers, `rank_reduce_bytes`, and its offloaded
+    activations and NVMe staging, `rank_activation_bytes`), as the runtime allocates them.
+    {"shared", "per_rank", "node"}."""
     breakdown = cost.host_breakdown()
     shared = sum(v for k, v in breakdown.items() if k in SHARED_HOST)
-    private = sum(breakdown.values()) - shared + rank_activation_bytes
+    private = (sum(breakdown.values()) - shared + sum(rank_reduce_bytes(cost, topology).values())
+               + rank_activation_bytes)
     return {"shared": shared, "per_rank": private, "node": shared + topology.local_ranks * private}
 
 
