@@ -11,7 +11,9 @@ import pytest
 from test_sim import _plan, synthetic
 
 from lazytrain.cli import main
+from lazytrain.config import load_job_config
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.planner import largest_feasible_batch
 from lazytrain.plan.schedule import program_for
 from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
@@ -148,3 +150,35 @@ def test_plan_world_size_errors_are_one_line(capsys) -> None:
                  "--world-size", "8", "--cpu-mem", "180GiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "host memory per node: 8 ranks need" in err[0]
+
+
+def test_max_batch_is_per_rank_with_the_node_host_shared_and_states_the_global_batch(capsys) -> None:
+    """--max-batch with --world-size: the batch searched is per rank, each rank's host room is its share of the
+    node's (here the host binds: 90 GB for two ranks), and the report gives the global batch."""
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--seq-len", "1024", "--optimizer-mode",
+            "serial", "--cpu-mem", "90GB", "--gradient-accumulation-steps", "2"]
+    job = load_job_config(overrides=["model=qwen2.5-3b", "hardware=rtx3090", "cutoff_len=1024", "optimizer_mode=serial",
+                                     "cpu_mem_bytes=90GB", "gradient_accumulation_steps=2"])
+    alone, _ = largest_feasible_batch(job, ModelSpec.load("qwen2.5-3b"), HardwareSpec.load("rtx3090"), "milp")
+    assert main([*args, "--max-batch", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("2 ranks on 1 node(s): per rank")
+    name, per_rank, *rest = out[1].split()
+    assert name == "milp" and 0 < int(per_rank) < alone  # the node's host is shared by its two ranks
+    assert " ".join(rest) == f"global batch {4 * int(per_rank)} ({per_rank} per rank x 2 ranks x 2 accumulated)"
+    # the per-rank batch is the largest one rank of the two plans: one more row is refused with the reason
+    for batch, code in ((int(per_rank), 0), (int(per_rank) + 1, 2)):
+        assert main([*args, "--world-size", "2", "--batch-size", str(batch)]) == code
+    assert "no placement fits" in capsys.readouterr().err
+
+
+def test_batch_auto_plans_one_rank_and_says_the_global_batch(capsys) -> None:
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--seq-len", "1024", "--optimizer-mode",
+            "serial", "--cpu-mem", "90GB", "--batch-size", "auto", "--world-size", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    note = out.splitlines()[0]
+    batch = int(note.split("auto: ")[1].split()[0])
+    assert f"auto: {batch} per rank, the largest" in note and f"(global batch {2 * batch} ({batch} per rank x 2 " \
+        "ranks); next:" in note
+    assert f"batch {batch} x seq 1024" in out and "data parallel: 2 ranks" in out

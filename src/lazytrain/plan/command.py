@@ -30,16 +30,15 @@ from lazytrain.plan.admission import host_need
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import (
     Deadline,
-    admitted,
-    cost_model,
-    default_budgets,
+    global_batch,
     largest_feasible_batch,
     make_plan,
     model_spec,
+    rank_inputs,
     resolve_batch,
     resolve_hardware,
 )
-from lazytrain.plan.ranks import predict_ranks, rank_budgets, topology_of
+from lazytrain.plan.ranks import predict_ranks
 from lazytrain.plan.rules import make_rule_plan
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.units import format_bytes
@@ -48,6 +47,8 @@ if TYPE_CHECKING:
     from lazytrain.plan.admission import Admission
     from lazytrain.plan.plan import Plan
     from lazytrain.spec.cost import CostModel
+    from lazytrain.spec.hardware import HardwareSpec
+    from lazytrain.spec.model import ModelSpec
     from lazytrain.spec.topology import Topology
 
 
@@ -74,22 +75,12 @@ def run(args: argparse.Namespace) -> int:
         spec = model_spec(job.model.model)
         hardware = resolve_hardware(job.runtime)
         if args.max_batch:
-            print(f"largest feasible batch: model {spec.name}, hardware {hardware.name}, seq {job.data.cutoff_len}, "
-                  f"optimizer {job.optim.optimizer}")
-            milp, why = largest_feasible_batch(job, spec, hardware, "milp", deadline=deadline)
-            if milp == 0:  # the MILP fits whenever a rule does: nothing fits
-                raise LazyTrainError(f"no batch fits, not even 1: {why}")
-            print(f"  {'milp':<16} {milp}")
-            for rule in RULES:
-                name = f"megatrain K={job.plan.interval}" if rule == "megatrain" else rule
-                print(f"  {name:<16} {largest_feasible_batch(job, spec, hardware, rule, deadline=deadline)[0]}")
+            _print_max_batch(job, spec, hardware, deadline)
             return 0
         job, note = resolve_batch(job, deadline=deadline)
         if note:
             print(note)
-        topology = topology_of(job, hardware)
-        cost = cost_model(job, spec, topology.rank_hardware(hardware), job.data.per_device_train_batch_size)
-        admission, budgets = admitted(cost, rank_budgets(default_budgets(job.plan, cost), cost, topology))
+        topology, cost, admission, budgets = rank_inputs(job, spec, hardware, job.data.per_device_train_batch_size)
         plan = make_plan(job.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode,
                          topology=topology)
     own, milp_s = _print_plan(job, cost, admission, plan, topology)
@@ -107,6 +98,24 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"timeline written to {plot_timeline(own, args.timeline)}")
     return 0
+
+
+def _print_max_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, deadline: Deadline) -> None:
+    """The largest batch per rank for the MILP and each rule, with the global batch it gives."""
+    world = job.parallel.world_size
+    ranks = f", {world} ranks on {job.parallel.nodes} node(s): per rank" if world > 1 else ""
+    print(f"largest feasible batch: model {spec.name}, hardware {hardware.name}, seq {job.data.cutoff_len}, "
+          f"optimizer {job.optim.optimizer}{ranks}")
+    milp, why = largest_feasible_batch(job, spec, hardware, "milp", deadline=deadline)
+    if milp == 0:  # the MILP fits whenever a rule does: nothing fits
+        raise LazyTrainError(f"no batch fits, not even 1: {why}")
+    sizes = {"milp": milp}
+    for rule in RULES:
+        name = f"megatrain K={job.plan.interval}" if rule == "megatrain" else rule
+        sizes[name] = largest_feasible_batch(job, spec, hardware, rule, deadline=deadline)[0]
+    for name, batch in sizes.items():
+        total = global_batch(job, batch)
+        print(f"  {name:<16} {batch}" + (f"   global batch {total}" if total != str(batch) else ""))
 
 
 # ---- data parallelism -----------------------------------------------------------------------------------

@@ -9,6 +9,12 @@ and the same planner (train's cost model is calibrated on its device; plan's is 
     admission, budgets = admitted(cost, budgets)          # refuse what no plan fits; M_C = the host room left
     plan = make_plan(job.plan, cost, budgets)             # MILP (planner auto|milp) or a rule
 
+Data parallelism (`job.parallel`, spec/topology.py): every rank runs the same plan on its own rows, so the
+planner plans one rank -- `rank_inputs` is the lines above for one rank of the job's topology (its hardware
+share, its budgets) and `make_plan(..., topology=...)` puts the collective lane in the MILP's step. The batch
+is per rank (`per_device_train_batch_size`), device memory is per rank; `global_batch` names the rows of one
+optimizer step over all ranks.
+
 `Deadline` bounds the whole planning wall time (building the model, the cost model and the MILP included):
 the solver gets what is left after the build, and a build that runs past the limit is stopped with one line.
 An import in progress (torch, transformers' modeling code) is not interrupted; the limit acts when it ends.
@@ -30,6 +36,7 @@ from lazytrain.plan.admission import Admission, admit
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_milp
 from lazytrain.plan.plan import Plan
+from lazytrain.plan.ranks import rank_budgets, topology_of
 from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec, resolve_dtype
@@ -121,6 +128,28 @@ def host_layout(job: JobConfig) -> dict[str, object]:
             "grad_accumulation": job.optim.gradient_accumulation_steps}
 
 
+def rank_inputs(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_size: int
+                ) -> tuple[Topology, CostModel, Admission, Budgets]:
+    """One rank of the job's run at `batch_size` rows per rank: its topology, its cost model (its share of the
+    node's NVMe rate), admission and budgets (its share of the node's host room) -- for `lazytrain plan`, the
+    largest-batch search and `per_device_train_batch_size: auto` alike. One rank: the one-process inputs."""
+    topology = topology_of(job, hardware)
+    cost = cost_model(job, spec, topology.rank_hardware(hardware), batch_size)
+    admission, budgets = admitted(cost, rank_budgets(default_budgets(job.plan, cost), cost, topology))
+    return topology, cost, admission, budgets
+
+
+def global_batch(job: JobConfig, batch_size: int) -> str:
+    """The rows of one optimizer step over all ranks, for reports: `24 (12 per rank x 2 ranks)`."""
+    ga, world = job.optim.gradient_accumulation_steps, job.parallel.world_size
+    if world == 1 and ga == 1:
+        return str(batch_size)
+    parts = [f"{batch_size} per rank" if world > 1 else str(batch_size)]
+    parts += [f"{world} ranks"] if world > 1 else []
+    parts += [f"{ga} accumulated"] if ga > 1 else []
+    return f"{batch_size * world * ga} ({' x '.join(parts)})"
+
+
 # ---- budgets ----------------------------------------------------------------------------------------------
 def default_budgets(options: PlanConfig, cost: CostModel) -> Budgets:
     """The job's budgets with None filled by one rule for both commands.
@@ -186,9 +215,9 @@ def describe(plan: Plan) -> str:
 
 def largest_feasible_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, planner: str, *,
                            deadline: Deadline | None = None, limit: int = MAX_BATCH_LIMIT) -> tuple[int, str]:
-    """Largest batch that passes admission and for which `planner` finds a plan, and why the next one does not
-    (0 and the reason when not even batch 1 fits). Doubling, then bisection: feasibility only shrinks as the
-    batch grows."""
+    """Largest batch per rank that passes admission and for which `planner` finds a plan for one rank of the
+    job's run, and why the next one does not (0 and the reason when not even batch 1 fits). Doubling, then
+    bisection: feasibility only shrinks as the batch grows."""
     if is_emulated(hardware) and job.plan.gpu_mem_cap_bytes is None:
         raise LazyTrainError("the largest batch on the emulated device needs gpu_mem_cap_bytes (e.g. --gpu-mem-cap "
                              "64MiB): its default cap grows with the batch")
@@ -197,9 +226,9 @@ def largest_feasible_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSp
 
     def feasible(batch: int) -> bool:
         try:
-            cost = cost_model(job, spec, hardware, batch)
-            _, budgets = admitted(cost, default_budgets(options, cost))
-            make_plan(options, cost, budgets, feasibility_only=True, deadline=deadline)
+            topology, cost, _, budgets = rank_inputs(replace(job, plan=options), spec, hardware, batch)
+            make_plan(options, cost, budgets, feasibility_only=True, deadline=deadline,
+                      optimizer_mode=job.optim.optimizer_mode, topology=topology)
             return True
         except LazyTrainError as err:
             if deadline is not None and deadline.expired():
@@ -231,7 +260,9 @@ def resolve_batch(job: JobConfig, *, deadline: Deadline | None = None) -> tuple[
                                         deadline=deadline)
     if batch == 0:
         raise LazyTrainError(f"per_device_train_batch_size auto: no batch fits, not even 1: {why}")
-    note = f"per_device_train_batch_size auto: {batch}, the largest the planner admits (next: {why})"
+    per_rank = " per rank" if job.parallel.world_size > 1 else ""
+    note = (f"per_device_train_batch_size auto: {batch}{per_rank}, the largest the planner admits (global batch "
+            f"{global_batch(job, batch)}; next: {why})")
     return replace(job, data=replace(job.data, per_device_train_batch_size=batch)), note
 
 
