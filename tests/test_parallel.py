@@ -21,6 +21,7 @@ from lazytrain.config import load_job_config  # noqa: E402
 from lazytrain.data.loader import Example, Loader  # noqa: E402
 from lazytrain.distributed import RankBatches, RankLost, Ranks  # noqa: E402
 from lazytrain.errors import LazyTrainError  # noqa: E402
+from lazytrain.plan.planner import resolve_batch  # noqa: E402
 from lazytrain.train import train  # noqa: E402
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
@@ -31,6 +32,10 @@ MODELS = ["tiny-llama", "tiny-qwen2"]
 RUNS = [("tiny-llama", "serial", 1), ("tiny-qwen2", "overlap", 1), ("tiny-llama", "overlap", 2),
         pytest.param("tiny-llama", "overlap", 1, marks=pytest.mark.slow),
         pytest.param("tiny-qwen2", "serial", 1, marks=pytest.mark.slow)]
+# the MegaTrain rule, and the MILP: rank 0 plans (on its calibration) for one rank of the two, every rank runs it,
+# at the largest batch per rank that its device cap admits (per_device_train_batch_size auto)
+RANK_JOB = {"tiny-llama": dict(planner="megatrain"),
+            "tiny-qwen2": dict(planner="milp", per_device_train_batch_size="auto", gpu_mem_cap_bytes="3MiB")}
 # fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps, 3 held-out
 # batches (split unevenly over the ranks). The ranks sum rows in another order than one process (float noise
 # ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from blowing the noise of a near-zero gradient up to a full
@@ -71,11 +76,12 @@ def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple
     root = tmp_path_factory.mktemp("dp")
     shm_before = set(glob.glob("/dev/shm/lazytrain-*"))
     selected = {tuple(item.callspec.params[k] for k in ("model", "mode", "nodes")) for item in request.session.items
-                if item.originalname == "test_two_ranks_equal_one_process_with_the_global_batch"}
+                if "two_rank_runs" in getattr(item, "fixturenames", ()) and item.module is request.module}
     runs = {}
     for model, mode, nodes in sorted(selected):
         out = root / f"{model}-{mode}-{nodes}"
-        config = _yaml(root / f"{model}-{mode}-{nodes}.yaml", dict(JOB, model=model, optimizer_mode=mode))
+        config = _yaml(root / f"{model}-{mode}-{nodes}.yaml", dict(JOB, model=model, optimizer_mode=mode,
+                                                                   **RANK_JOB[model]))
         runs[model, mode, nodes] = ([_torchrun(config, out)] if nodes == 1 else _spawn_ranks(config, out, nodes=2), out)
     outputs = {}
     for key, (procs, _) in runs.items():
@@ -90,9 +96,11 @@ def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple
 
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model, mode, nodes):
-    one = train(load_job_config(dict(JOB, model=model, per_device_train_batch_size=JOB["per_device_train_batch_size"]
-                                     * WORLD, optimizer_mode=mode, output_dir=str(tmp_path / "one"))))
     two, output = two_rank_runs[model, mode, nodes]
+    per_rank = json.loads((two / "train_config.json").read_text())["data"]["per_device_train_batch_size"]
+    one = train(load_job_config(dict(JOB, model=model, per_device_train_batch_size=per_rank * WORLD,
+                                     optimizer_mode=mode, planner=RANK_JOB[model]["planner"],
+                                     output_dir=str(tmp_path / "one"))))
     # one host copy of the weights per node, the optimizer sharded: each rank steps its own layer groups
     g = WORLD // nodes
     assert f"shared by the {g} ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
@@ -124,6 +132,45 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     # one checkpoint writer: rank 1 logs under rank-1/ and writes no checkpoint
     assert not list((two / "rank-1").glob("checkpoint-*"))
     assert _rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
+
+
+@pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
+def test_every_rank_runs_rank_0s_plan_made_for_the_ranks(two_rank_runs, model, mode, nodes):
+    """One plan for the run: rank 0 plans (the MILP on its own calibration, for one rank of two: the collective
+    lane in the step), broadcasts it, and both ranks log and save that plan -- the same solve, to its seconds."""
+    out, output = two_rank_runs[model, mode, nodes]
+    lines = [line for line in output.splitlines() if line.startswith("plan     ")]
+    assert len(lines) == WORLD and len(set(lines)) == 1, lines
+    assert lines[0].endswith(f"; rank 0's plan for the {WORLD} ranks)")
+    plans = [json.loads((d / "plan.json").read_text()) for d in (out, out / "rank-1")]
+    assert plans[0] == plans[1]
+    report, prediction = plans[0]["solve"], plans[0]["prediction"]
+    assert report["planner"] == RANK_JOB[model]["planner"]
+    assert "collective" in prediction["exposed_s"]  # the step of one rank of two: the gradients' all-reduce
+    if report["planner"] == "milp":
+        assert report["seconds"] > 0 and report["options"]["world_size"] == WORLD  # solved once, for the ranks
+        assert report["options"]["collective"] == "host"  # gloo: after the d2h
+        assert prediction["milp_step_s"] == pytest.approx(prediction["simulated_step_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("model", "mode", "nodes"), [("tiny-qwen2", "overlap", 1)])
+def test_batch_auto_is_per_rank_decided_by_rank_0_and_reports_the_global_batch(two_rank_runs, model, mode, nodes):
+    """per_device_train_batch_size auto under torchrun: the largest batch one rank of the two admits (the same
+    search as `lazytrain plan --world-size 2`), decided once, and the report gives the global batch."""
+    out, output = two_rank_runs[model, mode, nodes]
+    config = dict(JOB, model=model, optimizer_mode=mode, **RANK_JOB[model])
+    expected, _ = resolve_batch(load_job_config(dict(config, world_size=WORLD)))
+    batch = expected.data.per_device_train_batch_size
+    alone, _ = resolve_batch(load_job_config(config))
+    assert batch >= 2 and batch <= alone.data.per_device_train_batch_size
+    notes = [line for line in output.splitlines() if line.startswith("batch    ")]
+    assert len(notes) == WORLD and len(set(notes)) == 1, notes
+    ga = JOB["gradient_accumulation_steps"]
+    assert notes[0].startswith(f"batch    per_device_train_batch_size auto: {batch} per rank, the largest the "
+                               f"planner admits (global batch {batch * WORLD * ga} ({batch} per rank x {WORLD} ranks "
+                               f"x {ga} accumulated); next:")
+    for d in (out, out / "rank-1"):
+        assert json.loads((d / "train_config.json").read_text())["data"]["per_device_train_batch_size"] == batch
 
 
 def _params_at_init(model: str) -> dict[str, torch.Tensor]:
@@ -173,6 +220,12 @@ def test_rank_shards_make_up_the_global_batch_and_resume(packing):
 def test_a_world_size_that_was_not_launched_is_refused(tmp_path):
     with pytest.raises(LazyTrainError, match="torchrun --nproc_per_node 4"):
         train(load_job_config(dict(JOB, model="tiny-llama", world_size=4, output_dir=str(tmp_path / "x"))))
+
+
+def test_replanning_with_ranks_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun launches a rank; refused before joining the others
+    with pytest.raises(LazyTrainError, match="replan with 2 ranks: each rank would re-plan on its own timings"):
+        train(load_job_config(dict(JOB, model="tiny-llama", replan=True, output_dir=str(tmp_path / "x"))))
 
 
 def _free_port() -> int:

@@ -113,6 +113,21 @@ class Ranks:
         self._collective(what, lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
+    def decided_by_main(self, decide: Callable[[], T], what: str) -> T:
+        """`decide()` run on rank 0 alone and its result on every rank (one decision for the run: the batch, the
+        plan); a LazyTrainError on rank 0 is raised on every rank with the same line."""
+        result: T | None = None
+        error: str | None = None
+        if self.is_main:
+            try:
+                result = decide()
+            except LazyTrainError as err:
+                error = str(err)
+        result, error = self.broadcast_object((result, error), what)
+        if error is not None:
+            raise LazyTrainError(error)
+        return result  # type: ignore[return-value]
+
     def gather_to_main(self, obj: T, what: str) -> list[T] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
         box: list[T] | None = [obj] * self.world_size if self.is_main else None

@@ -28,6 +28,7 @@ from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
 from lazytrain.plan.plan import Plan, spec_of
+from lazytrain.plan.ranks import topology_of
 from lazytrain.plan.rules import evaluate_tiers
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate
@@ -35,6 +36,7 @@ from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.replan import Replanner
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import available_host_memory_bytes
+from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.spec.workload import Workload
 from lazytrain.train.build import build_device, build_hardware, workload_of
 from lazytrain.train.data import cache_dir
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from lazytrain.config import JobConfig
+    from lazytrain.distributed import Ranks
 
 KEEP_GAIN = 0.05  # a new MILP plan replaces the remembered one only when predicted this much faster
 
@@ -57,7 +60,10 @@ class Planned:
     how: str
     sim: SimResult  # the simulator's SimResult for one forward_backward + optimizer step in the run's optimizer mode
     budgets: dict[str, int] = field(default_factory=dict)
-    serial_step_s: float = 0.0  # the simulated step with the serial optimizer (for micro-batches without it)
+    # the simulated step with the serial optimizer, of one rank alone: the micro-batches before a step's last run
+    # no optimizer and (with ranks) reduce nothing -- the ranks sum a group's gradient as it lands on the last one
+    serial_step_s: float = 0.0
+    topology: Topology = ONE_RANK  # data parallelism: the plan is one rank's, its step has the collective lane
 
     def predicted_step_s(self, grad_accum: int) -> float | None:
         """Seconds of one optimizer step: grad_accum - 1 streamed micro-batches without the optimizer, then
@@ -69,11 +75,24 @@ class Planned:
 
 
 def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tuple[torch.Tensor, torch.Tensor],
-              *, masked: bool = False) -> Planned:
-    """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule)."""
+              *, masked: bool = False, ranks: Ranks | None = None) -> Planned:
+    """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule).
+
+    With ranks (torchrun; `job.parallel` holds the launched layout) every rank calibrates -- the same work at the
+    same time, so no rank waits long at the broadcast -- and rank 0 alone plans, on its cost model, for one rank
+    of the run (the collective lane in the step); every rank then runs rank 0's plan and predictions."""
+    cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch, masked=masked)
+    if ranks is None:
+        return _decide(job, model, kind, cost, masked)
+    planned = ranks.decided_by_main(lambda: _decide(job, model, kind, cost, masked), "the plan")
+    return replace(planned, how=f"{planned.how}; rank 0's plan for the {ranks.world_size} ranks")
+
+
+def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, masked: bool) -> Planned:
+    """The plan of this job on `cost`: budgets from the config, then the plan file, the MILP or a rule."""
     spec = spec_of(model)
-    workload = workload_of(job)
-    cost = calibrated_cost(job, model, kind, workload, probe_batch, masked=masked)
+    workload = cost.workload
+    topology = topology_of(job, cost.hardware)
     defaults = planner.default_budgets(job.plan, cost)  # the same rule as `lazytrain plan`
     budgets = {k: v for k, v in defaults.to_dict().items() if k != "host_mem_bytes"}
     if budgets["gpu_mem_cap_bytes"] is None:  # a real device: its memory
@@ -90,17 +109,17 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
         deadline = planner.Deadline(job.plan.time_limit_s)  # the solver gets what is left of the time limit
         plan = planner.make_plan(job.plan, cost, Budgets(**budgets), deadline=deadline,
                                  strict_rules=job.plan.gpu_mem_cap_bytes is not None,
-                                 optimizer_mode=job.optim.optimizer_mode)
+                                 optimizer_mode=job.optim.optimizer_mode, topology=topology)
         how = planner.describe(plan)
         if plan.report.planner == "milp":
             plan, how = keep_or_replace(plan, how, cost, budgets, job.optim.optimizer_mode,
-                                        remembered_plan_path(job, cost, budgets, kind, masked))
-    sim = _simulate(plan, cost, job.optim.optimizer_mode)
+                                        remembered_plan_path(job, cost, budgets, kind, masked), topology)
+    sim = _simulate(plan, cost, job.optim.optimizer_mode, topology)
     milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets),
-                                                        optimizer_mode=job.optim.optimizer_mode))
+                                                        optimizer_mode=job.optim.optimizer_mode, topology=topology))
     plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
-    serial_s = sim.step_s if job.optim.optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
-    return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, serial_step_s=serial_s)
+    return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, topology=topology,
+                   serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
 
 
 def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: Workload,
@@ -179,16 +198,17 @@ def remembered_plan_path(job: JobConfig, cost: CostModel, budgets: dict[str, int
 
 
 def keep_or_replace(plan: Plan, how: str, cost: CostModel, budgets: dict[str, int], optimizer_mode: str,
-                    remembered: Path) -> tuple[Plan, str]:
+                    remembered: Path, topology: Topology = ONE_RANK) -> tuple[Plan, str]:
     """The remembered plan of this job, unless `plan` (this run's MILP plan) is predicted more than `KEEP_GAIN`
-    faster on this run's cost model, or the remembered one no longer fits the budgets; the plan chosen is
-    remembered. A cache that cannot be read or written is ignored: it only ever steadies plans."""
+    faster on this run's cost model (one rank of `topology`), or the remembered one no longer fits the budgets;
+    the plan chosen is remembered. A cache that cannot be read or written is ignored: it only ever steadies
+    plans."""
     incumbent = _read_remembered(remembered, cost)
     if incumbent is not None and incumbent.tiers != plan.tiers:
-        inst = instance_from_cost(cost, Budgets(**budgets), optimizer_mode=optimizer_mode)
+        inst = instance_from_cost(cost, Budgets(**budgets), optimizer_mode=optimizer_mode, topology=topology)
         fits = evaluate_tiers(incumbent.tiers, inst).feasible
-        old_s = _simulate(incumbent, cost, optimizer_mode).step_s
-        new_s = _simulate(plan, cost, optimizer_mode).step_s
+        old_s = _simulate(incumbent, cost, optimizer_mode, topology).step_s
+        new_s = _simulate(plan, cost, optimizer_mode, topology).step_s
         if fits and not new_s < old_s * (1 - KEEP_GAIN):
             how = (f"remembered plan, kept: this run's MILP plan {plan.placement_map()} is predicted {new_s:.3f} s vs "
                    f"{old_s:.3f} s, not {KEEP_GAIN:.0%} faster; {remembered}")
@@ -236,13 +256,20 @@ def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
 
 def replace_plan(planned: Planned, plan: Plan, cost: CostModel, optimizer_mode: str) -> Planned:
     """The running plan after a switch, judged on the re-calibrated cost model."""
-    sim = _simulate(plan, cost, optimizer_mode)
-    serial_s = sim.step_s if optimizer_mode == "serial" else _simulate(plan, cost, "serial").step_s
+    sim = _simulate(plan, cost, optimizer_mode, planned.topology)
     return replace(planned, plan=plan.with_prediction(sim.to_prediction()), cost=cost, sim=sim,
-                   how=f"re-planned ({plan.report.planner})", serial_step_s=serial_s)
+                   how=f"re-planned ({plan.report.planner})",
+                   serial_step_s=_micro_batch_s(plan, cost, sim, optimizer_mode, planned.topology))
 
 
-def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str) -> SimResult:
-    """The simulator's replay of one step, the optimizer run as this loop runs it."""
-    return simulate(plan, cost, optimizer_mode=optimizer_mode)
+def _micro_batch_s(plan: Plan, cost: CostModel, sim: SimResult, optimizer_mode: str, topology: Topology) -> float:
+    """`Planned.serial_step_s`: the serial step of one rank alone (`sim` when it is that already)."""
+    if optimizer_mode == "serial" and not topology.parallel:
+        return sim.step_s
+    return _simulate(plan, cost, "serial").step_s
+
+
+def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str, topology: Topology = ONE_RANK) -> SimResult:
+    """The simulator's replay of one step of one rank, the optimizer run as this loop runs it."""
+    return simulate(plan, cost, optimizer_mode=optimizer_mode, topology=topology)
 

@@ -101,13 +101,18 @@ def train(job: JobConfig) -> TrainResult:
         if dtype == "fp32":
             say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
         job = replace(job, runtime=replace(job.runtime, dtype=dtype))
-    job, note = resolve_batch(job)  # per_device_train_batch_size auto: the largest the planner admits
-    if note:
-        say(f"batch    {note}")
     # Data parallelism (torchrun): None for one process. Rank 0 checks the output directory; the others log
-    # under out/rank-<r>/ and never write a checkpoint.
+    # under out/rank-<r>/ and never write a checkpoint. The job then names the launched layout (its world_size
+    # 1 meant "as many as launched"): the planner plans one rank of it, and rank 0 decides the batch and the plan.
     ranks = init_ranks(backend=job.parallel.backend, timeout_s=job.parallel.collective_timeout_s,
                        cuda=pick_device_kind(job.runtime.device) == "cuda")
+    if ranks is not None:
+        job = replace(job, parallel=replace(job.parallel, world_size=ranks.world_size,
+                                            nodes=ranks.world_size // ranks.local_world_size))
+    # per_device_train_batch_size auto: the largest the planner admits for one rank
+    job, note = resolve_batch(job) if ranks is None else ranks.decided_by_main(lambda: resolve_batch(job), "the batch")
+    if note:
+        say(f"batch    {note}")
     out = Path()
     if ranks is None or ranks.is_main:
         out = check_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
@@ -150,7 +155,7 @@ def train(job: JobConfig) -> TrainResult:
         if resume_from is not None and job.plan.plan_file is None:  # the plan the run was executing
             job = replace(job, plan=replace(job.plan, plan_file=str(resume_from / "trainer_state" / "plan.json")))
         kind = pick_device_kind(job.runtime.device)
-        planned = make_plan(job, model, kind, data.probe, masked=data.masked)
+        planned = make_plan(job, model, kind, data.probe, masked=data.masked, ranks=ranks)
         plan = planned.plan
         say(f"budgets  gpu cap {format_bytes(planned.budgets['gpu_mem_cap_bytes'])}, cpu act "
             f"{format_bytes(planned.budgets['cpu_act_bytes'])}, nvme act "
@@ -235,6 +240,9 @@ def check_job(job: JobConfig) -> None:
     if job.parallel.nodes not in (1, launched_nodes):
         raise LazyTrainError(f"nodes {job.parallel.nodes} but torchrun started {launched_nodes} node(s); start the "
                              f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
+    if launched > 1 and job.plan.replan:
+        raise LazyTrainError(f"replan with {launched} ranks: each rank would re-plan on its own timings, and the ranks "
+                             "run one plan; set replan false")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
 
