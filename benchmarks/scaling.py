@@ -3,21 +3,23 @@
     python benchmarks/scaling.py                          # both examples, markdown table on stdout
     python benchmarks/scaling.py --time-limit 20 --configs examples/qwen2.5-7b-sft-h800.yaml
 
-Each row is `lazytrain plan CONFIG --world-size N --nodes M` (lazytrain/plan/ranks.py): one rank's plan (the
-MILP, per-rank budgets of the example, the node's NVMe rate shared by its ranks), its simulated step with the
-collective lane, the tokens/s of all ranks, the PCIe bytes one rank moves per step, and the host bytes of one
-node -- with the weights shared and the optimizer sharded by the node's ranks (docs/parallel.md), and, beside
-it, with every rank holding its own copy. Simulated, nothing measured: no GPU was used.
+Each row is `lazytrain plan CONFIG --world-size N --nodes M` (lazytrain/plan/ranks.py): one rank's plan (the MILP
+with the collective lane in its step, per-rank budgets of the example, the node's NVMe rate shared by its ranks),
+the MILP's step beside the simulated step with the collective lane (equal), the simulated step of the plan the MILP
+makes without the collective lane (what `plan --world-size` solved before), the tokens/s of all ranks, the PCIe
+bytes one rank moves per step, and the host bytes of one node -- with the weights shared and the optimizer sharded
+by the node's ranks (docs/parallel.md), and, beside it, with every rank holding its own copy. Simulated, nothing
+measured: no GPU was used.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 from lazytrain.config import load_job_config
-from lazytrain.plan.planner import admitted, cost_model, default_budgets, make_plan, model_spec, resolve_hardware
-from lazytrain.plan.ranks import predict_ranks, rank_budgets, topology_of
+from lazytrain.plan.planner import make_plan, model_spec, rank_inputs, resolve_hardware
+from lazytrain.plan.ranks import predict_ranks
+from lazytrain.plan.sim import simulate
 
 LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 2))  # (world_size, nodes)
 CONFIGS = ("examples/qwen2.5-7b-sft-h800.yaml", "examples/plan-qwen3.6-27b-h800.yaml")
@@ -29,17 +31,20 @@ def rows(config: str, time_limit_s: float) -> list[str]:
         job = load_job_config(config, overrides=[f"world_size={world}", f"nodes={nodes}",
                                                  f"time_limit_s={time_limit_s}"])
         spec, hardware = model_spec(job.model.model), resolve_hardware(job.runtime)
-        topology = topology_of(job, hardware)
-        cost = cost_model(job, spec, topology.rank_hardware(hardware), job.data.per_device_train_batch_size)
-        _, budgets = admitted(cost, rank_budgets(default_budgets(job.plan, cost), cost, topology))
-        plan = make_plan(replace(job.plan, time_limit_s=time_limit_s), cost, budgets,
-                         optimizer_mode=job.optim.optimizer_mode)
-        p = predict_ranks(plan, cost, topology, optimizer_mode=job.optim.optimizer_mode)
+        topology, cost, _, budgets = rank_inputs(job, spec, hardware, job.data.per_device_train_batch_size)
+        mode = job.optim.optimizer_mode
+        plan = make_plan(job.plan, cost, budgets, optimizer_mode=mode, topology=topology)
+        p = predict_ranks(plan, cost, topology, optimizer_mode=mode)
+        # what `plan --world-size` solved before: the MILP without the collective lane, its plan run with ranks
+        alone = make_plan(job.plan, cost, budgets, optimizer_mode=mode)
+        alone_s = simulate(alone, cost, optimizer_mode=mode, topology=topology).step_s
         counts = plan.counts()
         one_gpu_tokens_per_s = one_gpu_tokens_per_s or p.tokens_per_s  # the first layout is one GPU
+        r = plan.report
         out.append(
             f"| {spec.name} | {world} | {nodes} | {job.data.per_device_train_batch_size} x {world} | "
-            f"{counts['gpu']}/{counts['cpu']}/{counts['nvme']}/{counts['recompute']} | {p.step.step_s:.2f} | "
+            f"{counts['gpu']}/{counts['cpu']}/{counts['nvme']}/{counts['recompute']} | {r.seconds:.1f} ({r.status}) | "
+            f"{r.options['step_s']:.3f} | {p.step.step_s:.3f} | {alone_s:.3f} | "
             f"{p.tokens_per_s:,.0f} | {p.tokens_per_s / one_gpu_tokens_per_s:.2f} | "
             f"{p.step.exposed_s.get('collective', 0.0) * 1e3:.0f} | {p.step.link_bytes['h2d'] / 2**30:.1f} + "
             f"{p.step.link_bytes['d2h'] / 2**30:.1f} | {p.intra_node_bytes / 2**30:.1f} / "
@@ -53,10 +58,10 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--time-limit", type=float, default=60.0, help="MILP seconds per row")
     args = parser.parse_args()
-    print("| model | GPUs | nodes | batch | plan G/C/N/R | step s | tokens/s | x one GPU | collective exposed ms | "
-          "PCIe GiB per rank (h2d + d2h) | collective GiB per rank (node / across) | host GiB per node, shared | "
-          "host GiB per node, replicated |")
-    print("|---|---:|---:|---|---|---:|---:|---:|---:|---|---|---:|---:|")
+    print("| model | GPUs | nodes | batch | plan G/C/N/R | solve s | MILP step s | simulated step s | one-rank MILP's "
+          "plan, simulated s | tokens/s | x one GPU | collective exposed ms | PCIe GiB per rank (h2d + d2h) | "
+          "collective GiB per rank (node / across) | host GiB per node, shared | host GiB per node, replicated |")
+    print("|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     for config in args.configs:
         for row in rows(config, args.time_limit):
             print(row, flush=True)
