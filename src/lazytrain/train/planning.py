@@ -60,9 +60,7 @@ class Planned:
     how: str
     sim: SimResult  # the simulator's SimResult for one forward_backward + optimizer step in the run's optimizer mode
     budgets: dict[str, int] = field(default_factory=dict)
-    # the simulated step with the serial optimizer, of one rank alone: the micro-batches before a step's last run
-    # no optimizer and (with ranks) reduce nothing -- the ranks sum a group's gradient as it lands on the last one
-    serial_step_s: float = 0.0
+    serial_step_s: float = 0.0  # the simulated step with the serial optimizer (for micro-batches without it)
     topology: Topology = ONE_RANK  # data parallelism: the plan is one rank's, its step has the collective lane
 
     def predicted_step_s(self, grad_accum: int) -> float | None:
@@ -263,10 +261,9 @@ def replace_plan(planned: Planned, plan: Plan, cost: CostModel, optimizer_mode: 
 
 
 def _micro_batch_s(plan: Plan, cost: CostModel, sim: SimResult, optimizer_mode: str, topology: Topology) -> float:
-    """`Planned.serial_step_s`: the serial step of one rank alone (`sim` when it is that already)."""
-    if optimizer_mode == "serial" and not topology.parallel:
-        return sim.step_s
-    return _simulate(plan, cost, "serial").step_s
+    """`Planned.serial_step_s`: the serial step (`sim` when it is that already); with ranks every micro-batch
+    sums its gradients over them (distributed/grads.py), so it has the collective lane too."""
+    return sim.step_s if optimizer_mode == "serial" else _simulate(plan, cost, "serial", topology).step_s
 
 
 def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str, topology: Topology = ONE_RANK) -> SimResult:
