@@ -261,8 +261,9 @@ def resolve_batch(job: JobConfig, *, deadline: Deadline | None = None) -> tuple[
     if batch == 0:
         raise LazyTrainError(f"per_device_train_batch_size auto: no batch fits, not even 1: {why}")
     per_rank = " per rank" if job.parallel.world_size > 1 else ""
-    note = (f"per_device_train_batch_size auto: {batch}{per_rank}, the largest the planner admits (global batch "
-            f"{global_batch(job, batch)}; next: {why})")
+    total = global_batch(job, batch)
+    note = (f"per_device_train_batch_size auto: {batch}{per_rank}, the largest the planner admits ("
+            + (f"global batch {total}; " if total != str(batch) else "") + f"next: {why})")
     return replace(job, data=replace(job.data, per_device_train_batch_size=batch)), note
 
 
