@@ -174,6 +174,35 @@ def test_eager_attention_masks_are_planned_for(tmp_path):
     assert ex.predicted_peak_bytes(batch, seq_len) <= planned.budgets["gpu_mem_cap_bytes"]
 
 
+def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
+    """The optimizer's calibration steps run with the probe device's link threads alive, as the run's own are while
+    it trains: with them (and their OpenMP teams) gone, libgomp spins at every barrier, and on a shared machine the
+    optimizer step measured 50x slower than it runs (docs/benchmarks.md)."""
+    from lazytrain.train import planning
+    from lazytrain.train.build import build_model, model_source
+    from lazytrain.train.data import load_data
+
+    cfg = job(**GOLDEN_CONFIG)
+    data = load_data(cfg)
+    model = build_model(data.job, model_source(data.job, data.vocab_size))
+    alive = []
+    step = planning.optimizer_step
+
+    def timed(job_, optimizer, executor, **kwargs):
+        alive.append(all(link._thread.is_alive() for link in executor.device.links.values()))
+        return step(job_, optimizer, executor, **kwargs)
+
+    monkeypatch.setattr(planning, "optimizer_step", timed)
+    devices = []
+    build = planning.build_device
+    monkeypatch.setattr(planning, "build_device", lambda *a, **k: devices.append(build(*a, **k)) or devices[-1])
+    cost = planning.calibrated_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
+    assert alive == [True] * 5 and cost.hardware.optimizer_gparams_per_s > 0
+    for link in devices[0].links.values():  # closed once calibrated
+        link._thread.join(timeout=60)
+        assert not link._thread.is_alive()
+
+
 def test_a_plan_for_another_model_is_refused(tmp_path, capsys):
     from lazytrain.plan.plan import Plan
     from lazytrain.spec.model import ModelSpec

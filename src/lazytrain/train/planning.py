@@ -137,26 +137,33 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
     keep_all = Plan.from_tiers(model, ["gpu"] * (model.config.num_hidden_layers + 1))
     probe_device = build_device(job, kind, None, throttled=False)
-    executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
-    if kind == "cpu":
-        _check_probe_fits(executor, workload, masked)
-    steps = []
-    for _ in range(4):  # the first step warms up; the calibration takes medians of the next three
-        executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
-        steps.append(executor.last_step)
-    probe_device.close()
-    # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
-    constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len, masked=masked).constant_bytes
+    try:
+        executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
+        if kind == "cpu":
+            _check_probe_fits(executor, workload, masked)
+        steps = []
+        for _ in range(4):  # the first step warms up; the calibration takes medians of the next three
+            executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
+            steps.append(executor.last_step)
+        # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
+        constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len, masked=masked).constant_bytes
 
-    optimizer = build_optimizer(job, model)
-    for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
-        group["lr"] = 0.0
-    samples = []
-    for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
-        t0 = time.perf_counter()
-        optimizer_step(job, optimizer, executor, grad_norm=executor.last_step.grad_norm)
-        samples.append(time.perf_counter() - t0)
-    del optimizer
+        # Timed while the probe device's link threads live, as the run's own do while it trains: each link thread
+        # that ran torch ops owns an OpenMP team, and libgomp spins long at a barrier only while the process has
+        # no more OpenMP threads than CPUs. With the teams gone, on a shared machine every barrier of the
+        # optimizer's short parallel regions spins out a time slice while its partner is descheduled: the default
+        # job's optimizer step measured 1.5-4 s instead of 0.03 s (docs/benchmarks.md).
+        optimizer = build_optimizer(job, model)
+        for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
+            group["lr"] = 0.0
+        samples = []
+        for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
+            t0 = time.perf_counter()
+            optimizer_step(job, optimizer, executor, grad_norm=executor.last_step.grad_norm)
+            samples.append(time.perf_counter() - t0)
+        del optimizer
+    finally:
+        probe_device.close()
     model.zero_grad(set_to_none=True)
 
     cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[job.optim.optimizer],
