@@ -134,6 +134,14 @@ class Ranks:
         self._collective(what, lambda: dist.gather_object(obj, box, dst=0))
         return box
 
+    def send_object(self, obj: object, dst: int, what: str) -> None:
+        self._collective(what, lambda: dist.send_object_list([obj], dst=dst))
+
+    def recv_object(self, src: int, what: str) -> object:
+        box: list[object] = [None]
+        self._collective(what, lambda: dist.recv_object_list(box, src=src))
+        return box[0]
+
     def agree(self, ok: bool, what: str) -> bool:
         """True when every rank says ok (a min over the ranks): one rank's refusal stops them all."""
         t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.comm_device)

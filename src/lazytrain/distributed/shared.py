@@ -21,8 +21,9 @@ updated it:
           waits until the counter reaches that number, then refreshes its own streamed copy (bf16). The wait
           polls; it names the owner as lost at once when its process is gone, or after `collective_timeout_s`.
 
-Checkpoints gather the shards' optimizer states to rank 0, which writes them as one state (the single
-process's layout); resuming, every rank loads it and drops the states of the groups it does not own.
+Checkpoints: the other owners of node 0 lend rank 0 their optimizer states one parameter at a time, dropping their
+copies; rank 0 writes them as one state (the single process's layout) and hands them back. Resuming, every rank
+loads it and drops the states of the groups it does not own.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class OptimizerShard:
     owned: set[int] = field(default_factory=set)  # id() of the parameters this rank steps
     owned_indices: set[int] = field(default_factory=set)  # their executor groups' indices
     owned_groups: list[str] = field(default_factory=list)  # and names
+    owner_local: dict[int, int] = field(default_factory=dict)  # id() of every parameter -> the local rank stepping it
     shared_bytes: int = 0  # the node's shared host weights
     group_fence: GroupFence | None = None  # the overlapped optimizer's fence (None: no shared weights)
     updates: int = 0  # deferred updates handed out (`deferred`), the number each publishes
@@ -173,6 +175,7 @@ class OptimizerShard:
         shared_bytes, words = shared if shared is not None else (0, None)
         return cls(ranks=ranks, owned={id(p) for i in mine for p in groups[i]}, owned_indices=set(mine),
                    owned_groups=[names[i] for i in mine], shared_bytes=shared_bytes,
+                   owner_local={id(p): i % ranks.local_world_size for i, params in enumerate(groups) for p in params},
                    group_fence=None if words is None else GroupFence(ranks, words, names))
 
     def norm_share(self, sq_norm: float) -> float:
@@ -217,11 +220,12 @@ class OptimizerShard:
         forward."""
         self.ranks.barrier(f"the updated weights of step {step}")
 
-    def gathered_states(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, object]] | None:
+    def lend_states(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, object]] | None:
         """Every optimizer's state_dict with each parameter's state from the rank that owns it, on rank 0 (None
-        on the others): the single process's states. One gather per parameter, so no rank holds more than one
-        parameter's states in flight beside what the single process would hold. A collective: every rank calls it."""
-        sends = self.ranks.rank < self.ranks.local_world_size  # node 0's ranks: one owner per parameter
+        on the others): the single process's states, for rank 0 to write. The other owners of node 0 lend them one
+        parameter at a time and drop their copies until `return_states`, so the node holds the states once while
+        rank 0 writes them, as one process does. A collective: every rank calls it."""
+        lends = 0 < self.ranks.rank < self.ranks.local_world_size  # node 0's other ranks: one owner per parameter
         merged = []
         for opt in optimizers:
             sd = opt.state_dict()  # rank 0's: param groups, its own states, the optimizer's extras
@@ -229,10 +233,33 @@ class OptimizerShard:
             ids = [pid for group in sd["param_groups"] for pid in group["params"]]
             state = dict(sd["state"])
             for pid, p in zip(ids, params, strict=True):
-                mine = sd["state"].get(pid) if sends and id(p) in self.owned and not self.ranks.is_main else None
-                shards = self.ranks.gather_to_main(mine, "gathering the optimizer states")
+                mine = opt.state.get(p) if lends and id(p) in self.owned else None
+                shards = self.ranks.gather_to_main(mine or None, "gathering the optimizer states")
+                if mine:  # lent: rank 0 has it now
+                    for key in [k for k in mine if k not in KEPT_STATE]:
+                        del mine[key]
                 owner = [s for s in shards or [] if s is not None]  # none before the parameter's first step
                 if owner and id(p) not in self.owned:
                     state[pid] = owner[0]
             merged.append({**sd, "state": state})
         return merged if self.ranks.is_main else None
+
+    def return_states(self, optimizers: list[torch.optim.Optimizer], merged: list[dict[str, object]] | None) -> None:
+        """After rank 0 wrote the checkpoint: each lent state back to its owner, one parameter at a time, rank 0
+        dropping its copy as it goes (`merged`: what `lend_states` returned). A collective: every rank calls it."""
+        r = self.ranks
+        for k, opt in enumerate(optimizers):
+            params = [p for group in opt.param_groups for p in group["params"]]
+            for pid, p in enumerate(params):  # (torch numbers a state_dict's parameters in this order)
+                owner = self.owner_local[id(p)]
+                if owner == 0 or r.rank not in (0, owner):  # rank 0's own, another node's, or not this rank's
+                    continue
+                if r.is_main:
+                    assert merged is not None
+                    lent = merged[k]["state"].pop(pid, None)  # type: ignore[attr-defined]
+                    r.send_object({key: v for key, v in lent.items() if key not in KEPT_STATE} if lent else None,
+                                  owner, "returning the optimizer states")
+                else:
+                    back = r.recv_object(0, "returning the optimizer states")
+                    if back:
+                        opt.state[p].update(back)

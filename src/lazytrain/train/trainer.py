@@ -422,7 +422,7 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
         self.executor.drain()  # the overlapped update of the last step first
-        states = None if self.shard is None else self.shard.gathered_states(self.optimizers)  # on rank 0
+        states = None if self.shard is None else self.shard.lend_states(self.optimizers)  # on rank 0
 
         def write() -> Path:
             return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
@@ -430,7 +430,12 @@ class Trainer:
                                    plan=self.planned.plan, tokenizer=self.tokenizer,
                                    save_total_limit=self.job.checkpoint.save_total_limit, optimizer_states=states)
 
-        return write() if self.ranks is None else save_once(self.ranks, self.state.step, write)
+        if self.ranks is None:
+            return write()
+        assert self.shard is not None
+        path = save_once(self.ranks, self.state.step, write)
+        self.shard.return_states(self.optimizers, states)  # the lent optimizer states back to their owners
+        return path
 
     def resume(self, path: Path) -> None:
         self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
