@@ -10,7 +10,7 @@ from pathlib import Path
 from lazytrain.distributed.batches import RankBatches, check_world_size
 from lazytrain.distributed.grads import OwnerGrads
 from lazytrain.distributed.ranks import RankLost, Ranks, init_ranks, launched_local_world_size, launched_world_size
-from lazytrain.distributed.shared import OptimizerShard, share_host_weights
+from lazytrain.distributed.shared import OptimizerShard, return_freed_host_memory, share_host_weights
 from lazytrain.runtime.executor import Executor
 
 __all__ = ["OptimizerShard", "OwnerGrads", "RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size",
@@ -26,6 +26,7 @@ def attach_executor(ranks: Ranks, executor: Executor) -> OptimizerShard:
     largest = max(executor.slot_numel, executor.head_group.numel)
     executor.keep_gradients(OwnerGrads(ranks, shard.owned_indices, executor.group_names(), largest),
                             shard.owned_indices)
+    return_freed_host_memory()  # what sharing freed (and the calibration's buffers) leaves this rank
     return shard
 
 
