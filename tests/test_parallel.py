@@ -80,8 +80,9 @@ def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple
     runs = {}
     for model, mode, nodes in sorted(selected):
         out = root / f"{model}-{mode}-{nodes}"
+        # checkpoints at steps 2 and 4 too: the lent optimizer states go back to their owners, and training goes on
         config = _yaml(root / f"{model}-{mode}-{nodes}.yaml", dict(JOB, model=model, optimizer_mode=mode,
-                                                                   **RANK_JOB[model]))
+                                                                   save_steps=2, **RANK_JOB[model]))
         runs[model, mode, nodes] = ([_torchrun(config, out)] if nodes == 1 else _spawn_ranks(config, out, nodes=2), out)
     outputs = {}
     for key, (procs, _) in runs.items():
