@@ -10,7 +10,8 @@
    Per plan: measured step seconds (forward_backward + the serial host optimizer step; median), TFLOPS in
    MegaTrain's 6 x params x tokens accounting, the simulator's predicted step (the hardware preset's cost
    model, and the same calibrated from the warm-up step: `runtime.calibrate`), the predicted device peak
-   (the step program's alloc/free count) vs the arena's measured peak and torch's max_memory_allocated.
+   (the step program's alloc/free count) vs the arena's measured peak and the step's true peak (torch's
+   max_memory_allocated over the step: every tensor on the device, autograd's included).
 Writes one JSON. Sized for < 8 minutes on one H100/H200 (most of it drawing 7B random weights and the host
 optimizer). Without CUDA it refuses in one line with exit code 2.
 """
@@ -105,6 +106,10 @@ def measure(model: torch.nn.Module, plan, cost: CostModel, cap_bytes: int, ids: 
         "stall_s": {k: round(v, 4) for k, v in stats[-1].stall_s.items()},
         "predicted_peak_bytes": stats[-1].predicted_peak_device_bytes,
         "arena_peak_bytes": stats[-1].peak_device_bytes,
+        # the true peak of the step (CudaDevice.true_peak_bytes: max_memory_allocated since the step began, less
+        # what was allocated then); the program's count must not be below it (tests/test_live_bytes.py on the CPU)
+        "true_peak_bytes": stats[-1].true_peak_device_bytes,
+        "true_over_predicted": round(stats[-1].true_peak_device_bytes / stats[-1].predicted_peak_device_bytes, 4),
         "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
     }
 

@@ -31,12 +31,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file, spill_dir
 from lazytrain.units import format_bytes
 
@@ -160,6 +162,8 @@ class Device(Protocol):
     @property
     def peak_bytes(self) -> int: ...
     def reset_peak(self) -> None: ...
+    def true_peak_bytes(self) -> int | None: ...
+    def measuring(self) -> AbstractContextManager[None]: ...
     def link_stats(self) -> dict[str, tuple[float, int]]: ...
 
 
@@ -167,7 +171,7 @@ class _ArenaDevice:
     """The arena, links and NVMe directory shared by both devices; subclasses say how bytes move."""
 
     def __init__(self, torch_device: torch.device, capacity_bytes: int | None, rates_gbps: dict[str, float | None],
-                 nvme_dir: str | Path | None) -> None:
+                 nvme_dir: str | Path | None, measure_memory: bool = False) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise LazyTrainError(f"device capacity_bytes must be positive, got {capacity_bytes}")
         self.torch_device = torch_device
@@ -176,6 +180,8 @@ class _ArenaDevice:
         self._used = 0
         self._peak = 0
         self._sizes: dict[int, int] = {}  # id(tensor) -> bytes counted for it
+        # measure_memory: also count every storage the step really holds on the device (runtime/live_bytes.py)
+        self.live = LiveBytes() if measure_memory else None
         self.links = {name: _Link(name, _bytes_per_s(rates_gbps.get(name))) for name in LINKS}
         if nvme_dir is None:
             self.nvme_dir = spill_dir(Path(tempfile.gettempdir()))
@@ -211,6 +217,8 @@ class _ArenaDevice:
         tensor = self._empty(tuple(shape), dtype)
         with self._lock:
             self._sizes[id(tensor)] = num_bytes
+        if self.live is not None:
+            self.live.add(tensor)
         return tensor
 
     def adopt(self, tensor: torch.Tensor, tag: str = "") -> torch.Tensor:
@@ -246,6 +254,17 @@ class _ArenaDevice:
     def reset_peak(self) -> None:
         with self._lock:
             self._peak = self._used
+        if self.live is not None:
+            self.live.reset_peak()
+
+    def measuring(self) -> AbstractContextManager[None]:
+        """Around the step's compute (on its thread): what it creates counts in `true_peak_bytes`."""
+        return self.live if self.live is not None else nullcontext()
+
+    def true_peak_bytes(self) -> int | None:
+        """The high-water mark of every storage the step held on the device since `reset_peak` (not only the
+        arena's); None unless the device was made with measure_memory=True."""
+        return None if self.live is None else self.live.peak_bytes
 
     # ---- links ------------------------------------------------------------------------------
     def submit(self, link: str, fn: Callable[[], object], num_bytes: int = 0, after: Iterable[Event] = (),
@@ -287,19 +306,21 @@ class EmulatedDevice(_ArenaDevice):
     """A device emulated on the CPU: real compute, a capped arena, and links throttled to the given rates.
 
     `capacity_bytes` None = unlimited; a `*_gbps` of None = unthrottled (GB/s = 1e9 bytes/s);
-    `nvme_dir` None = a temporary directory removed with the device.
+    `nvme_dir` None = a temporary directory removed with the device; `measure_memory`: count every storage a step
+    holds on the device, not only the arena's (`true_peak_bytes`; slows compute: a Python hook per aten op).
     """
 
     def __init__(self, capacity_bytes: int | None = None, h2d_gbps: float | None = None,
                  d2h_gbps: float | None = None, nvme_read_gbps: float | None = None,
-                 nvme_write_gbps: float | None = None, nvme_dir: str | Path | None = None) -> None:
+                 nvme_write_gbps: float | None = None, nvme_dir: str | Path | None = None,
+                 measure_memory: bool = False) -> None:
         for knob, value in (("h2d_gbps", h2d_gbps), ("d2h_gbps", d2h_gbps), ("nvme_read_gbps", nvme_read_gbps),
                             ("nvme_write_gbps", nvme_write_gbps)):
             if value is not None and not value > 0:
                 raise LazyTrainError(f"EmulatedDevice {knob} must be positive (or None = unthrottled), got {value}")
         super().__init__(torch.device("cpu"), capacity_bytes,
                          {"h2d": h2d_gbps, "d2h": d2h_gbps, "nvme_read": nvme_read_gbps,
-                          "nvme_write": nvme_write_gbps}, nvme_dir)
+                          "nvme_write": nvme_write_gbps}, nvme_dir, measure_memory)
         keep_host_memory()
 
     def slow_link(self, link: str, factor: float) -> None:
@@ -334,6 +355,17 @@ class CudaDevice(_ArenaDevice):
             capacity_bytes = torch.cuda.get_device_properties(device).total_memory
         super().__init__(device, capacity_bytes, {}, nvme_dir)
         self.streams = {"h2d": torch.cuda.Stream(device), "d2h": torch.cuda.Stream(device)}
+        self._allocated_at_reset = 0
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        self._allocated_at_reset = torch.cuda.memory_allocated(self.torch_device)
+
+    def true_peak_bytes(self) -> int | None:
+        """The caching allocator's high-water mark since `reset_peak`, less what was allocated then (its blocks
+        are rounded up to 512 B, and a block a side stream used is reused only once that stream passed it)."""
+        return torch.cuda.max_memory_allocated(self.torch_device) - self._allocated_at_reset
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.torch_device}, capacity_bytes={self.capacity_bytes})"

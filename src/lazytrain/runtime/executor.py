@@ -43,6 +43,7 @@ from lazytrain.runtime.hf import (
     layer_forward,
     shift_labels,
 )
+from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
 from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.workload import Workload
@@ -97,6 +98,9 @@ class StepStats:
     # The measured step, op by op: (lane, op name, start s, end s) from the step's start (compute: wall clock
     # around each op; lanes: their jobs' events). Drawn as a trace beside the prediction (lazytrain.viz).
     timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
+    # every storage the step held on the device, not only the arena's (Device.true_peak_bytes: a device made with
+    # measure_memory=True, or CUDA's allocator); None when not measured
+    true_peak_device_bytes: int | None = None
 
     @property
     def exposed_s(self) -> float:
@@ -197,6 +201,7 @@ class Executor:
         self.rotary = Rotary(self.parts, self.device.torch_device)
         self.last_step: StepStats | None = None
         self._default_costs: dict[tuple[int, int], Any] = {}
+        self._measured_working: dict[tuple[int, int, bool], tuple[tuple[int, ...], int]] = {}
 
     def set_plan(self, plan: Plan) -> None:
         """Run `plan` from the next step on (re-planning switches plans between steps)."""
@@ -317,7 +322,9 @@ class Executor:
         workload = getattr(cost, "workload", None)
         if cost is None or (workload is not None and (workload.batch_size, workload.seq_len) != (batch, seq_len)):
             cost = self._default_cost(batch, seq_len)  # e.g. a last, shorter batch than the plan's workload
-        if cost is not None:
+        if getattr(self.device, "live", None) is not None:  # a device that measures memory: the real working sets
+            working, head_working = self.measured_working_bytes(batch, seq_len, masked=masked)
+        elif cost is not None:
             working = tuple(int(w) for w in cost.working_bytes)
             head_working = int(cost.head_working_bytes)
         else:
@@ -333,6 +340,53 @@ class Executor:
             constant_bytes=self.rotary.constant_bytes(batch, seq_len, dtype_bytes, masked),
             tied_head=self.parts.tied,
         )
+
+    def measured_working_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> tuple[tuple[int, ...], int]:
+        """The device bytes each layer's backward and the loss head really hold beyond the program's own buffers,
+        measured once per layer shape by running them on this device under `LiveBytes` (random inputs; cached).
+
+        Layer j: the high-water mark of every storage its autograd re-forward + backward creates, less its
+        output d(boundary j) (the program allocates that after the compute, while the working set is still
+        counted). Head: the same for the chunked head (its output is written into a buffer the program holds),
+        with every label counted (a chunk without labels holds less). A forward or recompute holds less than the
+        backward of its layer, so the program over-counts those windows."""
+        key = (batch, seq_len, masked)
+        if key in self._measured_working:
+            return self._measured_working[key]
+        torch_device, dtype, config = self.device.torch_device, self.compute_dtype, self.model.config
+        gen = torch.Generator().manual_seed(0)
+        shape = (batch, seq_len, config.hidden_size)
+        hidden = torch.randn(shape, generator=gen).to(device=torch_device, dtype=dtype)
+        grad_out = torch.randn(shape, generator=gen).to(device=torch_device, dtype=dtype)
+        ones = torch.ones(batch, seq_len, dtype=torch.long) if masked else None
+        consts = self.rotary.constants(hidden, ones)
+        boundary_bytes = hidden.numel() * hidden.element_size()
+        by_shape: dict[tuple[str, tuple], int] = {}
+        working = []
+        for j, (layer, group) in enumerate(zip(self.parts.layers, self.layer_groups, strict=True)):
+            shape_key = (self.parts.mask_kinds[j], tuple((s.name, s.shape) for s in group.slots))
+            if shape_key not in by_shape:
+                slot = torch.empty(group.numel, dtype=dtype, device=torch_device)
+                weights = {n: t.to(device=torch_device, dtype=dtype) for n, t in group.views(group.buffer).items()}
+                live = LiveBytes()
+                with live:
+                    layer_backward(layer, weights, hidden, grad_out, consts, self.parts.mask_kinds[j],
+                                   group.views(slot))
+                by_shape[shape_key] = live.peak_bytes - boundary_bytes
+            working.append(by_shape[shape_key])
+        head = self.head_group
+        weights = {n: t.to(device=torch_device, dtype=dtype) for n, t in head.views(head.buffer).items()}
+        grads = head.views(torch.zeros(head.numel, dtype=dtype, device=torch_device))
+        labels = torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen)
+        grad_hidden = torch.empty_like(hidden)
+        live = LiveBytes()
+        with live:  # as the head op runs it: the shifted labels made on the device, then the chunks
+            targets = shift_labels(labels).to(torch_device)
+            head_forward_backward(self.parts.norm, weights, hidden, targets, grad_hidden, grads,
+                                  self.head_chunk_tokens, 1.0, consts.loss)
+            del targets
+        self._measured_working[key] = tuple(working), live.peak_bytes
+        return self._measured_working[key]
 
     def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False,
                 updates: bool = False) -> StepProgram:
@@ -468,7 +522,6 @@ class _Step:
         self.events: dict[int, Event] = {}  # op index -> its event
         self.pending: list[Event] = []  # every issued event (waited for on cleanup after an error)
         self.out: torch.Tensor | None = None  # the last compute's output, adopted by the next alloc
-        self.weight_grads: dict[str, torch.Tensor] = {}  # the last backward's weight gradients
         self.loss: torch.Tensor | None = None
         self.loss_sum: tuple[float, int] | None = None  # forward_only: (summed token loss, token count)
         self.reserved = 0
@@ -504,7 +557,8 @@ class _Step:
                 self.events[op.index] = event
                 self.pending.append(event)
             elif action.verb == "run":
-                self._run(ops[action.op])
+                with dev.measuring():
+                    self._run(ops[action.op])
             elif action.verb == "wait":
                 self._wait(self.events[action.op])
             elif action.verb == "alloc":
@@ -530,9 +584,10 @@ class _Step:
             with torch.no_grad():
                 self.out = layer_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
                                          ex.parts.mask_kinds[j])
-        elif op.kind == "backward":
-            self.out, self.weight_grads = layer_backward(ex.parts.layers[j], weights, self.on_device[j],
-                                                         self.grads[j + 1], self.consts, ex.parts.mask_kinds[j])
+        elif op.kind == "backward":  # weight gradients straight into the next gradient slot (sent next window)
+            grads = ex.layer_groups[j].views(self._slot(self.grad_slots, j, self.grad_uses))
+            self.out = layer_backward(ex.parts.layers[j], weights, self.on_device[j], self.grads[j + 1], self.consts,
+                                      ex.parts.mask_kinds[j], grads)
         elif op.kind == "loss":  # forward only: the chunked head sums the token losses
             targets = shift_labels(self.labels).to(self.dev.torch_device)
             loss_sum, count = head_loss_sum(ex.parts.norm, weights, self.on_device[self.L], targets,
@@ -545,7 +600,7 @@ class _Step:
             targets = shift_labels(self.labels).to(self.dev.torch_device)
             self.loss = head_forward_backward(ex.parts.norm, weights, self.on_device[self.L], targets,
                                               self.grads[self.L], head_grads, ex.head_chunk_tokens, self.loss_scale,
-                                              self.num_tokens)
+                                              self.consts.loss, self.num_tokens)
         self.marks.append((op, t0, self.dev.mark()))
 
     def _time_compute(self) -> None:
@@ -637,14 +692,11 @@ class _Step:
 
     # ---- gradients ------------------------------------------------------------------------------
     def _send_grads(self, op: Op) -> Event:
-        """d2h of a group's gradients from gradient slot g % 2 (the program waited for its previous d2h)."""
+        """d2h of a group's gradients from gradient slot g % 2, where its compute wrote them (the program waited for
+        that slot's previous d2h)."""
         group = self._group_of(op)
         grad_slot = self._slot(self.grad_slots, op.target, self.grad_uses)
         self.grad_uses += 1
-        if op.target < self.L:  # a layer's weight gradients, from its backward
-            for name, flat in group.views(grad_slot).items():
-                flat.copy_(self.weight_grads[name])
-            self.weight_grads = {}
         free = self.landing_free.get(group.landing.data_ptr())  # a pooled buffer: after its last land
         return self.dev.copy("d2h", group.landing, grad_slot[:group.numel],
                              after=[self.dev.record_compute(), *([free] if free is not None else [])])
@@ -713,7 +765,8 @@ class _Step:
                 self.grad_slots = slots
         elif kind in ("working", "constants"):
             if kind == "constants":
-                self.consts = ex.rotary.constants(self.on_device[0], self.attention_mask, self.position_ids)
+                with self.dev.measuring():
+                    self.consts = ex.rotary.constants(self.on_device[0], self.attention_mask, self.position_ids)
             self._reserve(num_bytes, "rotary tables and masks" if kind == "constants" else f"working set {i}")
         elif self.out is not None:  # a compute's output: boundary i (forward, recompute) or its gradient
             t, self.out = self._adopt(self.out, f"{kind} {i}"), None
@@ -773,6 +826,7 @@ class _Step:
         self.ex.store.end_step()
         stats = self.stats
         stats.peak_device_bytes = self.dev.peak_bytes
+        stats.true_peak_device_bytes = self.dev.true_peak_bytes()
         stats.stall_s = {link: self.stall.get(link, 0.0)
                          for link in ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")}
         stats.peak_host_activation_bytes = self.ex.store.peak_host_bytes

@@ -20,6 +20,7 @@ from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, f
 from lazytrain.errors import LazyTrainError
 
 IGNORE_INDEX = -100
+LOSS_BYTES = 4  # the step's fp32 loss (StepConstants.loss)
 
 
 ATTENTION = ("eager", "sdpa")  # attention implementations whose masks `Rotary` builds (and counts)
@@ -148,11 +149,13 @@ class StepConstants:
     position_ids: torch.Tensor
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     masks: dict[str, torch.Tensor | None]
+    loss: torch.Tensor  # fp32, 0-dim, zero: the step's loss, summed over the head's chunks (`head_forward_backward`)
 
     @property
     def num_bytes(self) -> int:
         """Device bytes held (storage, so a broadcast view counts once)."""
-        tensors = [self.position_ids, *self.position_embeddings, *(m for m in self.masks.values() if m is not None)]
+        tensors = [self.position_ids, *self.position_embeddings, *(m for m in self.masks.values() if m is not None),
+                   self.loss]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
@@ -179,7 +182,7 @@ class Rotary:
         row, and every attention mask materialized per row (B x S x S; bool for SDPA, the dtype for eager).
         """
         rows = batch if masked else 1
-        total = rows * seq_len * (8 + 2 * self.rotary_dim * dtype_bytes)
+        total = rows * seq_len * (8 + 2 * self.rotary_dim * dtype_bytes) + LOSS_BYTES
         eager = self.config._attn_implementation == "eager"
         window = getattr(self.config, "sliding_window", None)
         for kind in self.kinds:
@@ -227,7 +230,7 @@ class Rotary:
             masks[kind] = mask.contiguous() if masked and mask is not None else mask
         with torch.no_grad():
             cos, sin = self.module(boundary0, position_ids)
-        return StepConstants(position_ids, (cos, sin), masks)
+        return StepConstants(position_ids, (cos, sin), masks, torch.zeros((), dtype=torch.float32, device=device))
 
 
 def layer_forward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
@@ -246,40 +249,57 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def head_forward_backward(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
                           targets: torch.Tensor, grad_hidden: torch.Tensor, grad_weights: dict[str, torch.Tensor],
-                          chunk_tokens: int, loss_scale: float, num_tokens: int | None = None) -> torch.Tensor:
+                          chunk_tokens: int, loss_scale: float, loss: torch.Tensor,
+                          num_tokens: int | None = None) -> torch.Tensor:
     """Final norm + LM head + cross-entropy over token chunks, forward and backward together.
 
     hidden: (B, S, H) boundary L; targets: (B*S,) shifted labels. Writes d(loss*loss_scale)/d(hidden)
-    into `grad_hidden` and adds the weight gradients into `grad_weights` (zeroed by the caller).
-    Returns the loss (fp32, 0-dim): the sum of token losses over `num_tokens` (the step's count over all its
-    micro-batches, so their returns add up to the step's mean); None = this micro-batch's own count, exactly
-    HF's `ForCausalLMLoss` (NaN when every token is ignored, as there). Full logits never exist: at most
-    `chunk_tokens` rows.
+    into `grad_hidden` and adds the weight gradients into `grad_weights` (zeroed by the caller: the gradient
+    slot's views). Adds into `loss` (fp32, 0-dim, zeroed by the caller: a step buffer) and returns it: the sum
+    of token losses over `num_tokens` (the step's count over all its micro-batches, so their returns add up to
+    the step's mean); None = this micro-batch's own count, exactly HF's `ForCausalLMLoss` (NaN when every token
+    is ignored, as there). Full logits never exist: at most `chunk_tokens` rows. The LM head's weight gradient
+    is added into its slot by one matmul per chunk (`addmm_`, what autograd's linear backward computes), so no
+    vocab x hidden gradient exists beside the slot.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])  # (T, H)
     grad_flat = grad_hidden.view(-1, hidden.shape[-1])
     divisor = int((targets != IGNORE_INDEX).sum()) if num_tokens is None else num_tokens
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    norm_names = [n for n in weights if n.startswith("norm.")]
+    norm_names = [n[len("norm."):] for n in weights if n.startswith("norm.")]
     for start in range(0, flat.shape[0], chunk_tokens):
         stop = min(start + chunk_tokens, flat.shape[0])
         target = targets[start:stop]
         if divisor and not bool((target != IGNORE_INDEX).any()):
             grad_flat[start:stop].zero_()  # a chunk with no labels adds nothing to loss or gradients
             continue
-        leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
-        x = flat[start:stop].detach().requires_grad_()
-        with torch.enable_grad():
-            normed = functional_call(norm, {n[len("norm."):]: leaves[n] for n in norm_names}, (x,))
-            logits = F.linear(normed, leaves["lm_head.weight"]).float()
-            chunk_loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum") / divisor
-            names = list(leaves)
-            grads = torch.autograd.grad(chunk_loss * loss_scale, [x] + [leaves[n] for n in names])
-        grad_flat[start:stop].copy_(grads[0])
-        for n, g in zip(names, grads[1:], strict=True):
-            grad_weights[n].add_(g)
-        loss += chunk_loss.detach()
+        loss += _head_chunk(norm, weights, grad_weights, norm_names, flat[start:stop], target, grad_flat[start:stop],
+                            divisor, loss_scale)
     return loss
+
+
+def _head_chunk(norm: nn.Module, weights: dict[str, torch.Tensor], grad_weights: dict[str, torch.Tensor],
+                norm_names: list[str], x: torch.Tensor, target: torch.Tensor, grad_x: torch.Tensor, divisor: int,
+                loss_scale: float) -> torch.Tensor:
+    """One chunk of `head_forward_backward` (its tensors go when it returns): writes grad_x, adds the weight
+    gradients, returns the chunk's loss."""
+    lm_head = weights["lm_head.weight"]  # (V, H)
+    leaves = {n: weights["norm." + n].detach().requires_grad_() for n in norm_names}
+    for n, leaf in leaves.items():
+        leaf.grad = grad_weights["norm." + n]  # autograd adds into the slot
+    x = x.detach().requires_grad_()
+    with torch.enable_grad():
+        normed = functional_call(norm, leaves, (x,))  # (t, H)
+    logits = F.linear(normed.detach(), lm_head).requires_grad_()  # (t, V), compute dtype
+    with torch.enable_grad():
+        chunk_loss = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum") / divisor
+        (grad_logits,) = torch.autograd.grad(chunk_loss * loss_scale, [logits])
+    del logits
+    grad_weights["lm_head.weight"].addmm_(grad_logits.t(), normed.detach())  # dL/dW += dlogits^T normed, (V, H)
+    grad_normed = grad_logits @ lm_head  # dL/dnormed, (t, H)
+    del grad_logits
+    torch.autograd.backward(normed, grad_normed, inputs=[x, *leaves.values()])
+    grad_x.copy_(x.grad)
+    return chunk_loss.detach()
 
 
 def head_loss_sum(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
@@ -300,19 +320,19 @@ def head_loss_sum(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: tor
 
 
 def layer_backward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
-                   grad_out: torch.Tensor, consts: StepConstants, mask_kind: str
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   grad_out: torch.Tensor, consts: StepConstants, mask_kind: str,
+                   grad_weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """Re-run layer j with autograd from boundary j and backpropagate d(boundary j+1).
 
-    Returns d(boundary j) and the weight gradients by parameter name.
+    Returns d(boundary j); the weight gradients go straight into `grad_weights` (the gradient slot's views, by
+    parameter name; overwritten): each leaf's `.grad` is its view, zeroed, so autograd adds every gradient into
+    the slot as it is made (0 + g = g) and frees it -- no layer's worth of gradients exists beside the slot.
     """
     leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+    for n, leaf in leaves.items():
+        leaf.grad = grad_weights[n].zero_()  # an unused parameter keeps its zeros, as autograd's allow_unused
     x = hidden.detach().requires_grad_()
     with torch.enable_grad():
         out = layer_forward(layer, leaves, x, consts, mask_kind)
-        names = list(leaves)
-        grads = torch.autograd.grad(out, [x] + [leaves[n] for n in names], grad_outputs=grad_out,
-                                    allow_unused=True)
-    weight_grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(names, grads[1:],
-                                                                                                strict=True)}
-    return grads[0], weight_grads
+        torch.autograd.backward(out, grad_out, inputs=[x, *leaves.values()])
+    return x.grad

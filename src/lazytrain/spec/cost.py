@@ -114,9 +114,14 @@ class CostModel:
         self.grad_bytes = list(self.param_bytes)
         self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
         self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
-        self.working_bytes = [tokens * self._working_bytes_per_token(j) for j in range(L)]
-        # one chunk's logits in the compute dtype, their fp32 softmax and its gradient
-        self.head_working_bytes = self.head_chunk_tokens * spec.vocab_size * (dtype_bytes + 8)
+        self.working_bytes = [tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
+                              for j in range(L)]
+        # per chunk row: the logits (compute dtype) and three fp32 rows (log-softmax, its gradient, the logits'
+        # gradient), the final norm's fp32 input and output (8 h), the row's loss; the chunk's fp32 loss scalars;
+        # the step's shifted labels (int64). Measured on the emulated device (tests/test_live_bytes.py); the LM
+        # head's weight gradient is added into its slot chunk by chunk, so no vocab x hidden temporary exists.
+        self.head_working_bytes = (self.head_chunk_tokens * (spec.vocab_size * (dtype_bytes + 12) + 8 * spec.hidden_size
+                                                             + 4) + 16 + 8 * tokens)
 
         # ---- optimizer time ---------------------------------------------------------------------
         self.optimizer_s = [self._optimizer_seconds(p) for p in spec.layer_params]
@@ -128,8 +133,8 @@ class CostModel:
         self.accumulate_s = [b / acc_rate for b in self.grad_bytes]
         self.head_accumulate_s = self.head_grad_bytes / acc_rate
         self.embedding_accumulate_s = spec.embedding_params * dtype_bytes / acc_rate
-        # per-step device constants: rotary cos/sin tables and positions (SDPA builds no mask tensor)
-        self.constant_device_bytes = 2 * workload.seq_len * spec.head_dim * dtype_bytes + 8 * workload.seq_len
+        # per-step device constants: rotary cos/sin tables and positions (SDPA builds no mask tensor), the fp32 loss
+        self.constant_device_bytes = 2 * workload.seq_len * spec.head_dim * dtype_bytes + 8 * workload.seq_len + 4
 
         # ---- link rates -------------------------------------------------------------------------
         self.h2d_bytes_per_s = _rate(hardware.h2d_gbps)
@@ -185,10 +190,17 @@ class CostModel:
         was checked against the bytes autograd saves (tests/test_cost_linear_attention.py). With the fused
         `fla` kernel the fp32 part is per value head C + 2 (the UT inverse, decay, beta) and the chunk states and
         their gradients that its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured here.
+        Every layer adds the fp32 copies its RMSNorms save (8 h; q/k norms 8 (d_q + d_kv)): the true device bytes
+        measured on the emulated device (runtime/live_bytes.py, tests/test_live_bytes.py) showed them. With the
+        layer's largest weight gradient (`_largest_weight_bytes`) this bounds the measured working set of dense
+        layers (Llama, Qwen2, Qwen3, Mistral; SDPA); Gated DeltaNet, gated attention, MoE routing and eager
+        attention's scores are not bounded by it (docs/cost_model.md).
         """
         spec = self.spec
         moe = 2 * spec.num_experts_per_tok * spec.hidden_size if spec.is_moe else 0
         h, width = spec.hidden_size, self._mlp_width()
+        q_width, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        norms = 8 * h  # the two RMSNorms' fp32 upcasts autograd saves (measured, as the q/k norms' below)
         if spec.layer_types[j] == "linear_attention":
             heads, d_k, d_v = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
             key_dim = spec.linear_num_key_heads * d_k
@@ -199,9 +211,21 @@ class CostModel:
                 fp32 = heads * (LINEAR_ATTN_CHUNK + 2) + 2 * states
             else:
                 fp32 = heads * (7 * (d_k + d_v) + 5 * LINEAR_ATTN_CHUNK) + states
-            return compute * self.dtype_bytes + 4 * fp32
-        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-        return (4 * h + 2 * q + 2 * kv + 6 * width + moe) * self.dtype_bytes
+            return compute * self.dtype_bytes + 4 * fp32 + norms
+        qk_norms = 8 * (q_width + kv) if spec.qk_norm else 0
+        return (4 * h + 2 * q_width + 2 * kv + 6 * width + moe) * self.dtype_bytes + norms + qk_norms
+
+    def _largest_weight_bytes(self, j: int) -> int:
+        """The largest single weight gradient of layer j: autograd makes it before adding it into the gradient
+        slot (runtime/hf.py layer_backward), so it exists beside the slot for a moment."""
+        spec = self.spec
+        h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
+        mlp = h * spec.intermediate_size * (2 * spec.num_experts if spec.is_moe else 1)  # fused experts' gate_up
+        if spec.layer_types[j] == "linear_attention":
+            key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+            value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
+            return max(mlp, h * (2 * key_dim + 2 * value_dim)) * self.dtype_bytes
+        return max(mlp, h * q) * self.dtype_bytes
 
     def _optimizer_seconds(self, params: int) -> float:
         hw = self.hardware
@@ -406,17 +430,17 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
         if parts is not None:
             weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
             slot = torch.empty(sum(w.numel() for w in weights.values()), dtype=dtype)
+            grads, offset = {}, 0
+            for n, w in weights.items():  # the gradient slot's views, as the executor passes them
+                grads[n] = slot[offset:offset + w.numel()].view(w.shape)
+                offset += w.numel()
 
             def fwd() -> None:
                 with torch.no_grad():
                     hf.layer_forward(layer, weights, hidden, consts, parts.mask_kinds[j])
 
             def fwd_bwd() -> None:
-                _, weight_grads = hf.layer_backward(layer, weights, hidden, grad, consts, parts.mask_kinds[j])
-                offset = 0
-                for g in weight_grads.values():  # into the gradient slot, as the executor does
-                    slot[offset:offset + g.numel()].copy_(g.reshape(-1))
-                    offset += g.numel()
+                hf.layer_backward(layer, weights, hidden, grad, consts, parts.mask_kinds[j], grads)
         else:
             inner = model.model if hasattr(model, "model") else model
             position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
@@ -452,10 +476,11 @@ def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
         head_weights = {n: p.detach().clone() for n, p in hf.head_named_params(parts)}
         head_grads = {n: torch.zeros_like(w) for n, w in head_weights.items()}
         grad_hidden = torch.empty_like(hidden)
+        loss = torch.zeros(())
 
         def head() -> None:
             hf.head_forward_backward(parts.norm, head_weights, hidden, labels, grad_hidden, head_grads,
-                                     head_chunk_tokens, 1.0)
+                                     head_chunk_tokens, 1.0, loss)
     else:
         norm, lm_head = (model.model if hasattr(model, "model") else model).norm, model.lm_head
         x = hidden.reshape(b * s, -1).clone().requires_grad_(True)
