@@ -216,12 +216,12 @@ def _peak_by_hand(tiers: list[str], A: int, slots: int, working: list[int], head
     used -= head_working
     for idx in range(len(segments) - 1, -1, -1):
         s, e = segments[idx]
-        if idx > 0 and tiers[segments[idx - 1][0]] in ("cpu", "nvme"):
-            add(A)  # reload of the previous segment's start, one segment ahead
         for j in range(s, e - 1):
             add(working[j] + A)
             used -= working[j]
         for j in range(e - 1, s - 1, -1):
+            if j == s and idx > 0 and tiers[segments[idx - 1][0]] in ("cpu", "nvme"):
+                add(A)  # reload of the previous segment's start, in this segment's last window
             add(working[j] + A)  # working set, d(boundary j)
             used -= working[j] + 2 * A  # boundary j+1 and its gradient
     return peak

@@ -30,8 +30,8 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
 Variables
     x[s,e] in {0,1}   edge (s, e) is a segment: s and e materialized, s+1..e-1 recomputed
     z[i] in {0,1}     boundary i is materialized;  g[i], c[i], n[i] in {0,1}: its home is gpu / cpu / nvme
-    v[s,e] >= 0       = x[s,e] (c[s] + n[s]): s is reloaded (h2d) in window B_e (H when e = L), and its device
-                      buffer is held while segment (e, .) runs backward (linearized: v >= x + c + n - 1)
+    v[s,e] >= 0       = x[s,e] (c[s] + n[s]): s is reloaded (h2d) in window B_e (H when e = L) into a device
+                      buffer allocated in that window (linearized: v >= x + c + n - 1)
     vn[s,e] >= 0      = x[s,e] n[s]: s is read from NVMe in window B_{e+1} (H when e = L-1)
     T[w] >= 0         seconds of window w
     Q[k], S >= 0      the end of B_k (less the recompute windows of its own segment that run before it), the step
@@ -421,8 +421,8 @@ class _Formulation:
         #   sum_{i <= L-2} A[i] g[i] + A[L-1] + A[L] + T_F <= M_G + U_F
         const = A[L] + A[L - 1] + inst.fwd_transient_bytes - inst.fwd_unallocated_bytes
         m.row("gpu_fwd", {self.g[i]: A[i] for i in range(0, L - 1)}, hi=inst.gpu_act_bytes - const)
-        # Reload buffer: while segment (s, e) runs backward, the start s' of the previous segment (s', s) is being
-        # reloaded into a device buffer when it is offloaded:  v[s',s] >= x[s',s] + c[s'] + n[s'] - 1.
+        # Reload buffer: in window B_s, the last of segment (s, e), the start s' of the previous segment (s', s) is
+        # reloaded into a device buffer allocated there when it is offloaded:  v[s',s] >= x[s',s] + c[s'] + n[s'] - 1.
         self.v = {}
         for (s0, s1), xv in self.x.items():
             if s0 == 0 or s1 == L:
@@ -431,18 +431,23 @@ class _Formulation:
             self.v[s0, s1] = v
             m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
         # Backward of segment (s, e), at layer e-1's autograd: gpu boundaries below s, all of s..e (s reloaded or
-        # kept, s+1..e-1 recomputed, e freed only after this layer), the reload buffer of the previous start:
-        #   sum_{i<s} A[i] g[i] + sum_e x[s,e] sum_{k=s..e} A[k] + sum_{s'} A[s'] v[s',s] + T_B <= M_G   (s < L)
-        # (for s not materialized the row is implied by the row of the segment that contains s).
+        # kept, s+1..e-1 recomputed, e freed only after this layer):
+        #   sum_{i<s} A[i] g[i] + sum_e x[s,e] sum_{k=s..e} A[k] + T_B <= M_G   (s < L)
+        # and in B_s, the segment's last window: gpu boundaries below s, s and s+1, the reload buffer of the
+        # previous start (the same window as the first row when e = s+1):
+        #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G
+        # (for s not materialized the rows are implied by the rows of the segment that contains s).
         for s in range(L):
-            coefs = {self.g[i]: A[i] for i in range(s)}
+            below = {self.g[i]: A[i] for i in range(s)}
+            coefs = dict(below)
             for (s2, e), xv in self.x.items():
                 if s2 == s:
                     coefs[xv] = sum(A[s:e + 1])
-            for (s0, s1), v in self.v.items():
-                if s1 == s:
-                    coefs[v] = A[s0]
             m.row(f"gpu_bwd[{s}]", coefs, hi=inst.gpu_act_bytes - inst.bwd_transient_bytes)
+            buffers = {v: A[s0] for (s0, s1), v in self.v.items() if s1 == s}
+            if buffers:
+                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: A[s] + A[s + 1], **buffers},
+                      hi=inst.gpu_act_bytes - inst.bwd_transient_bytes)
 
     def _add_windows(self) -> None:
         """The step program (plan/schedule.py) in time. Each window is fenced: it lasts the longest of its compute

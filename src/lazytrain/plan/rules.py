@@ -95,9 +95,11 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
         violations.append(f"forward needs {format_bytes(fwd_peak)} > "
                           f"{format_bytes(inst.gpu_act_bytes + inst.fwd_unallocated_bytes)} on the device")
     for k, (s, e) in enumerate(segments):
-        # the previous segment's start is being reloaded while this one runs backward
+        # B_{e-1} holds the whole segment; B_s holds s, s+1 and the buffer the previous segment's start is reloaded
+        # into (allocated in B_s, where its h2d is issued)
         reload_buffer = A[segments[k - 1][0]] if k > 0 and off[segments[k - 1][0]] else 0.0
-        peak = sum(A[i] for i in range(s) if g[i]) + sum(A[s:e + 1]) + reload_buffer + inst.bwd_transient_bytes
+        peak = (sum(A[i] for i in range(s) if g[i]) + max(sum(A[s:e + 1]), A[s] + A[s + 1] + reload_buffer)
+                + inst.bwd_transient_bytes)
         gpu_act_peak = max(gpu_act_peak, peak)
         if peak > inst.gpu_act_bytes + tol:
             violations.append(f"backward of segment ({s}, {e}) needs {format_bytes(peak)} > "

@@ -43,12 +43,12 @@ release times is also exactly linear.
             next use's weights; nvme write of boundary L-1; the nvme read staged for B_{L-1}; the reload h2d of
             the last segment's start (after its read, in this window, if it is on nvme); alloc the head working
             set and the gradient of boundary L; run; free the working set; fence.
-  R_j, B_j  per segment (s, e), last first, after allocating the device buffer for the reload of the next
-            segment's start s' (if offloaded; held from here): each window issues the next use's weights and
+  R_j, B_j  per segment (s, e), last first: each window issues the next use's weights and
             the d2h of the previous window's weight gradients (head or B), with their optimizer-lane job after
             it (accumulation into .grad, and in overlap mode the group's optimizer step; not fenced); B_j
             also stages the nvme read of the start of the segment ending at j-1 into the host buffer (one
-            window before its h2d), and B_s issues the reload h2d of s'. R_j: alloc working set, run, alloc
+            window before its h2d), and B_s allocates the device buffer of the next segment's start s' and
+            issues its reload h2d (if offloaded). R_j: alloc working set, run, alloc
             boundary j+1, free working set. B_j: alloc working set, run, alloc the gradient of boundary j,
             free working set, boundary j+1 and its gradient. Fence.
   end       d2h of B_0's gradients and their optimizer job, d2h of the gradient of boundary 0 and the embedding
@@ -381,8 +381,6 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     for idx in range(len(segments) - 1, -1, -1):
         s, e = segments[idx]
         previous = segments[idx - 1][0] if idx > 0 else 0  # the start of the segment that runs next
-        if previous > 0 and tiers[previous] in OFFLOADED:
-            b.alloc("boundary", previous, A[previous])  # its reload's device buffer, held from here
         for j in range(s, e - 1):  # regenerate boundaries s+1..e-1
             issue_weights(u + 1)
             send_grads()
@@ -396,6 +394,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
             send_grads()
             stage(j - 1)
             if j == s and previous > 0 and tiers[previous] in OFFLOADED:
+                b.alloc("boundary", previous, A[previous])  # its reload's device buffer, from its window on
                 reload(previous)
             compute("backward", j, u)
             b.alloc("grad", j, A[j])
