@@ -154,11 +154,11 @@ def test_plan_world_size_errors_are_one_line(capsys) -> None:
 
 def test_max_batch_is_per_rank_with_the_node_host_shared_and_states_the_global_batch(capsys) -> None:
     """--max-batch with --world-size: the batch searched is per rank, each rank's host room is its share of the
-    node's (here the host binds: 90 GB for two ranks), and the report gives the global batch."""
+    node's (here the host binds: 80 GB for two ranks), and the report gives the global batch."""
     args = ["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--seq-len", "1024", "--optimizer-mode",
-            "serial", "--cpu-mem", "90GB", "--gradient-accumulation-steps", "2"]
+            "serial", "--cpu-mem", "80GB", "--gradient-accumulation-steps", "2"]
     job = load_job_config(overrides=["model=qwen2.5-3b", "hardware=rtx3090", "cutoff_len=1024", "optimizer_mode=serial",
-                                     "cpu_mem_bytes=90GB", "gradient_accumulation_steps=2"])
+                                     "cpu_mem_bytes=80GB", "gradient_accumulation_steps=2"])
     alone, _ = largest_feasible_batch(job, ModelSpec.load("qwen2.5-3b"), HardwareSpec.load("rtx3090"), "milp")
     assert main([*args, "--max-batch", "--world-size", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
