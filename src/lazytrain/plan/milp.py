@@ -749,7 +749,7 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         if status == "infeasible" or status.startswith("infeas"):
             raise LazyTrainError(_infeasible_message(inst, max_segment, "fixed tiers" if fixed_tiers else ""))
         raise LazyTrainError(
-            f"the {solver} solver found no plan within {time_limit_s:g} s (status {status}); "
+            f"the {solver} solver found no plan within its time limit of {time_limit_s:g} s (status {status}); "
             "raise --time-limit or lower --max-segment"
         )
     tiers = _read_tiers(form, values)
