@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numba
 import torch
+from llvmlite import ir as llvm_ir
+from numba import types
+from numba.extending import intrinsic
 
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
@@ -132,19 +136,26 @@ class GroupFence:
 
     def publish(self, index: int, number: int) -> None:
         """Group `index`'s update number `number` is in the shared weights (called by its owner, after it)."""
-        self.words[index] = number
+        _store_release(self._address(index), number)
+
+    def read(self, index: int) -> int:
+        return _load_acquire(self._address(index))
+
+    def _address(self, index: int) -> int:
+        return self.words.data_ptr() + index * self.words.element_size()
 
     def wait(self, index: int, number: int) -> None:
         """Until the owner of group `index` published update `number`; RankLost naming the owner when its process
-        is gone or `collective_timeout_s` passed. x86 keeps stores in order, so the weights written before the
-        counter are visible once the counter is."""
+        is gone or `collective_timeout_s` passed. The counter is a release store and an acquire load (C11 atomics,
+        `_store_release`), so a rank that sees it sees the weights written before it, on any CPU (x86 orders
+        plain stores so; arm64 hosts such as Grace do not)."""
         r = self.ranks
         owner_local = index % r.local_world_size
         owner = r.rank - r.local_rank + owner_local
         pid = int(self.words[len(self.names) + owner_local])
         start = time.monotonic()
         check = start + ALIVE_CHECK_S
-        while int(self.words[index]) < number:
+        while self.read(index) < number:
             now = time.monotonic()
             if now >= check:
                 check = now + ALIVE_CHECK_S
@@ -155,6 +166,36 @@ class GroupFence:
                                    f"{r.world_size} stops; {why}); resume from the last checkpoint with "
                                    "resume_from_checkpoint=auto")
             time.sleep(FENCE_POLL_S)
+
+
+@intrinsic
+def _atomic_store_release(typingctx, address, value):  # pragma: no cover - compiled
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[1], builder.inttoptr(args[0], llvm_ir.IntType(64).as_pointer()), "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _atomic_load_acquire(typingctx, address):  # pragma: no cover - compiled
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(builder.inttoptr(args[0], llvm_ir.IntType(64).as_pointer()), "acquire", 8)
+
+    return types.int64(types.int64), codegen
+
+
+@numba.njit
+def _store_release(address: int, value: int) -> None:
+    """Store the int64 `value` at `address`, ordered after every store this thread made before (and, through the
+    optimizer's OpenMP join, its kernel threads')."""
+    _atomic_store_release(address, value)
+
+
+@numba.njit
+def _load_acquire(address: int) -> int:
+    """The int64 at `address`; nothing this thread reads after it is read before it."""
+    return _atomic_load_acquire(address)
 
 
 def _alive(pid: int) -> bool:
