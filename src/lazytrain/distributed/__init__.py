@@ -10,7 +10,8 @@ from pathlib import Path
 from lazytrain.distributed.batches import RankBatches, check_world_size
 from lazytrain.distributed.grads import OwnerGrads
 from lazytrain.distributed.ranks import RankLost, Ranks, init_ranks, launched_local_world_size, launched_world_size
-from lazytrain.distributed.shared import OptimizerShard, return_freed_host_memory, share_host_weights
+from lazytrain.distributed.shared import OptimizerShard, share_host_weights
+from lazytrain.runtime.device import return_freed_host_memory
 from lazytrain.runtime.executor import Executor
 
 __all__ = ["OptimizerShard", "OwnerGrads", "RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size",

@@ -28,7 +28,6 @@ loads it and drops the states of the groups it does not own.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import time
@@ -103,16 +102,6 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> tuple[int, torch.Ten
         if ranks.local_rank == 0:
             path.unlink(missing_ok=True)
     return weights_bytes, fence
-
-
-def return_freed_host_memory() -> None:
-    """Hand the free pages of malloc's heap back to the kernel (glibc `malloc_trim`): the private weights this rank
-    freed for the shared ones, the landing buffers of groups it does not own, its calibration's gradients and
-    optimizer states would otherwise stay resident, since the emulated device makes malloc keep what is freed
-    (runtime/device.py `keep_host_memory`). Elsewhere (no glibc) a no-op."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def _aligned(num_bytes: int) -> int:

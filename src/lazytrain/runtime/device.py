@@ -449,6 +449,16 @@ def keep_host_memory() -> bool:
     return _kept_host_memory
 
 
+def return_freed_host_memory() -> None:
+    """Hand the free pages of malloc's heap back to the kernel once (glibc `malloc_trim`), past `keep_host_memory`'s
+    never-trim: a data-parallel rank's set-up frees what it will not use again (the private weights it gave up for
+    the node's shared copy, the landing buffers of groups it does not own, its calibration's gradients and
+    optimizer states). Elsewhere (no glibc) a no-op."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def check_nvme_dir(path: Path) -> None:
     """Refuse a missing or unwritable NVMe directory before the first step, not in the middle of one, and remove
     the spill files of runs that died there. The probe is a nameless spill file: nothing to clean up after it,
