@@ -63,10 +63,12 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _torchrun(config: Path, out: Path) -> subprocess.Popen:
+    """The ranks' report lines (stdout, whole lines) kept apart from their progress bars (stderr: `\r` updates with
+    no newline, which one rank's line would otherwise be appended to while the other draws one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                              str(WORLD), "-m", "lazytrain", "train", str(config), f"output_dir={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -399,8 +401,8 @@ def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path):
     job = dict(JOB, model="tiny-llama", dtype="bf16", gradient_accumulation_steps=1, eval_batches=0)
     out = tmp_path / "two"
     proc = _torchrun(_yaml(tmp_path / "job.yaml", job), out)
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output[-3000:]
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (stdout + stderr)[-3000:]
     one = train(load_job_config(dict(job, per_device_train_batch_size=JOB["per_device_train_batch_size"] * WORLD,
                                      output_dir=str(tmp_path / "one"))))
     for a, b in zip(_rows(one.output_dir / "metrics.jsonl"), _rows(out / "metrics.jsonl"), strict=True):
