@@ -26,7 +26,7 @@ def random_instance(rng: random.Random, L: int, *, nvme: bool = True, tight: flo
     optimizer lane busy enough to be exposed in some windows."""
     A = [rng.uniform(0.6, 1.4) * GB for _ in range(L + 1)]
     rho = [rng.uniform(0.02, 0.12) for _ in range(L)]
-    return PlanningInstance(
+    inst = PlanningInstance(
         forward_s=rho,
         backward_s=[r * rng.uniform(2.0, 3.5) for r in rho],
         boundary_bytes=A,
@@ -48,6 +48,10 @@ def random_instance(rng: random.Random, L: int, *, nvme: bool = True, tight: flo
         update_s=tuple(rng.uniform(0.0, 0.08) for _ in range(L + 2)) if optimizer_mode == "overlap" else (),
         tied_head=rng.random() < 0.3,
     )
+    # each layer's own working set (a hybrid model's mix), the head's; M_G is net of the largest
+    working = [rng.choice([0.2, 1.5]) * rng.uniform(0.5, 1.0) * GB for _ in range(L)]
+    head = rng.uniform(0.0, 1.5) * GB
+    return replace(inst, working_bytes=working, head_working_bytes=head, static_working_bytes=max(*working, head))
 
 
 def with_ranks(rng: random.Random, inst: PlanningInstance, collective: str) -> PlanningInstance:

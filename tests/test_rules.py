@@ -110,16 +110,19 @@ def test_milp_plans_fit_the_simulated_device(paper_27b) -> None:
         assert peak <= cap_gb * 10**9, (cap_gb, peak, plan.placement_map())
 
 
-def test_device_rows_equal_the_simulated_device_peak() -> None:
-    """The MILP's memory rows count exactly what the simulator's arena holds: static + rows = simulated peak."""
+@pytest.mark.parametrize("model", ["qwen2.5-7b", "qwen3.6-27b", "gpt-oss-120b", "tiny-qwen3.6"])
+def test_device_rows_equal_the_simulated_device_peak(model: str) -> None:
+    """The MILP's memory rows count exactly what the simulator's arena holds: static + rows = simulated peak,
+    with each layer's own working set (hybrid models mix Gated DeltaNet and gated attention layers; GPT-OSS
+    sliding and full attention) and the head's."""
     from lazytrain.plan.plan import Plan
     from lazytrain.plan.sim import simulate
     from lazytrain.spec.cost import CostModel
     from lazytrain.spec.hardware import HardwareSpec
 
     rng = random.Random(20261202)
-    spec = ModelSpec.load("qwen2.5-7b")
-    cost = CostModel(spec, HardwareSpec.load("h800"), Workload(rng.randrange(8, 64), 1024))
+    spec = ModelSpec.load(model)
+    cost = CostModel(spec, HardwareSpec.load("h800"), Workload(rng.randrange(8, 64), rng.choice([256, 1024])))
     inst = instance_from_cost(cost, None)
     L = spec.num_layers
     plans = [rule_tiers(rule, L) for rule in RULES]

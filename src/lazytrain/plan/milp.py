@@ -21,7 +21,9 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
                 a_D p[j] on one rank; with ranks (data parallelism) the d2h chained with the group's reduce on
                 the collective lane, red[j] + a_D ceil(p[j] / g) on the device, a_D p[j] + red[j] on the host
     M_G         device bytes for activations = gpu memory cap - static device bytes (weight and gradient
-                slots, the largest working set, boundary-gradient buffers)
+                slots, the largest working set W, boundary-gradient buffers)
+    w[j], w[L]  device working set of layer j's compute (forward, recompute, backward) and of the loss head:
+                each window's row counts its own and gives back W (hybrid models mix layer kinds)
     M_C, M_N    host DRAM / NVMe bytes for offloaded activations
     B_D, B_H, B_W, B_R   d2h, h2d, NVMe write, NVMe read rates; a_X = 1 / B_X (0 for an unlimited link)
     U_F         static device bytes not yet allocated during the forward (gradient slots, boundary gradients)
@@ -37,8 +39,9 @@ Variables
     Q[k], S >= 0      the end of B_k (less the recompute windows of its own segment that run before it), the step
 
 Constraints (one `_add_<family>` each; equations repeated there)
-    path, placement, capacity (cpu, nvme), gpu_memory (forward peak and every backward segment: the transient
-    memory of recompute blocks and reload buffers, the paper's weak spot 3), windows (each T[w] at least its
+    path, placement, capacity (cpu, nvme), gpu_memory (the forward windows, the loss head and every backward
+    segment, each with its own working set: the transient memory of recompute blocks, reload buffers and
+    working sets, the paper's weak spot 3), windows (each T[w] at least its
     compute and each lane's load: weights, activations, gradients; the step S at least the sum of the windows
     and at least each optimizer-lane release plus the host work queued behind it).
 
@@ -108,6 +111,11 @@ class PlanningInstance:
     fwd_unallocated_bytes: float = 0.0  # U_F: static bytes the forward does not hold yet (gradient slots, grads)
     fwd_transient_bytes: float = 0.0  # T_F: extra device bytes in the forward beyond the boundaries
     bwd_transient_bytes: float = 0.0  # T_B: extra device bytes in the backward beyond boundaries and reloads
+    # w[j]: each layer's working set and the head's (bytes, () = none); W: the one M_G was already net of (the
+    # largest), which every window's row gives back before it counts its own
+    working_bytes: tuple[float, ...] = ()
+    head_working_bytes: float = 0.0
+    static_working_bytes: float = 0.0
     lambda_z: float = 1e-5  # s per materialized boundary (tie-breaker; above the solvers' 1e-6 tolerances)
     lambda_c: float = 1e-5  # s per cpu boundary (prefer gpu when both are free)
     lambda_n: float = 1e-4  # s per nvme boundary
@@ -135,15 +143,20 @@ class PlanningInstance:
         if self.topology.parallel and len(self.reduce_s) != L + 1:
             raise LazyTrainError(f"planning instance: {self.topology.world_size} ranks need reduce_s for the {L} "
                                  f"layers and the head ({L + 1} entries), got {len(self.reduce_s)}")
-        for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes"):
+        for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes", "working_bytes"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
-        if L < 1 or len(self.backward_s) != L or len(self.param_bytes) != L or len(self.boundary_bytes) != L + 1:
+        if not self.working_bytes:
+            object.__setattr__(self, "working_bytes", (0.0,) * L)
+        if L < 1 or len(self.backward_s) != L or len(self.param_bytes) != L or len(self.boundary_bytes) != L + 1 \
+                or len(self.working_bytes) != L:
             raise LazyTrainError(
-                f"planning instance: need L >= 1 layers with L forward/backward/param entries and L+1 boundaries, "
-                f"got {L}, {len(self.backward_s)}, {len(self.param_bytes)}, {len(self.boundary_bytes)}"
+                f"planning instance: need L >= 1 layers with L forward/backward/param/working entries and L+1 "
+                f"boundaries, got {L}, {len(self.backward_s)}, {len(self.param_bytes)}, {len(self.working_bytes)}, "
+                f"{len(self.boundary_bytes)}"
             )
-        values = [*self.forward_s, *self.backward_s, *self.boundary_bytes, *self.param_bytes, self.head_s,
-                  self.head_param_bytes, self.cpu_act_bytes, self.nvme_act_bytes]
+        values = [*self.forward_s, *self.backward_s, *self.boundary_bytes, *self.param_bytes, *self.working_bytes,
+                  self.head_s, self.head_param_bytes, self.head_working_bytes, self.static_working_bytes,
+                  self.cpu_act_bytes, self.nvme_act_bytes]
         if any(not v >= 0 for v in values):
             raise LazyTrainError("planning instance: times, bytes and budgets must be >= 0")
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
@@ -190,13 +203,34 @@ class PlanningInstance:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
         return sum(self.forward_s[s:e - 1])
 
+    # ---- device bytes of each window beyond the static ones and the gpu boundaries below it (rows' terms) ----
+    # The static bytes hold the largest working set W and two boundary-gradient buffers G = 2 max A; these terms
+    # count each window's own working set instead, so a row reads  sum A g (below) + term <= M_G + W.
+    def forward_bytes(self, j: int) -> float:
+        """F_j: its input j (whatever its tier: freed after the window), its output j+1, layer j's working set."""
+        A = self.boundary_bytes
+        return A[j] + A[j + 1] + self.working_bytes[j]
+
+    def head_bytes(self) -> float:
+        """H: boundary L, its gradient (one of the two buffers G), the head's working set."""
+        A = self.boundary_bytes
+        return 2 * A[-1] - 2 * max(A) + self.head_working_bytes
+
+    def segment_bytes(self, s: int, e: int) -> float:
+        """The backward of segment (s, e): R_j and B_j hold boundaries s..j+1 and layer j's working set (the
+        gradients and boundary e of R_j are within G); the largest over j = s..e-1."""
+        A, w = self.boundary_bytes, self.working_bytes
+        return max(sum(A[s:j + 2]) + w[j] for j in range(s, e))
+
     def min_gpu_act_bytes(self) -> float:
         """A lower bound on the M_G any plan needs: the last layer's backward holds boundaries 0, L-1 and L (and a
-        reload buffer when L > 2)."""
+        reload buffer when L > 2); the head holds boundaries 0 and L; the last forward 0, L-1 and L."""
         A, L = self.boundary_bytes, self.num_layers
-        on_device = A[0] + A[L] + (A[L - 1] if L > 1 else 0.0) + (max(A) if L > 2 else 0.0)
-        fwd = A[0] + A[L] + (A[L - 1] if L > 1 else 0.0) + self.fwd_transient_bytes - self.fwd_unallocated_bytes
-        return max(on_device + self.bwd_transient_bytes, fwd)
+        last = self.segment_bytes(L - 1, L) + (A[0] if L > 1 else 0.0) + (max(A) if L > 2 else 0.0)
+        head = A[0] + self.head_bytes()
+        fwd = (A[0] if L > 1 else 0.0) + self.forward_bytes(L - 1) + self.fwd_transient_bytes \
+            - self.fwd_unallocated_bytes
+        return max(max(last, head) + self.bwd_transient_bytes, fwd) - self.static_working_bytes
 
 
 def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optimizer_mode: str = "overlap",
@@ -235,6 +269,8 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         nvme_write_bytes_per_s=float(cost.nvme_write_bytes_per_s),
         static_device_bytes=static,
         gpu_mem_cap_bytes=float(gpu_cap),
+        working_bytes=tuple(float(w) for w in cost.working_bytes[:L]),
+        head_working_bytes=float(cost.head_working_bytes),
         optimizer_mode=optimizer_mode,
         land_s=tuple(op_seconds(Op(0, "optimizer", "land", j), cost) for j in range(L + 1)),
         embedding_s=op_seconds(Op(0, "optimizer", "embedding", 0), cost),
@@ -250,6 +286,7 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
                       embedding_reduce_s=topology.reduce_s(shapes.embedding_grad_bytes, cost.hardware))
     breakdown = cost.device_breakdown() if hasattr(cost, "device_breakdown") else {}
     fields["fwd_unallocated_bytes"] = float(breakdown.get("grad_slots", 0) + breakdown.get("boundary_grads", 0))
+    fields["static_working_bytes"] = float(breakdown.get("working_set", 0))
     fields.update(options)
     return PlanningInstance(**fields)
 
@@ -310,9 +347,10 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
     byte_fields = ("gpu_act_bytes", "head_param_bytes", "cpu_act_bytes", "nvme_act_bytes", "h2d_bytes_per_s",
                    "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "fwd_unallocated_bytes",
                    "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
-                   "embedding_grad_bytes")
+                   "embedding_grad_bytes", "head_working_bytes", "static_working_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
     changes["boundary_bytes"] = tuple(a / unit for a in inst.boundary_bytes)
+    changes["working_bytes"] = tuple(w / unit for w in inst.working_bytes)
     changes["param_bytes"] = tuple(p / unit for p in inst.param_bytes)
     return replace(inst, **changes)
 
@@ -412,42 +450,58 @@ class _Formulation:
 
     def _add_gpu_memory(self) -> None:
         """The paper's sum A g <= M_G, made exact for the schedule (weak spot 3: transient memory). The rows count
-        what the simulator's (and executor's) device accounting holds at each phase's peak, beyond the static
-        bytes (slots, the largest working set, boundary gradients) already taken out of M_G."""
+        what the simulator's (and executor's) device accounting holds at each window's peak beyond the static
+        bytes (slots, boundary gradients) with that window's own working set: M_G is net of the largest, W, so
+        every row's right side gives it back (the terms are PlanningInstance.forward_bytes, head_bytes,
+        segment_bytes)."""
         A, L, inst, m = self.inst.boundary_bytes, self.L, self.inst, self.m
-        # Forward peak (the last layer; earlier layers hold a subset for equal A): every gpu boundary below L-1,
-        # the last layer's input L-1 and output L whatever their tier (an offloaded copy is freed once its d2h is
-        # done); the gradient slots and boundary gradients are not allocated yet (U_F):
-        #   sum_{i <= L-2} A[i] g[i] + A[L-1] + A[L] + T_F <= M_G + U_F
-        const = A[L] + A[L - 1] + inst.fwd_transient_bytes - inst.fwd_unallocated_bytes
-        m.row("gpu_fwd", {self.g[i]: A[i] for i in range(0, L - 1)}, hi=inst.gpu_act_bytes - const)
+        room = inst.gpu_act_bytes + inst.static_working_bytes
+        # Forward window F_j: every gpu boundary below j, its input j and output j+1 whatever their tiers (an
+        # offloaded copy is freed once its d2h is done), layer j's working set w[j]; the gradient slots and boundary
+        # gradients are not allocated yet (U_F):
+        #   sum_{i<j} A[i] g[i] + A[j] + A[j+1] + w[j] + T_F <= M_G + W + U_F
+        # (row j is implied by a later row whose constant is at least its own: it holds a superset below)
+        top = -INF
+        for j in range(L - 1, -1, -1):
+            const = inst.forward_bytes(j) + inst.fwd_transient_bytes
+            if const > top:
+                m.row(f"gpu_fwd[{j}]", {self.g[i]: A[i] for i in range(j)},
+                      hi=room + inst.fwd_unallocated_bytes - const)
+                top = const
         # Reload buffer: in window B_s, the last of segment (s, e), the start s' of the previous segment (s', s) is
-        # reloaded into a device buffer allocated there when it is offloaded:  v[s',s] >= x[s',s] + c[s'] + n[s'] - 1.
+        # reloaded into a device buffer allocated there when it is offloaded:  v[s',s] >= x[s',s] + c[s'] + n[s'] - 1;
+        # the last segment's start (s', L) in the head window H.
         self.v = {}
         for (s0, s1), xv in self.x.items():
-            if s0 == 0 or s1 == L:
-                continue  # boundary 0 is gpu; no segment starts at L
+            if s0 == 0:
+                continue  # boundary 0 is gpu
             v = m.var(f"v[{s0},{s1}]")
             self.v[s0, s1] = v
             m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
-        # Backward of segment (s, e), at layer e-1's autograd: gpu boundaries below s, all of s..e (s reloaded or
-        # kept, s+1..e-1 recomputed, e freed only after this layer):
-        #   sum_{i<s} A[i] g[i] + sum_e x[s,e] sum_{k=s..e} A[k] + T_B <= M_G   (s < L)
-        # and in B_s, the segment's last window: gpu boundaries below s, s and s+1, the reload buffer of the
+        # Head window H: every gpu boundary below L, the last segment's start's reload buffer, boundary L, its
+        # gradient and the head's working set (head_bytes: less the boundary-gradient buffers G already static):
+        #   sum_{i<L} A[i] g[i] + sum_s A[s] v[s,L] + 2 A[L] - G + w[L] + T_B <= M_G + W
+        m.row("gpu_head", {**{self.g[i]: A[i] for i in range(L)},
+                           **{v: A[s0] for (s0, s1), v in self.v.items() if s1 == L}},
+              hi=room - inst.head_bytes() - inst.bwd_transient_bytes)
+        # Backward of segment (s, e): gpu boundaries below s, and at R_j / B_j boundaries s..j+1 (s reloaded or
+        # kept, the rest recomputed or e) with layer j's working set, the largest over j (segment_bytes):
+        #   sum_{i<s} A[i] g[i] + sum_e x[s,e] segment_bytes(s, e) + T_B <= M_G + W   (s < L)
+        # and in B_s, the segment's last window: gpu boundaries below s, s and s+1, w[s], the reload buffer of the
         # previous start (the same window as the first row when e = s+1):
-        #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G
-        # (for s not materialized the rows are implied by the rows of the segment that contains s).
+        #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1] + w[s]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G + W
+        # (for s not materialized the rows hold: the segment that contains s holds more).
         for s in range(L):
             below = {self.g[i]: A[i] for i in range(s)}
             coefs = dict(below)
             for (s2, e), xv in self.x.items():
                 if s2 == s:
-                    coefs[xv] = sum(A[s:e + 1])
-            m.row(f"gpu_bwd[{s}]", coefs, hi=inst.gpu_act_bytes - inst.bwd_transient_bytes)
+                    coefs[xv] = inst.segment_bytes(s, e)
+            m.row(f"gpu_bwd[{s}]", coefs, hi=room - inst.bwd_transient_bytes)
             buffers = {v: A[s0] for (s0, s1), v in self.v.items() if s1 == s}
             if buffers:
-                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: A[s] + A[s + 1], **buffers},
-                      hi=inst.gpu_act_bytes - inst.bwd_transient_bytes)
+                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: A[s] + A[s + 1] + inst.working_bytes[s], **buffers},
+                      hi=room - inst.bwd_transient_bytes)
 
     def _add_windows(self) -> None:
         """The step program (plan/schedule.py) in time. Each window is fenced: it lasts the longest of its compute
@@ -484,13 +538,9 @@ class _Formulation:
         land = inst.land_seconds()
         send, grad0 = self._send_seconds(aD, p)
         use_nvme = inst.nvme_act_bytes > 0
-        for (s0, s1), xv in x.items():  # v[s,L]: the last segment's start, reloaded in the head window
-            if s0 > 0 and s1 == L:
-                v = m.var(f"v[{s0},{s1}]")
-                self.v[s0, s1] = v
-                m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
-                if use_nvme:
-                    m.row(f"last_start_not_nvme[{s0}]", {self.n[s0]: 1.0, xv: 1.0}, hi=1.0)
+        for (s0, s1), xv in x.items():  # the last segment's start (reloaded in the head window) is not on nvme
+            if s0 > 0 and s1 == L and use_nvme:
+                m.row(f"last_start_not_nvme[{s0}]", {self.n[s0]: 1.0, xv: 1.0}, hi=1.0)
         self.vn = {}
         if use_nvme:
             for (s0, s1), xv in x.items():

@@ -88,22 +88,31 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
         violations.append(f"cpu activations {format_bytes(cpu_bytes)} > {format_bytes(inst.cpu_act_bytes)}")
     if nvme_bytes > inst.nvme_act_bytes * (1 + 1e-9):
         violations.append(f"nvme activations {format_bytes(nvme_bytes)} > {format_bytes(inst.nvme_act_bytes)}")
-    tol = 1e-9 * max(1.0, inst.gpu_act_bytes)
-    fwd_peak = sum(A[i] for i in range(L - 1) if g[i]) + A[L - 1] + A[L] + inst.fwd_transient_bytes
-    gpu_act_peak = fwd_peak - inst.fwd_unallocated_bytes
-    if fwd_peak > inst.gpu_act_bytes + inst.fwd_unallocated_bytes + tol:
-        violations.append(f"forward needs {format_bytes(fwd_peak)} > "
-                          f"{format_bytes(inst.gpu_act_bytes + inst.fwd_unallocated_bytes)} on the device")
+    # each window's peak beyond the static bytes (which hold the largest working set W, given back here)
+    room, W = inst.gpu_act_bytes + inst.static_working_bytes, inst.static_working_bytes
+    tol = 1e-9 * max(1.0, room)
+    gpu_act_peak = -float("inf")
+    for j in range(L):  # F_j: gpu boundaries below j, j, j+1, w[j]; the gradient buffers not yet allocated (U_F)
+        fwd_peak = sum(A[i] for i in range(j) if g[i]) + inst.forward_bytes(j) + inst.fwd_transient_bytes
+        gpu_act_peak = max(gpu_act_peak, fwd_peak - inst.fwd_unallocated_bytes - W)
+        if fwd_peak > room + inst.fwd_unallocated_bytes + tol:
+            violations.append(f"forward of layer {j} needs {format_bytes(fwd_peak)} > "
+                              f"{format_bytes(room + inst.fwd_unallocated_bytes)} on the device")
+    last_start = segments[-1][0]
+    head_peak = (sum(A[i] for i in range(L) if g[i]) + (A[last_start] if off[last_start] else 0.0)
+                 + inst.head_bytes() + inst.bwd_transient_bytes)
+    windows = [("the loss head", head_peak)]
     for k, (s, e) in enumerate(segments):
-        # B_{e-1} holds the whole segment; B_s holds s, s+1 and the buffer the previous segment's start is reloaded
+        # R_j / B_j hold boundaries s..j+1 and w[j]; B_s also the buffer the previous segment's start is reloaded
         # into (allocated in B_s, where its h2d is issued)
         reload_buffer = A[segments[k - 1][0]] if k > 0 and off[segments[k - 1][0]] else 0.0
-        peak = (sum(A[i] for i in range(s) if g[i]) + max(sum(A[s:e + 1]), A[s] + A[s + 1] + reload_buffer)
-                + inst.bwd_transient_bytes)
-        gpu_act_peak = max(gpu_act_peak, peak)
-        if peak > inst.gpu_act_bytes + tol:
-            violations.append(f"backward of segment ({s}, {e}) needs {format_bytes(peak)} > "
-                              f"{format_bytes(inst.gpu_act_bytes)} on the device")
+        below = sum(A[i] for i in range(s) if g[i])
+        peak = below + max(inst.segment_bytes(s, e), A[s] + A[s + 1] + inst.working_bytes[s] + reload_buffer)
+        windows.append((f"backward of segment ({s}, {e})", peak + inst.bwd_transient_bytes))
+    for what, peak in windows:
+        gpu_act_peak = max(gpu_act_peak, peak - W)
+        if peak > room + tol:
+            violations.append(f"{what} needs {format_bytes(peak)} > {format_bytes(room)} on the device")
     step_s, exposed_s = step_seconds(inst.program(tiers), inst.op_seconds)
     objective = (step_s + inst.lambda_z * sum(z) + inst.lambda_c * tiers.count("cpu")
                  + inst.lambda_n * tiers.count("nvme"))
