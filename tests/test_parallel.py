@@ -394,15 +394,23 @@ def test_a_bf16_gradient_is_summed_over_the_ranks_in_fp32_and_rounded_once(tmp_p
 
 
 @pytest.mark.slow
-def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path):
-    """bf16 compute, gradient accumulation 1 (the gradients land in bf16): summed over the ranks in fp32 and rounded
-    once, 2 ranks stay within bf16 rounding of one process with the global batch (measured on tiny-llama, 5 steps:
-    loss 4e-5 relative, norm 2e-3, every exported bf16 parameter within 1 bf16 ulp of ~0.1)."""
-    job = dict(JOB, model="tiny-llama", dtype="bf16", gradient_accumulation_steps=1, eval_batches=0)
+@pytest.mark.parametrize(("mode", "accumulation", "resume_at"), [("overlap", 1, None), ("serial", 2, 3)])
+def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path, mode, accumulation, resume_at):
+    """bf16 compute with fp32 masters: the node's one bf16 streamed copy, refreshed by each group's owner (after
+    its update; serial: before the step's barrier; after a resume's load), and the gradients summed over the ranks
+    in fp32 and rounded once: 2 ranks stay within bf16 rounding of one process with the global batch (measured on
+    tiny-llama, 5 steps, overlap: loss 4e-5 relative, norm 2e-3, every exported bf16 parameter within 1 bf16 ulp
+    of ~0.1). A copy left stale (not refreshed, or by a rank that did not update the group) is off in the loss."""
+    job = dict(JOB, model="tiny-llama", dtype="bf16", gradient_accumulation_steps=accumulation, eval_batches=0,
+               optimizer_mode=mode, lr_scheduler_type="constant")
     out = tmp_path / "two"
-    proc = _torchrun(_yaml(tmp_path / "job.yaml", job), out)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    for extra in ([] if resume_at is None else [dict(max_steps=resume_at)]) + [{}]:  # stopped at resume_at, resumed
+        resume = {"resume_from_checkpoint": "auto"} if (out / f"checkpoint-{resume_at}").exists() else {}
+        proc = _torchrun(_yaml(tmp_path / "job.yaml", dict(job, **extra, **resume)), out)
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    if resume_at is not None:
+        assert "resume   from" in stdout
     one = train(load_job_config(dict(job, per_device_train_batch_size=JOB["per_device_train_batch_size"] * WORLD,
                                      output_dir=str(tmp_path / "one"))))
     for a, b in zip(_rows(one.output_dir / "metrics.jsonl"), _rows(out / "metrics.jsonl"), strict=True):
@@ -410,4 +418,6 @@ def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
     expected, got = _params(one.output_dir / "checkpoint-5"), _params(out / "checkpoint-5")
     for name, value in expected.items():
-        torch.testing.assert_close(got[name].float(), value.float(), rtol=0, atol=2e-3)
+        # the export rounds each fp32 master to bf16: a master a hair across a rounding boundary is one bf16 ulp
+        # off (serial, accumulation 2: one norm weight of ~1.0 by 2^-7, in main before the shared copy too)
+        torch.testing.assert_close(got[name].float(), value.float(), rtol=2**-7, atol=2e-3)

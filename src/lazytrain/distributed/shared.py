@@ -1,11 +1,13 @@
 """One host copy of the model per node, and the host optimizer sharded over the node's ranks (docs/parallel.md).
 
 Weights. Local rank 0 of each node writes every host weight tensor into one file in /dev/shm -- the executor's
-packed layer groups where they are the parameters (fp32 compute) and every other parameter (the untied
-embedding; with bf16 compute all the fp32 master weights, while each rank keeps its own bf16 streamed copy).
+packed layer groups (the parameters themselves in fp32 compute; with bf16 compute and fp32 masters, the bf16
+streamed copy) and every other parameter (the untied embedding; with bf16 compute all the fp32 master weights).
 After a barrier every local rank maps the file (MAP_SHARED) and re-points its tensors at the mapping, which
 frees its private copies; after a second barrier the file is unlinked, so nothing outlives the run (the
-mappings stay valid until the processes end).
+mappings stay valid until the processes end). A shared bf16 streamed copy is refreshed from the masters by
+the group's owner alone, right after its update and before the fence lets another rank stream it
+(`OptimizerShard.refresh`); no rank re-packs it at the start of a step as one process does.
 
 Optimizer. Executor group i (the untied embedding, layer 0..L-1, the head) belongs to local rank
 i % local ranks. Its gradient is summed into its owners as it lands (distributed/grads.py), and the global norm
@@ -16,10 +18,11 @@ The fence that keeps a rank from streaming a group before its owner
 updated it:
   serial  a barrier after the step: no rank starts the next forward before every group's update is in.
   overlap (`GroupFence`) the owner of group i runs its update on its optimizer lane at the start of the next
-          step and then publishes the update's number in a per-group counter in the node's shared mapping; every
-          other rank's optimizer lane, at the same place in its program (before group i's forward weight h2d),
-          waits until the counter reaches that number, then refreshes its own streamed copy (bf16). The wait
-          polls; it names the owner as lost at once when its process is gone, or after `collective_timeout_s`.
+          step, refreshes the group's shared bf16 streamed copy (bf16 compute) and then publishes the update's
+          number in a per-group counter in the node's shared mapping; every other rank's optimizer lane, at the
+          same place in its program (before group i's forward weight h2d), waits until the counter reaches that
+          number. The wait polls; it names the owner as lost at once when its process is gone, or after
+          `collective_timeout_s`.
 
 Checkpoints: the other owners of node 0 lend rank 0 their optimizer states one parameter at a time, dropping their
 copies; rank 0 writes them as one state (the single process's layout) and hands them back. Resuming, every rank
@@ -47,6 +50,7 @@ from lazytrain.errors import LazyTrainError
 if TYPE_CHECKING:
     from lazytrain.distributed.ranks import Ranks
     from lazytrain.runtime.executor import Executor, GroupUpdate
+    from lazytrain.runtime.store import WeightGroup
 
 SHM_DIR = Path("/dev/shm")
 ALIGN_BYTES = 4096
@@ -59,8 +63,8 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> tuple[int, torch.Ten
     """Put this node's host weights in one shared-memory file mapped by every local rank; returns their bytes and
     the fence's words (`GroupFence`: a counter per executor group, then each local rank's pid), zeroed, in the
     same mapping."""
-    groups = [g for g in [*executor.layer_groups, executor.head_group] if g.aliased]
-    in_groups = {id(p) for g in groups for p in g.params}
+    groups = [*executor.layer_groups, executor.head_group]
+    in_groups = {id(p) for g in groups if g.aliased for p in g.params}  # (else the masters are loose)
     loose = list({id(p): p for p in executor.model.parameters() if id(p) not in in_groups}.values())
     regions = [g.buffer for g in groups] + [p.data for p in loose]
     offsets, total = [], 0
@@ -207,6 +211,7 @@ class OptimizerShard:
     owner_local: dict[int, int] = field(default_factory=dict)  # id() of every parameter -> the local rank stepping it
     shared_bytes: int = 0  # the node's shared host weights
     group_fence: GroupFence | None = None  # the overlapped optimizer's fence (None: no shared weights)
+    copies: dict[int, WeightGroup] = field(default_factory=dict)  # owned groups' shared bf16 copies, by index
     updates: int = 0  # deferred updates handed out (`deferred`), the number each publishes
 
     @classmethod
@@ -214,20 +219,27 @@ class OptimizerShard:
         mine = [i for i in range(len(executor.param_groups())) if i % ranks.local_world_size == ranks.local_rank]
         groups, names = executor.param_groups(), executor.group_names()
         shared_bytes, words = shared if shared is not None else (0, None)
+        copies = {i: g for i in mine if (g := executor.group_at(i)) is not None and g.shared_copy}
         return cls(ranks=ranks, owned={id(p) for i in mine for p in groups[i]}, owned_indices=set(mine),
                    owned_groups=[names[i] for i in mine], shared_bytes=shared_bytes,
                    owner_local={id(p): i % ranks.local_world_size for i, params in enumerate(groups) for p in params},
-                   group_fence=None if words is None else GroupFence(ranks, words, names))
+                   group_fence=None if words is None else GroupFence(ranks, words, names), copies=copies)
 
     def norm_share(self, sq_norm: float) -> float:
         """This rank's part of the step's squared gradient norm, summed over the ranks: its groups' on node 0 (the
         owners on other nodes hold the same sums)."""
         return sq_norm if self.ranks.rank < self.ranks.local_world_size else 0.0
 
+    def refresh(self, index: int) -> None:
+        """After this rank updated group `index`'s masters: its shared bf16 streamed copy from them (no-op in fp32
+        compute or bf16 masters, where the shared weights are what streams)."""
+        if (group := self.copies.get(index)) is not None:
+            group.pack(force=True)
+
     def deferred(self, update: GroupUpdate) -> GroupUpdate:
         """`update` (one step's, `Executor.defer_update`) as this rank runs it on its optimizer lane: its own
-        groups' updates, each published when in the shared weights; for every other group, the wait for its
-        owner's (after which the executor refreshes this rank's streamed copy of it)."""
+        groups' updates, each refreshing the group's shared streamed copy and then published; for every other
+        group, the wait for its owner's."""
         assert self.group_fence is not None
         self.updates += 1
         number, fence, owned = self.updates, self.group_fence, self.owned_indices
@@ -235,6 +247,7 @@ class OptimizerShard:
         def run(index: int) -> None:
             if index in owned:
                 update(index)
+                self.refresh(index)
                 fence.publish(index, number)
             else:
                 fence.wait(index, number)
@@ -256,10 +269,12 @@ class OptimizerShard:
                     for key in [k for k in state if k not in KEPT_STATE]:
                         del state[key]
 
-    def fence(self, step: int) -> None:
-        """Serial mode, after the step: every group's update is in the shared weights before any rank's next
-        forward."""
-        self.ranks.barrier(f"the updated weights of step {step}")
+    def fence(self, what: str) -> None:
+        """After this rank wrote its groups' masters (serial mode's step, a loaded checkpoint): their shared
+        streamed copies refreshed, then every rank's in the shared weights before any rank's next forward."""
+        for index in self.copies:
+            self.refresh(index)
+        self.ranks.barrier(what)
 
     def lend_states(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, object]] | None:
         """Every optimizer's state_dict with each parameter's state from the rank that owns it, on rank 0 (None

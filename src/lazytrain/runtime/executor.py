@@ -229,7 +229,8 @@ class Executor:
                 self._run_update(update, target)
 
     def _run_update(self, update: GroupUpdate, target: int) -> None:
-        """Group `target`'s update (-1 embedding, j layer, L head) and its streamed copy's refresh."""
+        """Group `target`'s update (-1 embedding, j layer, L head) and its streamed copy's refresh (a copy the
+        node's ranks share: by its owner, inside `update`)."""
         L = self.parts.num_layers
         index = self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}")
         with self.group_grads(index):  # `.grad` in the masters' dtype, this group only (runtime/store.py)
@@ -544,7 +545,7 @@ class _Step:
         ex, dev = self.ex, self.dev
         if self.update is None:  # (else each group's update refreshes its copy)
             for group in [*ex.layer_groups, ex.head_group]:
-                group.pack()  # bf16: refresh the streamed copy from the fp32 master weights
+                group.pack()  # bf16: refresh the streamed copy from the fp32 masters (a node's shared one: its owner)
         dev.reset_peak()
         self.links_before = dev.link_stats()
         self.t_start = time.perf_counter()

@@ -6,7 +6,8 @@
   views of the buffer (no second copy; the optimizer updates the buffer in place). Otherwise (bf16 compute,
   fp32 masters) the buffer is a compute-dtype copy of the fp32 master parameters, re-packed before every step:
   fused optimizers (torch's fused AdamW, our 8-bit kernel) write parameters in place without bumping tensor
-  version counters, so no cheaper staleness test is reliable.
+  version counters, so no cheaper staleness test is reliable. A copy shared by a node's ranks (`adopt`) is
+  the exception: whoever updates the group refreshes it (`pack(force=True)`) and nothing else writes it.
   Gradients land (d2h) in the group's `landing` buffer, in the compute dtype, and stay there: with one
   micro-batch per step that buffer *is* the group's gradient, and no whole-model fp32 `.grad` exists. A step
   of several micro-batches (or a tied head in bf16, whose gradient sums the LM head's and the embedding's)
@@ -71,6 +72,7 @@ class WeightGroup:
         self._host_empty = host_empty
         self.buffer = aligned_empty(offset, dtype, host_empty)
         self.aliased = all(p.dtype == dtype for p in self.params)
+        self.shared_copy = False  # a compute-dtype copy in a node's shared memory, refreshed by its owner (`adopt`)
         self._ptrs: list[int] = []
         self.pack(force=True)
         self.landing = aligned_empty(offset, dtype, host_empty)  # where the d2h writes the gradients
@@ -88,7 +90,10 @@ class WeightGroup:
     def _stale(self) -> bool:
         if self.aliased:  # parameters are views of the buffer unless someone replaced p.data
             return [p.data_ptr() for p in self.params] != self._ptrs
-        return True  # a compute-dtype copy of the fp32 master: always refresh (see the module docstring)
+        # a compute-dtype copy of the fp32 masters: always refresh (see the module docstring), unless the node's
+        # ranks share it: then its owner refreshes it after each update, and another rank's write would race
+        # the h2d of the ranks streaming it
+        return not self.shared_copy
 
     def pack(self, force: bool = False) -> bool:
         """Bring the buffer up to date with the parameters; returns whether it copied anything."""
@@ -104,12 +109,15 @@ class WeightGroup:
         return True
 
     def adopt(self, buffer: torch.Tensor) -> None:
-        """Use `buffer` (this group's packed weights already in it, e.g. a node's shared-memory copy) as the host
-        buffer from now on; fp32 parameters are re-pointed at it, so the old buffer is freed."""
+        """Use `buffer` (this group's packed weights already in it: a node's shared-memory copy) as the host
+        buffer from now on; fp32 parameters are re-pointed at it, so the old buffer is freed. A compute-dtype copy
+        of fp32 masters is from now on refreshed only by `pack(force=True)`, which its owner calls after each update
+        (distributed/shared.py)."""
         if buffer.dtype != self.dtype or buffer.numel() != self.numel:
             raise LazyTrainError(f"{self.name}: a buffer of {buffer.numel()} {buffer.dtype} elements cannot hold "
                                  f"{self.numel} {self.dtype} elements")
         self.buffer = buffer
+        self.shared_copy = not self.aliased
         if self.aliased:
             for s, p in zip(self.slots, self.params, strict=True):
                 p.data = buffer[s.offset:s.offset + s.numel].view(s.shape)

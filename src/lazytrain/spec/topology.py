@@ -103,9 +103,10 @@ ONE_RANK = Topology()  # one process: no collective ops
 
 
 # ---- host memory of a node -------------------------------------------------------------------------------
-# host_breakdown keys a node holds once in all: the weights shared by its ranks; the optimizer states, the kept
-# gradients and their fp32 sums sharded over them by layer group (distributed/shared.py, distributed/grads.py)
-SHARED_HOST = ("weights", "optimizer_states", "grads", "grad_sum")
+# host_breakdown keys a node holds once in all: the weights and the bf16 streamed copy shared by its ranks; the
+# optimizer states, the kept gradients and their fp32 sums sharded over them by layer group (distributed/shared.py,
+# distributed/grads.py)
+SHARED_HOST = ("weights", "streamed_copy", "optimizer_states", "grads", "grad_sum")
 
 
 def rank_reduce_bytes(cost: CostModel, topology: Topology) -> dict[str, int]:
@@ -118,7 +119,7 @@ def rank_reduce_bytes(cost: CostModel, topology: Topology) -> dict[str, int]:
 
 def node_host_bytes(cost: CostModel, topology: Topology, rank_activation_bytes: int = 0) -> dict[str, int]:
     """Host bytes of one node: what its ranks hold once in all (`SHARED_HOST`) and what each rank holds for itself
-    (a bf16 streamed copy, the optimizer's cast and working buffers, `rank_reduce_bytes`, and its offloaded
+    (the optimizer's cast and working buffers, `rank_reduce_bytes`, and its offloaded
     activations and NVMe staging, `rank_activation_bytes`), as the runtime allocates them.
     {"shared", "per_rank", "node"}."""
     breakdown = cost.host_breakdown()

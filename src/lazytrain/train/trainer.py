@@ -374,7 +374,7 @@ class Trainer:
                 only = None if self.shard is None else self.shard.owned  # the global norm is taken: this
                 grad_norm = optimizer_step(job, self.optimizer, ex, grad_norm=grad_norm, only=only)  # rank's groups
                 if self.shard is not None:
-                    self.shard.fence(step)
+                    self.shard.fence(f"the updated weights of step {step}")
             self.policy.applied()
             self.state.applied_steps += 1
         self.state.consecutive_skips = self.policy.consecutive
@@ -442,7 +442,7 @@ class Trainer:
                                                  optimizers=self.optimizers)
         if self.shard is not None:  # every rank loaded every state (and wrote the same weights)
             self.shard.drop_foreign_states(self.optimizers)
-            self.ranks.barrier("loading the checkpoint")
+            self.shard.fence("loading the checkpoint")
         if self.ranks is None:  # (RankBatches checks its own)
             check_world_size(data_state, 1)
         self.batches.load_state_dict(data_state)
