@@ -120,8 +120,9 @@ def test_a_node_holds_the_shared_part_once_and_each_rank_its_own() -> None:
     one = node_host_bytes(cost, Topology())
     assert one["node"] == cost.static_host_bytes()
     eight = node_host_bytes(cost, Topology(world_size=8), rank_activation_bytes=10**9)
-    # weights shared, states and kept gradients sharded (distributed/shared.py, distributed/grads.py)
-    assert eight["shared"] == hb["weights"] + hb["optimizer_states"] + hb["grads"] + hb["grad_sum"]
+    # weights and the bf16 streamed copy shared, states and kept gradients sharded (distributed/shared.py, grads.py)
+    assert eight["shared"] == (hb["weights"] + hb["streamed_copy"] + hb["optimizer_states"] + hb["grads"]
+                               + hb["grad_sum"])
     pool = 2 * max(max(cost.spec.layer_params), cost.spec.head_params) * 2  # bf16 landing buffers
     reduce = 4 * max(max(cost.spec.layer_params), cost.spec.head_params)  # the fp32 sum of a bf16 gradient
     assert eight["per_rank"] == cost.static_host_bytes() - eight["shared"] + pool + reduce + 10**9
