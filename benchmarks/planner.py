@@ -170,7 +170,7 @@ def bench_max_batch() -> None:
         sys.stdout.flush()
 
 
-RANK_LAYOUTS = ((1, 1, "device"), (8, 1, "device"), (16, 2, "device"), (16, 2, "host"))
+RANK_LAYOUTS = ((1, 1), (8, 1), (16, 2))
 RANK_INSTANCES = (("qwen3.6-27b", 72, 1024, PAPER_BUDGETS, {}),
                   ("qwen3.6-27b", 72, 1024, PAPER_BUDGETS, {"intra_node_gbps": 5.0, "inter_node_gbps": 1.0}),
                   ("qwen2.5-7b", 8, 2048, Budgets(gpu_mem_cap_bytes=30 * GB, cpu_act_bytes=40 * GB), {}))
@@ -186,8 +186,8 @@ def bench_ranks(time_limit_s: float = 120.0) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for preset, batch, seq, budgets, overrides in RANK_INSTANCES:
         base = HardwareSpec.load("h800", **overrides)
-        for world, nodes, collective in RANK_LAYOUTS:
-            topology = Topology(world_size=world, nodes=nodes, collective=collective)
+        for world, nodes in RANK_LAYOUTS:
+            topology = Topology(world_size=world, nodes=nodes)
             cost = CostModel(ModelSpec.load(preset), topology.rank_hardware(base), Workload(batch, seq))
             _, admitted_budgets = admitted(cost, budgets)
             runs = [solve_milp(cost, admitted_budgets, time_limit_s=time_limit_s, optimizer_mode="serial",
@@ -199,7 +199,7 @@ def bench_ranks(time_limit_s: float = 120.0) -> None:
             alone = alones[-1]
             alone_s = simulate(alone, cost, optimizer_mode="serial", topology=topology).step_s
             print(f"| {preset} | {base.intra_node_gbps:g} / {base.inter_node_gbps:g} | {world} / {nodes} / "
-                  f"{collective} | {tier_counts(plan.tiers)} | {statistics.median(x.report.seconds for x in runs):.2f} "
+                  f"host | {tier_counts(plan.tiers)} | {statistics.median(x.report.seconds for x in runs):.2f} "
                   f"| {r.status} | {r.options['step_s']:.3f} | {sim.step_s:.3f} | {tier_counts(alone.tiers)} | "
                   f"{statistics.median(x.report.seconds for x in alones):.2f} | {alone_s:.3f} |")
             sys.stdout.flush()

@@ -326,7 +326,7 @@ def test_a_nodes_host_bytes_are_what_plan_world_size_counts(kind: str, mode: str
     workload = Workload(3, 11, "bf16" if mode != "fp32" else "fp32")
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload, "fp32",
                      executor_layout=True, grad_accumulation=accumulation)
-    topology = Topology(world_size=world, collective="host")
+    topology = Topology(world_size=world)
     node = node_host_bytes(cost, topology)
     assert cost.host_breakdown()["optimizer_work"] == 0
     assert sum(allocated.values()) == node["node"], (allocated, cost.host_breakdown())

@@ -1,4 +1,4 @@
-"""Data parallelism in the planner: the collective lane's bytes and seconds (hand-computed), the program and the
+"""Data parallelism in the planner: the sums over the ranks, bytes and seconds (hand-computed), the program and the
 simulator with ranks, host bytes per node, and `lazytrain plan --world-size N --nodes M`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lazytrain.cli import main
 from lazytrain.config import load_job_config
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.planner import largest_feasible_batch
-from lazytrain.plan.schedule import program_for
+from lazytrain.plan.schedule import Shapes, build_program, program_for
 from lazytrain.plan.sim import simulate
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
@@ -26,31 +26,27 @@ RNG = random.Random(20261203)
 H800 = HardwareSpec.load("h800")
 
 
-def test_device_reduce_scatter_in_the_node_then_all_reduce_of_the_shard_across_nodes() -> None:
+def test_a_reduce_to_the_owner_in_the_node_then_an_all_reduce_among_the_nodes_owners() -> None:
     S = RNG.randrange(10**6, 10**9)
     one_node = Topology(world_size=8)
     assert one_node.link_bytes(S) == pytest.approx((7 / 8 * S, 0.0))
-    assert one_node.reduce_s(S, H800) == pytest.approx(7 / 8 * S / 160e9)
-    assert one_node.d2h_grad_bytes(S) == math.ceil(S / 8)
+    assert one_node.collective_s(S, H800) == pytest.approx(7 / 8 * S / 160e9)
     two_nodes = Topology(world_size=16, nodes=2)
-    assert two_nodes.reduce_s(S, H800) == pytest.approx(7 / 8 * S / 160e9 + 2 * (1 / 2) * (S / 8) / 50e9)
+    assert two_nodes.collective_s(S, H800) == pytest.approx(7 / 8 * S / 160e9 + 2 * (1 / 2) * S / 50e9)
     across = Topology(world_size=4, nodes=4)  # one GPU per node: no intra-node phase
-    assert across.reduce_s(S, H800) == pytest.approx(2 * 3 / 4 * S / 50e9)
-    assert across.d2h_grad_bytes(S) == S
+    assert across.collective_s(S, H800) == pytest.approx(2 * 3 / 4 * S / 50e9)
+    assert Topology().collective_s(S, H800) == 0.0 and not Topology().parallel
 
 
-def test_host_all_reduce_over_every_rank_on_the_slowest_link() -> None:
-    S = RNG.randrange(10**6, 10**9)
-    assert Topology(world_size=2, collective="host").reduce_s(S, H800) == pytest.approx(S / 160e9)
-    two_nodes = Topology(world_size=16, nodes=2, collective="host")
-    assert two_nodes.reduce_s(S, H800) == pytest.approx(2 * 15 / 16 * S / 50e9)
-    assert Topology(world_size=4, collective="host").d2h_grad_bytes(S) == S
-    assert Topology().reduce_s(S, H800) == 0.0 and not Topology().parallel
+def test_the_embedding_rows_are_gathered_to_the_owner_then_across_nodes() -> None:
+    S = RNG.randrange(10**5, 10**8)
+    assert Topology(world_size=8).link_bytes(S, "gather") == pytest.approx((7 * S, 0.0))
+    two_nodes = Topology(world_size=16, nodes=2)
+    assert two_nodes.collective_s(S, H800, "gather") == pytest.approx(7 * S / 160e9 + 8 * S / 50e9)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(world_size=0), "world_size"), (dict(world_size=6, nodes=4), "nodes must divide"),
-    (dict(world_size=2, collective="nvlink"), "collective"),
 ])
 def test_bad_topologies_are_one_line(kwargs: dict, match: str) -> None:
     with pytest.raises(LazyTrainError, match=match):
@@ -65,7 +61,7 @@ def test_a_hardware_file_without_link_rates_is_asked_for_them(tmp_path) -> None:
     box = HardwareSpec.load(path)
     assert box.intra_node_gbps is None
     with pytest.raises(LazyTrainError, match="no intra_node_gbps: set it in a hardware file"):
-        Topology(world_size=2).reduce_s(1000, box)
+        Topology(world_size=2).collective_s(1000, box)
     assert HardwareSpec.load("h800").intra_node_gbps == 160.0 and HardwareSpec.load("h800").inter_node_gbps == 50.0
 
 
@@ -73,44 +69,55 @@ def test_one_rank_builds_the_program_it_always_did() -> None:
     cost = synthetic(4, forward=0.1)
     plan = _plan(["gpu", "cpu", "recompute", "gpu", "gpu"])
     assert program_for(plan, cost) == program_for(plan, cost, topology=Topology(world_size=1, nodes=1))
-    assert "collective" not in simulate(plan, cost).exposed_s
+    assert not any(op.kind in ("reduce", "gather") for op in program_for(plan, cost).ops)
 
 
-@pytest.mark.parametrize("collective", ["device", "host"])
-def test_every_group_is_reduced_once_and_only_the_shard_crosses_pcie(collective: str) -> None:
+@pytest.mark.parametrize("dtype, dtype_bytes", [("fp32", 4), ("bf16", 2)])
+def test_every_group_is_summed_once_after_its_d2h_and_before_its_land(dtype: str, dtype_bytes: int) -> None:
+    """The runtime's order (distributed/grads.py): on the optimizer lane, every micro-batch, each group's reduce
+    after its gradient's d2h and before its land, in fp32; the gather of boundary 0's rows before the embedding
+    backward; the links move what one process moves."""
     L = 5
     cost = synthetic(L, forward=0.01, weight_bytes=800)
+    cost.dtype_bytes = dtype_bytes  # (the bytes stay the hand-set ones)
     cost.hardware = cost.hardware.with_overrides(intra_node_gbps=math.inf)
     plan = _plan(["gpu", "recompute", "cpu", "gpu", "recompute", "gpu"])
-    topology = Topology(world_size=4, collective=collective)
-    program = program_for(plan, cost, topology=topology)
-    reduces = [op for op in program.ops if op.lane == "collective"]
-    assert sorted(op.target for op in reduces) == [-1, *range(L + 1)]  # embedding, every layer and the head
-    grads = {op.target: op for op in program.ops if op.kind == "grads"}
-    for op in reduces:
-        if op.target >= 0:  # device: reduce before the d2h of the shard; host: after the d2h of everything
-            assert (op.index in grads[op.target].after) == (collective == "device")
-            assert grads[op.target].num_bytes == (200 if collective == "device" else 800)
+    topology = Topology(world_size=4)
+    for updates in (True, False):  # a step's first micro-batch and a later one
+        program = build_program(plan.tiers, Shapes.from_cost(cost), updates=updates, topology=topology)
+        ops = program.ops
+        reduces = [op for op in ops if op.kind == "reduce"]
+        assert sorted(op.target for op in reduces) == list(range(L + 1))  # every layer and the head, once
+        grads = {op.target: op for op in ops if op.kind == "grads"}
+        lands = {op.target: op for op in ops if op.kind == "land"}
+        for op in reduces:
+            assert op.lane == "optimizer" and op.after == (grads[op.target].index,)
+            assert lands[op.target].after == (op.index,) and op.index < lands[op.target].index
+            assert op.num_bytes == 800 // dtype_bytes * 4
+        (gather,) = [op for op in ops if op.kind == "gather"]
+        (grad0,) = [op for op in ops if op.kind == "grad0"]
+        (embedding,) = [op for op in ops if op.kind == "embedding"]
+        assert gather.lane == "optimizer" and gather.after == (grad0.index,) and embedding.after == (gather.index,)
+        assert gather.num_bytes == cost.boundary_bytes[0]
     alone = simulate(plan, cost)
     ranks = simulate(plan, cost, topology=topology)
-    d2h = alone.link_bytes["d2h"] - (L + 1) * 800
-    assert ranks.link_bytes["d2h"] == d2h + (L + 1) * (200 if collective == "device" else 800)
-    assert ranks.link_bytes["h2d"] == alone.link_bytes["h2d"]  # every rank streams every weight
+    assert ranks.link_bytes == alone.link_bytes | {"optimizer": (L + 1) * 800 // dtype_bytes * 4 + gather.num_bytes}
+    assert alone.link_bytes["optimizer"] == 0  # every rank streams and sends everything; the sums are host work
     assert ranks.step_s == pytest.approx(alone.step_s)  # every link is free here: nothing exposed
 
 
-def test_a_slow_collective_link_is_exposed_and_the_step_adds_up() -> None:
+def test_a_slow_link_queues_the_sums_on_the_optimizer_lane_and_the_step_adds_up() -> None:
     L = 3
     cost = synthetic(L, forward=0.01, weight_bytes=10**6)
-    cost.hardware = cost.hardware.with_overrides(intra_node_gbps=1e-3)  # 1 MB/s: each group's reduce ~0.5 s
+    cost.hardware = cost.hardware.with_overrides(intra_node_gbps=1e-3)  # 1 MB/s: each group's reduce 0.5 s
     plan = _plan(["gpu"] * (L + 1))
     topology = Topology(world_size=2)
-    res = simulate(plan, cost, topology=topology)
-    reduce_s = topology.reduce_s(10**6, cost.hardware)
+    res, alone = simulate(plan, cost, topology=topology), simulate(plan, cost)
+    reduce_s = topology.collective_s(10**6, cost.hardware)
     assert reduce_s == pytest.approx(0.5)
-    assert res.busy_s["collective"] == pytest.approx((L + 1) * reduce_s + topology.reduce_s(
-        cost.spec.embedding_params * cost.dtype_bytes, cost.hardware))
-    assert res.exposed_s["collective"] > 3 * reduce_s  # the backward of 3 layers takes 0.09 s: the lane dominates
+    gather_s = topology.collective_s(cost.boundary_bytes[0], cost.hardware, "gather")
+    assert res.busy_s["optimizer"] - alone.busy_s["optimizer"] == pytest.approx((L + 1) * reduce_s + gather_s)
+    assert res.exposed_s["optimizer"] > 3 * reduce_s  # the backward of 3 layers takes 0.09 s: the sums dominate
     assert res.compute_s + sum(res.exposed_s.values()) == pytest.approx(res.step_s)
 
 
@@ -136,7 +143,7 @@ def test_plan_world_size_prints_the_ranks_step_and_memory(capsys) -> None:
     args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--batch-size", "8", "--rule", "megatrain"]
     assert main([*args, "--world-size", "16", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "data parallel: 16 ranks on 2 node(s), 8 per node; gradients reduced on the device" in out
+    assert "data parallel: 16 ranks on 2 node(s), 8 per node; gradients summed on the host after the d2h" in out
     assert "links 160 GB/s in a node, 50 GB/s between nodes" in out
     assert "tok/s over 16 ranks" in out and "host per node" in out and "8 x" in out
     assert main(args) == 0

@@ -18,7 +18,7 @@ from typing import Any
 from lazytrain import jsonio
 from lazytrain.errors import LazyTrainError
 
-ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "collective")
+ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "H": "#c44e52", "h2d": "#8172b3", "d2h": "#937860",
           "nvme_read": "#da8bc3", "nvme_write": "#8c8c8c", "optimizer": "#ccb974"}
 

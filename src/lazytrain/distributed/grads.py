@@ -20,6 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from lazytrain.distributed.ranks import Ranks
+    from lazytrain.spec.topology import Topology
 
 
 class OwnerGrads:
@@ -31,6 +32,11 @@ class OwnerGrads:
         self.names = names
         self.largest_numel = largest_numel
         self.transient: torch.Tensor | None = None  # fp32, the largest group: a bf16 gradient's sum
+
+    @property
+    def topology(self) -> Topology:
+        """The ranks the step program sums over (its "reduce j" and "gather" ops run `node_sum` and `rows`)."""
+        return self.ranks.topology
 
     def owns(self, index: int) -> bool:
         return index in self.owned

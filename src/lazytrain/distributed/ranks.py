@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.spec.topology import Topology
 
 T = TypeVar("T")
 ALIVE_WAIT_S = 3.0  # how long the survivors of a failed collective wait for each other's roll call
@@ -48,6 +49,11 @@ class Ranks:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def topology(self) -> Topology:
+        """The ranks and nodes as the planner sees them."""
+        return Topology(world_size=self.world_size, nodes=self.world_size // self.local_world_size)
 
     @property
     def comm_device(self) -> torch.device:

@@ -14,7 +14,8 @@ and cost building included); `--json` is checked before any work.
 
 plans one rank of a data-parallel run (spec/topology.py): each rank gets 1/g of its node's NVMe rate and, unless
 cpu_act_bytes is set, 1/g of the host room its node has left once the shared weights and optimizer are counted;
-then the step with the collective lane, tokens/s of all ranks, PCIe bytes per rank and host bytes per node.
+then the step with the gradients summed over the ranks, tokens/s of all ranks, PCIe bytes per rank and host bytes
+per node.
 """
 
 from __future__ import annotations
@@ -120,20 +121,20 @@ def _print_max_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, de
 
 # ---- data parallelism -----------------------------------------------------------------------------------
 def _print_ranks(job: JobConfig, cost: CostModel, plan: Plan, topology: Topology) -> None:
-    """The step of one rank with the collective lane, and what each rank and each node holds."""
+    """The step of one rank with the sums over the ranks, and what each rank and each node holds."""
     hw, g = cost.hardware, topology.local_ranks
     p = predict_ranks(plan, cost, topology, optimizer_mode=job.optim.optimizer_mode)
-    where = ("on the device before the d2h (nccl: reduce-scatter in the node"
-             + (", all-reduce of the shard across nodes)" if topology.nodes > 1 else ")")
-             if topology.collective == "device" else "on the host after the d2h (gloo all-reduce)")
-    print(f"data parallel: {topology.world_size} ranks on {topology.nodes} node(s), {g} per node; gradients reduced "
-          f"{where}; links {hw.intra_node_gbps:g} GB/s in a node, {hw.inter_node_gbps:g} GB/s between nodes")
-    print(f"  step {p.step.step_s:.3f} s (this rank alone {p.alone.step_s:.3f} s), collective lane busy "
-          f"{p.step.busy_s['collective']:.3f} s, exposed {p.step.exposed_s['collective']:.3f} s; "
+    where = "a reduce to the owner in the node" + (", an all-reduce among the nodes' owners" if topology.nodes > 1
+                                                   else "")
+    print(f"data parallel: {topology.world_size} ranks on {topology.nodes} node(s), {g} per node; gradients summed "
+          f"on the host after the d2h ({where}, fp32); links {hw.intra_node_gbps:g} GB/s in a node, "
+          f"{hw.inter_node_gbps:g} GB/s between nodes")
+    print(f"  step {p.step.step_s:.3f} s (this rank alone {p.alone.step_s:.3f} s), the sums {p.reduce_s:.3f} s on the "
+          f"optimizer lane (exposed with it: {p.step.exposed_s['optimizer']:.3f} s); "
           f"{p.tokens_per_s:,.0f} tok/s over {topology.world_size} ranks "
           f"({p.tokens_per_s / p.alone.tokens_per_s:.2f}x one rank alone)")
     print(f"  per rank and step: PCIe h2d {format_bytes(p.step.link_bytes['h2d'])}, "
-          f"d2h {format_bytes(p.step.link_bytes['d2h'])}; collective sends {format_bytes(p.intra_node_bytes)} in the "
+          f"d2h {format_bytes(p.step.link_bytes['d2h'])}; the sums move {format_bytes(p.intra_node_bytes)} in the "
           f"node, {format_bytes(p.inter_node_bytes)} across nodes; device peak "
           f"{format_bytes(p.step.peak_bytes['gpu'])}")
     limit = hw.host_mem_bytes if job.plan.cpu_mem_bytes is None else job.plan.cpu_mem_bytes
@@ -207,7 +208,7 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     else:
         print(f"step: MILP {milp_s:.3f} s, simulated {own.step_s:.3f} s "
               f"({100 * (milp_s - own.step_s) / own.step_s:+.2f}%)")
-    print("prediction (simulator" + (f", one rank of {topology.world_size} with the collective lane):"
+    print("prediction (simulator" + (f", one rank of {topology.world_size}, the sums over the ranks in its step):"
                                      if topology.parallel else "):"))
     print(f"  {'plan':<16} {'optimizer':<9} {'step s':>8} {'TFLOPS':>7} {'tok/s':>8} {'peak gpu':>10}  exposed")
     for name, mode, res in rows:

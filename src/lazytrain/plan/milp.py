@@ -15,11 +15,10 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
     rho[j]      forward time of layer j             beta[j]   autograd re-forward + backward time of layer j
     rho[L]      loss head time (forward+backward)   A[i]      bytes of boundary i
     p[j]        weight (= gradient) bytes of layer j; p[L] the loss head's
-    land[j]     optimizer-lane job of group j's gradients (accumulation into .grad; in overlap mode also the
-                group's optimizer step); land[L] the head's
+    land[j]     optimizer-lane jobs of group j's gradients: accumulation into .grad, preceded with ranks (data
+                parallelism) by the group's sum over the ranks red[j]; land[L] the head's
     d[j]        seconds from the start of the window that sends group j's gradients to the release of land[j]:
-                a_D p[j] on one rank; with ranks (data parallelism) the d2h chained with the group's reduce on
-                the collective lane, red[j] + a_D ceil(p[j] / g) on the device, a_D p[j] + red[j] on the host
+                a_D p[j]
     M_G         device bytes for activations = gpu memory cap - static device bytes (weight and gradient
                 slots, the largest working set W, boundary-gradient buffers)
     w[j], w[L]  device working set of layer j's compute (forward, recompute, backward) and of the loss head:
@@ -130,13 +129,12 @@ class PlanningInstance:
     # (embedding, layers 0..L-1, head; sim.update_seconds), run in forward order (schedule.update_order)
     update_s: tuple[float, ...] = ()
     tied_head: bool = False  # the head's group owns the embedding: its update goes first
-    # data parallelism (spec/topology.py): every group's gradient is reduced over the ranks on the collective
-    # lane, reduce_s[j] seconds for groups j = 0..L-1 and the head (L); the embedding's gradient (made on the
-    # host, embedding_grad_bytes) in embedding_reduce_s after its optimizer-lane job. One rank: none of this.
+    # data parallelism (spec/topology.py): every group's gradient is summed over the ranks on the optimizer lane
+    # before its land, reduce_s[j] seconds for groups j = 0..L-1 and the head (L); boundary 0's gradient rows are
+    # gathered to the embedding's owners (gather_s) before the embedding backward. One rank: none of this.
     topology: Topology = ONE_RANK
     reduce_s: tuple[float, ...] = ()
-    embedding_grad_bytes: float = 0.0
-    embedding_reduce_s: float = 0.0
+    gather_s: float = 0.0
 
     def __post_init__(self) -> None:
         L = len(self.forward_s)
@@ -178,9 +176,8 @@ class PlanningInstance:
         if op.lane in LINK_RATES:
             rate = getattr(self, LINK_RATES[op.lane])
             return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
-        if op.lane == "collective":
-            return self.embedding_reduce_s if op.target < 0 else self.reduce_s[op.target]
         return {"land": lambda: self.land_seconds()[op.target], "embedding": lambda: self.embedding_s,
+                "reduce": lambda: self.reduce_s[op.target], "gather": lambda: self.gather_s,
                 "step": lambda: self.optimizer_step_s, "update": lambda: self.update_s[op.target + 1]}[op.kind]()
 
     def program(self, tiers: Sequence[str]) -> StepProgram:
@@ -189,15 +186,9 @@ class PlanningInstance:
         shapes = Shapes(boundary_bytes=tuple(round(a) for a in self.boundary_bytes),
                         param_bytes=tuple(round(p) for p in self.param_bytes),
                         head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0,
-                        tied_head=self.tied_head, embedding_grad_bytes=round(self.embedding_grad_bytes))
+                        tied_head=self.tied_head)
         return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode, updates=bool(self.update_s),
                              topology=self.topology)
-
-    def grad_d2h_bytes(self) -> tuple[int, ...]:
-        """Bytes of group j's gradients (j = 0..L, L the head) that the d2h moves: all of them, or this rank's
-        shard when the ranks reduce on the device (the program's bytes: rounded, then split)."""
-        return tuple(self.topology.d2h_grad_bytes(round(b)) if self.topology.parallel else round(b)
-                     for b in (*self.param_bytes, self.head_param_bytes))
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
@@ -240,9 +231,9 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
     M_G = (budgets.gpu_mem_cap_bytes or the device's memory) - cost.static_device_bytes(); M_C = cpu activation
     budget (None = unlimited); M_N = nvme activation budget (None = unlimited, 0 = no nvme tier).
     U_F = the gradient slots and boundary-gradient buffers, which the schedule allocates only at the loss head.
-    The optimizer-lane seconds are the simulator's for `optimizer_mode`; the collective lane's (`topology` of
-    more than one rank) the simulator's for the program's bytes. `options` override PlanningInstance fields
-    (e.g. lambda_z).
+    The optimizer-lane seconds are the simulator's for `optimizer_mode`, with (`topology` of more than one rank)
+    each group's sum over the ranks as the simulator times the program's bytes. `options` override
+    PlanningInstance fields (e.g. lambda_z).
     """
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
@@ -281,9 +272,9 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
     if topology.parallel:  # the program's bytes (Shapes.from_cost), timed as the simulator times them
         shapes = Shapes.from_cost(cost)
         groups = (*shapes.param_bytes, shapes.head_param_bytes)
-        fields.update(topology=topology, reduce_s=tuple(topology.reduce_s(b, cost.hardware) for b in groups),
-                      embedding_grad_bytes=float(shapes.embedding_grad_bytes),
-                      embedding_reduce_s=topology.reduce_s(shapes.embedding_grad_bytes, cost.hardware))
+        fields.update(topology=topology,
+                      reduce_s=tuple(topology.collective_s(shapes.reduce_bytes(b), cost.hardware) for b in groups),
+                      gather_s=topology.collective_s(shapes.boundary_bytes[0], cost.hardware, "gather"))
     breakdown = cost.device_breakdown() if hasattr(cost, "device_breakdown") else {}
     fields["fwd_unallocated_bytes"] = float(breakdown.get("grad_slots", 0) + breakdown.get("boundary_grads", 0))
     fields["static_working_bytes"] = float(breakdown.get("working_set", 0))
@@ -347,7 +338,7 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
     byte_fields = ("gpu_act_bytes", "head_param_bytes", "cpu_act_bytes", "nvme_act_bytes", "h2d_bytes_per_s",
                    "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "fwd_unallocated_bytes",
                    "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
-                   "embedding_grad_bytes", "head_working_bytes", "static_working_bytes")
+                   "head_working_bytes", "static_working_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
     changes["boundary_bytes"] = tuple(a / unit for a in inst.boundary_bytes)
     changes["working_bytes"] = tuple(w / unit for w in inst.working_bytes)
@@ -358,10 +349,6 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
 class _Formulation:
     def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None) -> None:
         self.unit = max(max(inst.boundary_bytes), 1.0)  # bytes per model unit
-        parallel = inst.topology.parallel
-        self.grad_d2h = tuple(b / self.unit for b in inst.grad_d2h_bytes()) if parallel else ()
-        # the embedding's reduce runs only when the program has one (its bytes, before scaling)
-        self.embedding_reduce_s = inst.embedding_reduce_s if parallel and round(inst.embedding_grad_bytes) else 0.0
         inst = _scaled(inst, self.unit)
         self.inst, self.K, self.L = inst, max_segment, inst.num_layers
         self.m = _Model()
@@ -520,14 +507,12 @@ class _Formulation:
 
         The step: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
         Q[L] = start + sum_j T[F_j] + T[H], Q[k] = Q[k+1] + T[B_k] + T[R_k]. The optimizer lane is a FIFO queue:
-        group k's job (land[k]) is released when its gradients' d2h (and reduce) ends, d[k] after the end of B_k
-        (of H for the head), and the groups arrive in the order L, L-1, .., 0, then the embedding backward
-        (released d0 after the end window starts, when boundary 0's gradient d2h, queued behind B_0's gradients,
-        ends), then with ranks the embedding gradient's reduce (red_emb; the collective lane is free by then).
-        So the step S is at least each release plus the work queued from there on (emb = the embedding
-        backward + red_emb):
-          S >= Q[0] + d0 + emb,   d0 = a_D (p[0] + A[0]); with ranks (red[0] on the device) + a_D (d2h bytes
-                                  of group 0 + A[0])
+        group k's jobs (land[k], with ranks red[k] + its land) are released when its gradients' d2h ends, d[k]
+        after the end of B_k (of H for the head), and the groups arrive in the order L, L-1, .., 0, then the
+        embedding backward (released d0 after the end window starts, when boundary 0's gradient d2h, queued behind
+        B_0's gradients, ends; with ranks after the gather of every rank's rows, gath). So the step S is at least
+        each release plus the work queued from there on (emb = gath + the embedding backward):
+          S >= Q[0] + d0 + emb,   d0 = a_D (p[0] + A[0])
           S >= Q[k] + sum_{j=s..k-1} T[R_j] + d[k] + sum_{k' <= k} land[k'] + emb - M (1 - sum_{e>k} x[s,e])
         for every s <= k that may start B_k's segment (s = k needs no M: the sum is empty). In serial mode the
         whole optimizer step follows: the objective's offset."""
@@ -536,7 +521,9 @@ class _Formulation:
         aW, aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
         p = [*inst.param_bytes, inst.head_param_bytes]  # p[L]: the loss head
         land = inst.land_seconds()
-        send, grad0 = self._send_seconds(aD, p)
+        if inst.topology.parallel:  # each group's sum over the ranks, queued before its land
+            land = tuple(a + r for a, r in zip(land, inst.reduce_s, strict=True))
+        send, grad0 = [aD * p[k] for k in range(L + 1)], aD * (p[0] + A[0])
         use_nvme = inst.nvme_act_bytes > 0
         for (s0, s1), xv in x.items():  # the last segment's start (reloaded in the head window) is not on nvme
             if s0 > 0 and s1 == L and use_nvme:
@@ -618,7 +605,7 @@ class _Formulation:
         for k in range(L):
             m.row(f"Q[{k}]", {Q[k]: 1.0, Q[k + 1]: -1.0, B[k]: -1.0, **({R[k]: -1.0} if k < L - 1 else {})}, 0, 0)
         S = self.S = m.var("S", cost=1.0)
-        emb = inst.embedding_s + self.embedding_reduce_s  # the embedding backward, then (ranks) its reduce
+        emb = inst.gather_s + inst.embedding_s  # (ranks: every rank's rows gathered) the embedding backward
         m.row("S_end", {S: 1.0, Q[0]: -1.0}, lo=grad0 + emb)
         queued = [sum(land[:k + 1]) + emb for k in range(L + 1)]  # work queued from group k on (k = L: all)
         for k in range(L + 1):
@@ -635,20 +622,6 @@ class _Formulation:
                     coefs[xv] = -M
                 m.row(f"S_land[{k},{s}]", coefs, lo=send[k] + queued[k] - M)
         m.offset = inst.optimizer_step_s if inst.optimizer_mode == "serial" else 0.0
-
-    def _send_seconds(self, aD: float, p: list[float]) -> tuple[list[float], float]:
-        """Seconds from the start of the window that sends group k's gradients (k = 0..L) to the release of its
-        optimizer-lane job, and from the end window's start to the release of the embedding backward (boundary
-        0's gradient d2h queues behind B_0's gradients in the FIFO d2h lane). One rank: the d2h. Several: the
-        d2h chained with the group's reduce on the collective lane, both fenced in the window -- on the device
-        the reduce first and the d2h of this rank's shard after it; on the host the whole d2h first."""
-        inst, A = self.inst, self.inst.boundary_bytes
-        if not inst.topology.parallel:
-            return [aD * p[k] for k in range(self.L + 1)], aD * (p[0] + A[0])
-        d2h = [aD * b for b in self.grad_d2h]
-        send = [d + r for d, r in zip(d2h, inst.reduce_s, strict=True)]
-        before = inst.reduce_s[0] if inst.topology.collective == "device" else 0.0
-        return send, before + d2h[0] + aD * A[0]
 
 
 # ---- solvers ----------------------------------------------------------------------------------------
@@ -811,8 +784,8 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
                  "num_binaries": sum(m.integer), "fixed_tiers": fixed_tiers is not None,
                  "build_s": round(sum(form.build_s.values()), 4), "step_s": step_s,
                  "optimizer_mode": inst.optimizer_mode,
-                 **({"world_size": inst.topology.world_size, "nodes": inst.topology.nodes,
-                     "collective": inst.topology.collective} if inst.topology.parallel else {})},
+                 **({"world_size": inst.topology.world_size, "nodes": inst.topology.nodes}
+                    if inst.topology.parallel else {})},
     )
     return MilpSolution(tiers=tiers, transfers=plan_transfers(tiers, inst), report=report, step_s=step_s)
 

@@ -11,9 +11,9 @@ and the same planner (train's cost model is calibrated on its device; plan's is 
 
 Data parallelism (`job.parallel`, spec/topology.py): every rank runs the same plan on its own rows, so the
 planner plans one rank -- `rank_inputs` is the lines above for one rank of the job's topology (its hardware
-share, its budgets) and `make_plan(..., topology=...)` puts the collective lane in the MILP's step. The batch
-is per rank (`per_device_train_batch_size`), device memory is per rank; `global_batch` names the rows of one
-optimizer step over all ranks.
+share, its budgets) and `make_plan(..., topology=...)` puts the gradients' sums over the ranks in the MILP's
+step. The batch is per rank (`per_device_train_batch_size`), device memory is per rank; `global_batch` names
+the rows of one optimizer step over all ranks.
 
 `Deadline` bounds the whole planning wall time (building the model, the cost model and the MILP included):
 the solver gets what is left after the build, and a build that runs past the limit is stopped with one line.
@@ -133,7 +133,7 @@ def rank_inputs(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_s
     """One rank of the job's run at `batch_size` rows per rank: its topology, its cost model (its share of the
     node's NVMe rate), admission and budgets (its share of the node's host room) -- for `lazytrain plan`, the
     largest-batch search and `per_device_train_batch_size: auto` alike. One rank: the one-process inputs."""
-    topology = topology_of(job, hardware)
+    topology = topology_of(job)
     cost = cost_model(job, spec, topology.rank_hardware(hardware), batch_size)
     admission, budgets = admitted(cost, rank_budgets(default_budgets(job.plan, cost), cost, topology))
     return topology, cost, admission, budgets
@@ -183,7 +183,7 @@ def make_plan(options: PlanConfig, cost: CostModel, budgets: Budgets, *, feasibi
     A rule's tiers are checked against the same constraints; `strict_rules` refuses one that does not fit
     (train passes False when the cap is its own default and gives the device the rule's peak instead).
     `feasibility_only`: any incumbent will do (the largest-batch search). The MILP's step is for the job's
-    `optimizer_mode`, on one rank of `topology` (its collective lane in the step).
+    `optimizer_mode`, on one rank of `topology` (the sums over the ranks in its step).
     """
     if options.planner in RULES:
         plan = make_rule_plan(options.planner, cost.spec, interval=options.interval, workload=cost.workload)

@@ -2,7 +2,7 @@
 node's memory -- what `lazytrain plan --world-size N --nodes M` prints and benchmarks/scaling.py tabulates.
 
 Every rank runs the same plan on its share of the global batch (`per_device_train_batch_size` rows), so one
-rank's simulated step, with the collective lane, is the step of the run.
+rank's simulated step, with each group's gradient summed over the ranks on its optimizer lane, is the step of the run.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import program_for
-from lazytrain.plan.sim import SimResult, simulate
+from lazytrain.plan.sim import SimResult, op_seconds, simulate
 from lazytrain.spec.topology import Topology, node_host_bytes, rank_host_room
 from lazytrain.units import format_bytes
 
@@ -21,15 +21,11 @@ if TYPE_CHECKING:
     from lazytrain.plan.budgets import Budgets
     from lazytrain.plan.plan import Plan
     from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
 
 
-def topology_of(job: JobConfig, hardware: HardwareSpec) -> Topology:
-    """The job's ranks and nodes; gradients reduced on the device (nccl) on a GPU, on the host (gloo) on the
-    emulated device or with backend gloo -- as `lazytrain train` picks its backend."""
-    emulated = hardware.name.startswith("emulated")
-    collective = "host" if emulated or job.parallel.backend == "gloo" else "device"
-    return Topology(world_size=job.parallel.world_size, nodes=job.parallel.nodes, collective=collective)
+def topology_of(job: JobConfig) -> Topology:
+    """The job's ranks and nodes."""
+    return Topology(world_size=job.parallel.world_size, nodes=job.parallel.nodes)
 
 
 def rank_budgets(budgets: Budgets, cost: CostModel, topology: Topology) -> Budgets:
@@ -50,15 +46,16 @@ def rank_budgets(budgets: Budgets, cost: CostModel, topology: Topology) -> Budge
 
 @dataclass(frozen=True)
 class RanksPrediction:
-    """One rank's simulated step with the collective lane, beside the same rank alone (no collective)."""
+    """One rank's simulated step with the sums over the ranks, beside the same rank alone (none)."""
 
     topology: Topology
-    step: SimResult  # with the collective lane
+    step: SimResult  # with the sums over the ranks on the optimizer lane
     alone: SimResult  # the same plan and cost, one process
     tokens_per_s: float  # over all ranks
     pcie_bytes: int  # this rank's h2d + d2h bytes per step
-    intra_node_bytes: float  # what this rank sends per step on the collective lane, in the node
+    intra_node_bytes: float  # what this rank moves per step to sum the gradients over the ranks, in the node
     inter_node_bytes: float  # ... and across nodes
+    reduce_s: float  # seconds of those sums on the optimizer lane
     host: dict[str, int]  # node_host_bytes: shared, per_rank, node (with this rank's offloaded activations)
 
     @property
@@ -70,13 +67,14 @@ class RanksPrediction:
 def predict_ranks(plan: Plan, cost: CostModel, topology: Topology, *, optimizer_mode: str) -> RanksPrediction:
     step = simulate(plan, cost, optimizer_mode=optimizer_mode, topology=topology)
     alone = simulate(plan, cost, optimizer_mode=optimizer_mode)
-    intra = inter = 0.0
+    intra = inter = reduce_s = 0.0
     for op in program_for(plan, cost, optimizer_mode=optimizer_mode, topology=topology).ops:
-        if op.lane == "collective":
-            a, b = topology.link_bytes(op.num_bytes)
+        if op.kind in ("reduce", "gather"):
+            a, b = topology.link_bytes(op.num_bytes, op.kind)
             intra, inter = intra + a, inter + b
+            reduce_s += op_seconds(op, cost, topology)
     host = node_host_bytes(cost, topology, step.peak_bytes["cpu"] - cost.static_host_bytes())
     return RanksPrediction(topology=topology, step=step, alone=alone,
                            tokens_per_s=topology.world_size * cost.workload.tokens / step.step_s,
                            pcie_bytes=step.link_bytes["h2d"] + step.link_bytes["d2h"], intra_node_bytes=intra,
-                           inter_node_bytes=inter, host=host)
+                           inter_node_bytes=inter, reduce_s=reduce_s, host=host)

@@ -10,8 +10,8 @@ of *actions* in the order the host thread performs them:
     alloc/free device bytes of one buffer appear / go (the arena counts them at this program point)
 
 Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: the previous step's group updates,
-then this step's gradient accumulation into `.grad`), collective (data parallelism: each group's gradient summed
-over the ranks, spec/topology.py; only in programs built for a Topology of > 1 rank).
+then this step's gradient accumulation into `.grad`; with ranks also each group's sum over the ranks,
+spec/topology.py).
 
 Optimizer modes. "overlap" (overlapped-exact, the default; it clips): the global gradient norm and the
 non-finite check need every gradient, so a step's update runs at the start of the NEXT step on the optimizer
@@ -56,11 +56,11 @@ release times is also exactly linear.
             gradient, constants and slots.
             Mode "serial": then the optimizer step of every group on the optimizer lane, waited for
             (MegaTrain's code; the executor leaves it to its caller).
-  ranks     (Topology.world_size > 1) every group's gradient is reduced on the collective lane, in the window
-            that sends it: collective "device" -- before its d2h, which then moves this rank's shard only;
-            "host" -- after its d2h, before its optimizer-lane job. The embedding's (made on the host) after its
-            job, in the end window. The fence waits for the reduce before the d2h, so its seconds are charged
-            to the collective lane.
+  ranks     (Topology.world_size > 1; distributed/grads.py) every micro-batch, each group's landed gradient is
+            summed into its owners by a "reduce j" op on the optimizer lane, after its d2h and before its land
+            (its bytes in fp32), and boundary 0's gradient rows are gathered to the embedding's owners by a
+            "gather" op before the embedding backward. Like every optimizer-lane job they are not fenced: the
+            backward runs on while they queue.
 
 Transfer windows (what `Plan.transfers` records): the d2h of boundary i in F_i, its nvme write in F_{i+1} (H
 for i = L-1), its nvme read in B_{e+1} (H for e = L-1) and its h2d in B_e, with (i, e) its segment; the last
@@ -73,12 +73,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.topology import ONE_RANK, Topology
+from lazytrain.spec.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 
 if TYPE_CHECKING:
     from lazytrain.spec.cost import CostModel
 
-LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "collective")
+LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 STALL_LANES = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 OPTIMIZER_MODES = ("overlap", "serial")
 OFFLOADED = ("cpu", "nvme")
@@ -96,7 +96,7 @@ class Shapes:
     head_working_bytes: int
     constant_bytes: int = 0  # rotary cos/sin, positions, attention masks of the step
     tied_head: bool = False  # the head's group owns the embedding (tied LM head): its update precedes boundary 0
-    embedding_grad_bytes: int = 0  # the input embedding's gradient (made on the host), reduced across ranks
+    dtype_bytes: int = 4  # of the compute dtype: the ranks sum a gradient in fp32 (REDUCE_DTYPE_BYTES per element)
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
@@ -125,7 +125,11 @@ class Shapes:
                    head_working_bytes=int(cost.head_working_bytes),
                    constant_bytes=int(cost.constant_device_bytes),
                    tied_head=bool(cost.spec.tie_word_embeddings),
-                   embedding_grad_bytes=int(cost.spec.embedding_params * cost.dtype_bytes))
+                   dtype_bytes=int(cost.dtype_bytes))
+
+    def reduce_bytes(self, grad_bytes: int) -> int:
+        """Bytes the ranks sum for a gradient of `grad_bytes` in the compute dtype (fp32: spec/topology.py)."""
+        return grad_bytes // self.dtype_bytes * REDUCE_DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ class StepProgram:
     actions: tuple[Action, ...]
     optimizer_mode: str
     uses: tuple[tuple[str, int], ...]  # weight use u -> (kind, layer); the head's layer is L
-    topology: Topology = ONE_RANK  # the ranks the collective ops reduce over (one: no collective ops)
+    topology: Topology = ONE_RANK  # the ranks the reduce ops sum over (one: none)
 
     def device_peak_bytes(self) -> int:
         """The high-water mark of the alloc/free actions (link speeds do not move it)."""
@@ -294,18 +298,15 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
                                after=(fence_update,), use=u)
 
     def send_grads() -> None:
-        """d2h of the last gradient-producing use's gradients (in this window), then their optimizer-lane job,
-        which queues behind the earlier ones and is not fenced."""
+        """d2h of the last gradient-producing use's gradients (in this window), then their optimizer-lane jobs
+        (with ranks the sum over the ranks, then the land), which queue behind the earlier ones, not fenced."""
         if not grads:
             return
         j, nbytes = grads.pop()
-        if topology.parallel and topology.collective == "device":  # reduce-scatter, then the d2h of the shard
-            reduce = issue("collective", "reduce", j, nbytes)
-            landed = issue("d2h", "grads", j, topology.d2h_grad_bytes(nbytes), after=(reduce,))
-        else:
-            landed = issue("d2h", "grads", j, nbytes)
-            if topology.parallel:  # on the host, once the whole gradient is there
-                landed = issue("collective", "reduce", j, nbytes, after=(landed,))
+        landed = issue("d2h", "grads", j, nbytes)
+        if topology.parallel:  # summed into the group's owners once the whole gradient is on the host
+            landed = b.issue("optimizer", "reduce", j, shapes.reduce_bytes(nbytes), after=(landed,))
+            landing.append(landed)
         landing.append(b.issue("optimizer", "land", j, after=(landed,)))
 
     def reload(s: int) -> None:
@@ -408,9 +409,10 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     # ---- end: the last gradients, the embedding backward on the host -------------------------------------
     send_grads()
     grad0 = issue("d2h", "grad0", 0, A[0])
+    if topology.parallel:  # every rank's boundary-0 gradient rows to the embedding's owners
+        grad0 = b.issue("optimizer", "gather", 0, A[0], after=(grad0,))
+        landing.append(grad0)
     landing.append(b.issue("optimizer", "embedding", 0, after=(grad0,)))
-    if topology.parallel and shapes.embedding_grad_bytes:
-        landing.append(b.issue("collective", "reduce", -1, shapes.embedding_grad_bytes, after=(landing[-1],)))
     fence()
     for op in landing:
         b.wait(op)

@@ -18,9 +18,9 @@ lane serialization (updates and accumulations share the one FIFO optimizer lane)
 the compute thread or the links through shared memory bandwidth or cores (on the emulated device they share
 the CPU), and the bf16 copy refresh as its own cost (it is part of the measured update).
 
-A program built for several ranks (spec/topology.py) has a seventh lane, *collective*: each group's gradient
-reduction, its seconds the topology's ring bytes over the hardware's intra-/inter-node rates; every rank runs
-the same program, so one rank's timeline is the step's.
+A program built for several ranks (spec/topology.py) sums each group's gradient over the ranks on the optimizer
+lane ("reduce j" before "land j", "gather" before the embedding backward), its seconds the topology's bytes over
+the hardware's intra-/inter-node rates; every rank runs the same program, so one rank's timeline is the step's.
 
 Memory. Device bytes change at the program's alloc/free actions, so the device peak does not depend on link
 speeds and equals `StepProgram.device_peak_bytes` and the executor's arena. Host: the static host bytes plus
@@ -39,8 +39,7 @@ from lazytrain.plan.schedule import OPTIMIZER_MODES, STALL_LANES, Op, StepProgra
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.topology import ONE_RANK, Topology
 
-STREAMS = ("compute", *STALL_LANES, "collective")
-STALL_STREAMS = (*STALL_LANES, "collective")
+STREAMS = ("compute", *STALL_LANES)
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class _Replay:
     now: float = 0.0
     free_at: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STREAMS, 0.0))
     jobs: list[_Job] = field(default_factory=list)
-    exposed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STALL_STREAMS, 0.0))
+    exposed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STALL_LANES, 0.0))
     level: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "nvme": 0})
     peak: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "nvme": 0})
     trace: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: {"gpu": [], "cpu": [], "nvme": []})
@@ -134,10 +133,10 @@ def _seconds(num_bytes: float, bytes_per_s: float) -> float:
 
 def op_seconds(op: Op, cost: CostModel, topology: Topology = ONE_RANK) -> float:
     """Seconds of one program op on `cost` (link ops: bytes over the link rate; host ops: gradient accumulation,
-    one group's optimizer update, or the whole serial step; collective ops: the topology's reduction)."""
+    one group's optimizer update, the whole serial step, or with ranks a group's sum over them)."""
     c, k, j = cost, op.kind, op.target
-    if op.lane == "collective":
-        return topology.reduce_s(op.num_bytes, c.hardware)
+    if k in ("reduce", "gather"):
+        return topology.collective_s(op.num_bytes, c.hardware, k)
     if op.lane == "compute":
         return {"forward": c.forward_s, "recompute": c.forward_s, "backward": c.backward_s}[k][j] if k != "head" \
             else c.head_s
@@ -189,7 +188,7 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
             link_bytes[job.stream] += job.num_bytes
     events = tuple(Event(j.stream, j.name, j.start, j.end, j.num_bytes) for j in sorted(r.jobs, key=lambda j: j.start))
     return SimResult(step_s=step_s, forward_backward_s=forward_backward_s, compute_s=busy["compute"],
-                     tflops=cost.tflops(step_s), tokens_per_s=cost.tokens_per_s(step_s), exposed_s=_exposed(r, program),
+                     tflops=cost.tflops(step_s), tokens_per_s=cost.tokens_per_s(step_s), exposed_s=dict(r.exposed),
                      busy_s=busy, peak_bytes=dict(r.peak), memory_trace=r.trace, events=events,
                      optimizer_mode=program.optimizer_mode, host_activation_bytes=host_activation,
                      link_bytes=link_bytes)
@@ -199,12 +198,7 @@ def step_seconds(program: StepProgram, seconds_of: Callable[[Op], float]) -> tup
     """The step seconds and per-lane exposed seconds of `program` with op times from `seconds_of` (the same
     replay as `simulate`; the planner's tests time programs of plain-number instances with it)."""
     r, _, _ = _replay(program, seconds_of, 0)
-    return r.now, _exposed(r, program)
-
-
-def _exposed(r: _Replay, program: StepProgram) -> dict[str, float]:
-    """Exposed seconds per lane; the collective lane only in a program of several ranks."""
-    return {k: v for k, v in r.exposed.items() if k != "collective" or program.topology.parallel}
+    return r.now, dict(r.exposed)
 
 
 def _replay(program: StepProgram, seconds_of: Callable[[Op], float], static_host_bytes: int

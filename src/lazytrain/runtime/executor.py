@@ -46,6 +46,7 @@ from lazytrain.runtime.hf import (
 from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
 from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.spec.workload import Workload
 
 OFFLOADED = ("cpu", "nvme")
@@ -56,7 +57,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 class GradReducer(Protocol):
     """Data parallelism (distributed/grads.py): each group's gradient summed over the ranks into its owners, micro-
-    batch by micro-batch as it lands, on the optimizer lane in program order (collectives: every rank calls)."""
+    batch by micro-batch as it lands, on the optimizer lane in program order (collectives: every rank calls): the
+    program's "reduce j" and "gather" ops (plan/schedule.py)."""
+
+    topology: Topology  # the ranks the step program sums over
 
     def node_sum(self, index: int, landing: torch.Tensor) -> torch.Tensor | None:
         """The sum over the ranks of group `index`'s landed micro-batch gradient on its owners, None elsewhere."""
@@ -340,6 +344,7 @@ class Executor:
             head_working_bytes=head_working,
             constant_bytes=self.rotary.constant_bytes(batch, seq_len, dtype_bytes, masked),
             tied_head=self.parts.tied,
+            dtype_bytes=dtype_bytes,
         )
 
     def measured_working_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> tuple[tuple[int, ...], int]:
@@ -392,9 +397,11 @@ class Executor:
     def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False,
                 updates: bool = False) -> StepProgram:
         """The step program this executor runs for a batch of this shape (the plan's tiers and windows);
-        `updates`: it starts with the deferred update."""
+        `updates`: it starts with the deferred update. With a `grad_reducer` (data parallelism) the gradients' sums
+        over the ranks are ops of the program."""
+        topology = self.grad_reducer.topology if self.grad_reducer is not None else ONE_RANK
         return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=updates,
-                             forward_only=forward_only)
+                             forward_only=forward_only, topology=topology)
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
         """The shared CostModel's byte sizes (working sets), so the planner, simulator and arena agree."""
@@ -532,6 +539,10 @@ class _Step:
         self.grad_uses = 0
         self.arrivals: dict[int, int] = defaultdict(int)  # group index -> gradient parts landed
         self.landing_free: dict[int, Event] = {}  # landing buffer address -> the land op that last read it
+        # data parallel, from a reduce / gather op to the land / embedding op after it on the optimizer lane: a
+        # group's sum over the ranks (None: another rank owns it), every rank's boundary-0 gradient rows
+        self.summed: dict[int, torch.Tensor | None] = {}
+        self.gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.timeline: list[tuple[str, str, float, float]] = []  # compute ops: (lane, name, start, end)
         self.marks: list[tuple[Op, object, object]] = []  # compute ops and their device marks (CUDA events)
         L = self.L
@@ -657,15 +668,33 @@ class _Step:
             return dev.copy("h2d", self.on_device[i], self.host[i], after=[*after, dev.record_compute()])
         if op.kind == "grads":
             return self._send_grads(op)
+        if op.kind == "reduce":  # data parallel: this micro-batch's gradient summed into the group's owners
+            group = self.ex.head_group if i == self.L else self.ex.layer_groups[i]
+            index = self._group_index("head" if i == self.L else f"layer.{i}")
+            reducer = self.ex.grad_reducer
+            assert reducer is not None
+
+            def reduce() -> None:
+                self.summed[index] = reducer.node_sum(index, group.landing)
+
+            return dev.submit("optimizer", reduce, after=after)
+        if op.kind == "gather":  # data parallel: every rank's boundary-0 gradient rows to the embedding's owners
+            index = self._group_index("head" if self.ex.parts.tied else "embedding")
+            reducer, host0 = self.ex.grad_reducer, self.host[-1]
+            assert reducer is not None
+
+            def gather() -> None:
+                self.gathered = reducer.rows(index, host0, self.input_ids)
+
+            return dev.submit("optimizer", gather, after=after)
         if op.kind == "land":
             group = self.ex.head_group if i == self.L else self.ex.layer_groups[i]
             index = self._group_index("head" if i == self.L else f"layer.{i}")
             parts = 1 + self.ex.parts.tied if i == self.L else 1
             sum_fp32 = parts > 1 and self.ex.compute_dtype != torch.float32  # a tied head: exact in fp32
 
-            def land() -> None:
-                reducer = self.ex.grad_reducer  # data parallel: summed over the ranks into the group's owners
-                source = group.landing if reducer is None else reducer.node_sum(index, group.landing)
+            def land() -> None:  # data parallel: the sum over the ranks (on its owners; elsewhere nothing)
+                source = group.landing if self.ex.grad_reducer is None else self.summed.pop(index)
                 if source is not None:
                     group.land(first=self.first_micro_batch, last=self.final_micro_batch, sum_fp32=sum_fp32,
                                source=source)
@@ -705,13 +734,13 @@ class _Step:
     def _embedding_backward(self, host_grad: torch.Tensor, index: int) -> None:
         """The embedding's gradient from the boundary-0 gradient, scattered on the host: into the untied
         embedding's own gradient (its dtype), or into the tied weight's view of the head group's gradient. Data
-        parallel: every rank's rows, gathered to the group's owners in rank order (the global batch's rows)."""
+        parallel: every rank's rows, gathered to the group's owners in rank order (the global batch's rows) by the
+        gather op before it."""
         ex = self.ex
         emb = ex.parts.embedding
         weight = emb.weight
         parts = 2 if ex.parts.tied else 1
-        gathered = [(host_grad, self.input_ids)] if ex.grad_reducer is None else \
-            ex.grad_reducer.rows(index, host_grad, self.input_ids)
+        gathered = [(host_grad, self.input_ids)] if ex.grad_reducer is None else self.gathered  # (the gather op's)
         if gathered is None:  # another rank owns the group
             self._arrived(index, parts)
             return

@@ -1,28 +1,35 @@
-"""Topology: data parallelism as the planner sees it -- ranks, nodes, and what reducing one layer group's
-gradient costs each rank on the collective lane (plan/schedule.py, plan/sim.py).
+"""Topology: data parallelism as the planner sees it -- ranks, nodes, and what summing one layer group's gradient
+over the ranks costs each rank (plan/schedule.py, plan/sim.py), as the runtime does it (distributed/grads.py).
 
 `world_size` ranks (one GPU each) over `nodes` nodes, g = world_size / nodes local ranks per node. The ranks of
-a node share one host copy of the weights and shard the host optimizer (docs/parallel.md), so each node needs
-every group's gradient summed over all ranks once, and each local rank only its 1/g share of it:
+a node share one host copy of the weights and shard the host optimizer by layer group (group i belongs to local
+rank i % g of every node; docs/parallel.md). Every micro-batch, as a group's gradient of S bytes lands on the
+host (after its d2h), the rank's optimizer lane -- the executor's one host lane, in program order, so the same
+order on every rank -- sums it into the group's owners before adding it to the kept gradient:
 
-    device  (nccl, the GPU presets): on the device, before the d2h -- a ring reduce-scatter within the node,
-            each rank sending (g-1)/g x S bytes over the intra-node link, then (nodes > 1) a ring all-reduce of
-            its S/g shard among the `nodes` ranks that hold the same shard, 2 (M-1)/M x S/g bytes over the
-            inter-node link. The d2h then moves S/g: each rank only its shard over PCIe.
-    host    (gloo, the emulated device): every rank moves its whole S to the host, then a flat ring all-reduce
-            over all G ranks sends 2 (G-1)/G x S bytes per rank, over the inter-node link when the ring crosses
-            nodes (its slowest hop), else the intra-node link.
+    reduce  a reduce within the node to the owner (a ring reduce: each rank sends (g-1)/g x S over the intra-node
+            link), then (nodes > 1) a ring all-reduce among the `nodes` owners of the group, 2 (M-1)/M x S over the
+            inter-node link. S counts fp32 bytes: a bf16 gradient is summed in fp32.
+    gather  the embedding's gradient (a scatter of the boundary-0 gradient rows, on the host): every rank's rows of
+            S bytes to the owner ((g-1) x S), then an all-gather among the nodes' owners ((M-1) x g x S).
 
-Seconds = bytes / the HardwareSpec's achieved per-GPU rate, phases one after the other; latency and the
-collective's own kernel time are not modelled. The host's CPU (optimizer, gradient accumulation) and a node's
-NVMe are shared by its local ranks: each rank steps 1/g of the parameters at 1/g of the node's optimizer rate,
-the same seconds as one process stepping all of them (so the CostModel's optimizer times stand), and each
-rank's NVMe tier gets 1/g of the disk's rate (`rank_hardware`).
+Seconds = bytes / the HardwareSpec's achieved rate, phases one after the other. A collective couples the
+ranks' lanes: the reduce of the next group waits for every rank, including the owner still adding the last one
+in, so each rank's lane is modelled as running every group's reduce and every group's land (the step of the
+slowest rank). Where the ranks' gradients are summed on the host, every rank moves its whole gradient over
+PCIe; the nccl reduce-scatter on the device before the d2h (1/g of it) is not built (docs/parallel.md).
+`lazytrain train` measures both rates with the runtime's own collectives when it starts
+(distributed/grads.py `time_reduce`, runtime/calibrate.py `calibrate_links`); the presets' figures stand for
+`lazytrain plan`.
+
+The host's CPU (optimizer, gradient accumulation) and a node's NVMe are shared by its local ranks: each rank
+steps 1/g of the parameters at 1/g of the node's optimizer rate, the same seconds as one process stepping all of
+them (so the CostModel's optimizer times stand), and each rank's NVMe tier gets 1/g of the disk's rate
+(`rank_hardware`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,16 +39,15 @@ from lazytrain.spec.hardware import HardwareSpec
 if TYPE_CHECKING:
     from lazytrain.spec.cost import CostModel
 
-COLLECTIVES = ("device", "host")
+REDUCE_DTYPE_BYTES = 4  # the ranks sum gradients in fp32 (distributed/grads.py)
 
 
 @dataclass(frozen=True)
 class Topology:
-    """`world_size` ranks on `nodes` nodes; `collective`: where the gradients are reduced (module docstring)."""
+    """`world_size` ranks on `nodes` nodes (module docstring)."""
 
     world_size: int = 1
     nodes: int = 1
-    collective: str = "device"
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -49,8 +55,6 @@ class Topology:
         if not isinstance(self.nodes, int) or self.nodes < 1 or self.world_size % self.nodes:
             raise LazyTrainError(f"nodes must divide world_size ({self.world_size}) evenly, got {self.nodes!r}; "
                                  "every node runs the same number of ranks")
-        if self.collective not in COLLECTIVES:
-            raise LazyTrainError(f"collective {self.collective!r} is not one of {', '.join(COLLECTIVES)}")
 
     @property
     def local_ranks(self) -> int:
@@ -60,25 +64,17 @@ class Topology:
     def parallel(self) -> bool:
         return self.world_size > 1
 
-    def d2h_grad_bytes(self, num_bytes: int) -> int:
-        """Bytes of one group's gradient this rank moves to the host: its shard when reduced on the device."""
-        if self.collective == "device":
-            return math.ceil(num_bytes / self.local_ranks)
-        return num_bytes
-
-    def link_bytes(self, num_bytes: int) -> tuple[float, float]:
-        """(intra-node, inter-node) bytes this rank sends to reduce one group's gradient of `num_bytes`."""
-        if not self.parallel:
-            return 0.0, 0.0
-        if self.collective == "host":
-            ring = 2 * (self.world_size - 1) / self.world_size * num_bytes
-            return (0.0, ring) if self.nodes > 1 else (ring, 0.0)
+    def link_bytes(self, num_bytes: float, kind: str = "reduce") -> tuple[float, float]:
+        """(intra-node, inter-node) bytes a rank's `kind` ("reduce" or "gather") of `num_bytes` moves (module
+        docstring)."""
         g, m = self.local_ranks, self.nodes
-        return (g - 1) / g * num_bytes, 2 * (m - 1) / m * num_bytes / g
+        if kind == "gather":
+            return (g - 1) * num_bytes, (m - 1) * g * num_bytes
+        return (g - 1) / g * num_bytes, 2 * (m - 1) / m * num_bytes
 
-    def reduce_s(self, num_bytes: int, hardware: HardwareSpec) -> float:
-        """Seconds of the collective lane to reduce one group's gradient of `num_bytes` (module docstring)."""
-        intra, inter = self.link_bytes(num_bytes)
+    def collective_s(self, num_bytes: float, hardware: HardwareSpec, kind: str = "reduce") -> float:
+        """Seconds of one group's `kind` ("reduce" or "gather") of `num_bytes` on the optimizer lane."""
+        intra, inter = self.link_bytes(num_bytes, kind)
         seconds = 0.0
         for sent, field, rate in ((intra, "intra_node_gbps", hardware.intra_node_gbps),
                                   (inter, "inter_node_gbps", hardware.inter_node_gbps)):
@@ -99,7 +95,7 @@ class Topology:
                                        nvme_write_gbps=hardware.nvme_write_gbps / g)
 
 
-ONE_RANK = Topology()  # one process: no collective ops
+ONE_RANK = Topology()  # one process: no sums over ranks
 
 
 # ---- host memory of a node -------------------------------------------------------------------------------

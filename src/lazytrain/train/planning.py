@@ -90,7 +90,7 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, 
     """The plan of this job on `cost`: budgets from the config, then the plan file, the MILP or a rule."""
     spec = spec_of(model)
     workload = cost.workload
-    topology = topology_of(job, cost.hardware)
+    topology = topology_of(job)
     defaults = planner.default_budgets(job.plan, cost)  # the same rule as `lazytrain plan`
     budgets = {k: v for k, v in defaults.to_dict().items() if k != "host_mem_bytes"}
     if budgets["gpu_mem_cap_bytes"] is None:  # a real device: its memory
