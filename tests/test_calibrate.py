@@ -10,10 +10,11 @@ import pytest
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
-from lazytrain.runtime.calibrate import QUANTUM, calibrate, quantize_s
+from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, quantize_s
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
 from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.topology import Topology
 from lazytrain.spec.workload import Workload
 
 
@@ -80,3 +81,25 @@ def test_bad_steps_are_refused() -> None:
         calibrate(cost, [Stats([0.1] * (L + 1), [0.1] * (L + 1), 0.1)])
     with pytest.raises(LazyTrainError, match="optimizer seconds"):
         calibrate(cost, _noisy_steps(cost, 0, 0.0), optimizer_s=0.0)
+
+
+def test_measured_sums_become_the_link_rates_the_simulator_times_them_at() -> None:
+    """The ranks' timed sums (Ranks.time_sums) -> the rates at which the simulator's reduce op of that many bytes
+    takes those seconds again (to the quantum); a phase the layout has not keeps the hardware's figure."""
+    cost = calibrate(_cost(), _noisy_steps(_cost(), 1, 0.0))
+    rng = random.Random(7)
+    S, node_s, across_s = rng.randrange(10**5, 10**8), rng.uniform(0.01, 1.0), rng.uniform(0.01, 1.0)
+    for topology, expect in ((Topology(world_size=2), (node_s, None)), (Topology(world_size=2, nodes=2),
+                                                                        (None, across_s)),
+                             (Topology(world_size=8, nodes=2), (node_s, across_s))):
+        out = calibrate_links(cost, topology, S, node_s, across_s)
+        intra, inter = topology.link_bytes(S)
+        for sent, name, seconds in ((intra, "intra_node_gbps", expect[0]), (inter, "inter_node_gbps", expect[1])):
+            rate = getattr(out.hardware, name)
+            if seconds is None:
+                assert rate == getattr(cost.hardware, name)
+            else:
+                assert sent / (rate * 1e9) == pytest.approx(seconds, rel=QUANTUM)
+        assert topology.collective_s(S, out.hardware) == pytest.approx(node_s * (expect[0] is not None) + across_s
+                                                                       * (expect[1] is not None), rel=QUANTUM)
+        assert (out.forward_s, out.backward_s, out.head_s) == (cost.forward_s, cost.backward_s, cost.head_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,11 +141,16 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
 def test_every_rank_runs_rank_0s_plan_made_for_the_ranks(two_rank_runs, model, mode, nodes):
     """One plan for the run: rank 0 plans (the MILP on its own calibration, for one rank of two: the gradients'
-    sums over the ranks in the step), broadcasts it, and both ranks log and save that plan -- the same solve, to its seconds."""
+    sums over the ranks in the step, at the rates the ranks measured), broadcasts it, and both ranks log and save
+    that plan -- the same solve, to its seconds."""
     out, output = two_rank_runs[model, mode, nodes]
     lines = [line for line in output.splitlines() if line.startswith("plan     ")]
     assert len(lines) == WORLD and len(set(lines)) == 1, lines
-    assert lines[0].endswith(f"; rank 0's plan for the {WORLD} ranks)")
+    rates = re.search(rf"; rank 0's plan for the {WORLD} ranks, their gradients' sums measured at (\S+) GB/s in a "
+                      r"node, (\S+) between nodes\)$", lines[0])
+    assert rates is not None, lines[0]
+    measured = float(rates[1] if nodes == 1 else rates[2])  # the phase this layout has; the other is the preset's
+    assert measured > 0, lines[0]
     plans = [json.loads((d / "plan.json").read_text()) for d in (out, out / "rank-1")]
     assert plans[0] == plans[1]
     report, prediction = plans[0]["solve"], plans[0]["prediction"]

@@ -13,6 +13,7 @@ asking the rendezvous store which ranks are still alive.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,35 @@ class Ranks:
         if flat is not t:
             t.copy_(flat)  # (back to the host with nccl)
         return True
+
+    def time_sums(self, numel: int, repeats: int = 5) -> tuple[float, float]:
+        """Seconds of the two phases of `sum_to_owners` for an fp32 gradient of `numel` elements: the reduce to the
+        owner in the node (0.0 with one rank per node) and the all-reduce among the nodes' owners (timed by local
+        rank 0 of each node; 0.0 elsewhere and on one node), each the median of `repeats` after a warm-up, every
+        run started together after a barrier. Every rank calls it; rank 0's figures become the planner's link
+        rates (runtime/calibrate.py `calibrate_links`)."""
+        t = torch.randn(numel, generator=torch.Generator().manual_seed(self.rank)).to(self.comm_device)
+        node = across = None
+        if self.local_world_size > 1:
+            owner = self.rank - self.local_rank  # local rank 0's groups, as sum_to_owners reduces them
+            node = lambda: dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM, group=self.node_group)  # noqa: E731
+        if self.across_group is not None and self.local_rank == 0:  # one owner's all-reduce at a time, as in a run
+            across = lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.across_group)  # noqa: E731
+        return self._median_s(node, self.node_group, repeats), self._median_s(across, self.across_group, repeats)
+
+    def _median_s(self, phase: Callable[[], object] | None, group: dist.ProcessGroup | None, repeats: int) -> float:
+        """Median seconds of `phase` among the ranks of `group` (None: all), each run after a barrier of them."""
+        if phase is None:
+            return 0.0
+        samples = []
+        for _ in range(repeats + 1):
+            self._collective("timing the gradients' sums", lambda: dist.barrier(group=group))
+            t0 = time.perf_counter()
+            self._collective("timing the gradients' sums", phase)
+            if self.backend == "nccl":
+                torch.cuda.synchronize(self.comm_device)
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples[1:])
 
     def gather_to_owners(self, what: str, tensors: list[torch.Tensor], owner_local: int
                          ) -> list[list[torch.Tensor]] | None:

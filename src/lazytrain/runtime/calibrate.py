@@ -13,6 +13,7 @@ measured step time instead.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from lazytrain.spec.cost import CostModel
 if TYPE_CHECKING:
     from lazytrain.runtime.executor import StepStats
     from lazytrain.spec.hardware import HardwareSpec
+    from lazytrain.spec.topology import Topology
 
 QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
 
@@ -83,3 +85,17 @@ def rebuilt(cost: CostModel, hardware: HardwareSpec) -> CostModel:
                     executor_layout=cost.executor_layout, master_weights=cost.master_weights,
                     grad_accumulation=cost.grad_accumulation, head_chunk_tokens=cost.head_chunk_tokens)
     return out.with_device_constants(cost.constant_device_bytes)
+
+
+def calibrate_links(cost: CostModel, topology: Topology, num_bytes: int, node_s: float, across_s: float) -> CostModel:
+    """`cost` with the intra- and inter-node rates a data-parallel run's sums really get: the ranks summed an fp32
+    gradient of `num_bytes` in `node_s` (the reduce in the node) and `across_s` (the all-reduce among the nodes'
+    owners; `Ranks.time_sums`), so each rate is the bytes a rank moves in that phase (`Topology.link_bytes`) per
+    second, quantized like the compute seconds. A phase the topology does not have keeps the hardware's figure."""
+    intra, inter = topology.link_bytes(num_bytes)
+    rates = {field: quantize_s(sent / seconds / 1e9)
+             for field, sent, seconds in (("intra_node_gbps", intra, node_s), ("inter_node_gbps", inter, across_s))
+             if sent > 0 and seconds > 0}
+    out = copy.copy(cost)  # the link rates enter only the sums' seconds (spec/topology.py): the rest stands
+    out.hardware = cost.hardware.with_overrides(**rates)
+    return out

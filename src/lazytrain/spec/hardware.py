@@ -43,9 +43,10 @@ class HardwareSpec:
     mem_gbps: float = math.inf  # device memory bandwidth for memory-bound elementwise ops; inf = ignore them
     layer_overhead_s: float = 0.0  # fixed cost per layer call (kernel launches, dispatch); matters on CPU
     grad_accumulate_gbps: float = math.inf  # host: landed compute-dtype gradient bytes added into .grad per s
-    # Data parallelism (spec/topology.py): achieved per-GPU bandwidth of a ring collective, GB/s per direction,
-    # between the GPUs of one node (NVLink, or PCIe through the host) and between nodes (the GPU's NIC).
-    # None = unknown: `lazytrain plan --world-size N` then asks for it.
+    # Data parallelism (spec/topology.py): achieved rate of the ranks' gradient sums, GB/s of the bytes each rank
+    # moves, between the GPUs of one node (NVLink, or PCIe through the host) and between nodes (the GPU's NIC).
+    # `lazytrain train` measures both when its ranks start; None = unknown: `lazytrain plan --world-size N` then
+    # asks for it.
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
 
@@ -287,13 +288,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # The EmulatedDevice: compute on this CPU, a memory arena as the "device", link threads that copy and
     # sleep to bytes / rate. Defaults suit a 2-core laptop; `HardwareSpec.profile()` measures the real ones.
-    # Its ranks reduce with gloo over loopback TCP on the host: about 1 GB/s (an estimate, not measured).
+    # Its ranks sum gradients with gloo over loopback TCP on the host: `Ranks.time_sums` of a 20 MB fp32 gradient on
+    # a 2-core Xeon (Emerald Rapids), 2 ranks: the reduce in a node 0.23-0.26 GB/s ((g-1)/g of the bytes per second),
+    # the all-reduce between 2 "nodes" 0.75-0.85 GB/s (benchmarks/dp_step.py; `lazytrain train` measures its own).
     "emulated": dict(
         name="emulated", gpu_mem_bytes=4 * GiB, h2d_gbps=2.0, d2h_gbps=2.0,
         nvme_read_gbps=1.0, nvme_write_gbps=1.0,
         matmul_tflops=0.05, optimizer_gparams_per_s=0.1,
         host_mem_bytes=None, mem_gbps=math.inf, layer_overhead_s=0.0,
-        intra_node_gbps=1.0, inter_node_gbps=1.0,
+        intra_node_gbps=0.25, inter_node_gbps=0.8,
     ),
 }
 

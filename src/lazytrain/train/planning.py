@@ -31,12 +31,12 @@ from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.ranks import topology_of
 from lazytrain.plan.rules import evaluate_tiers
 from lazytrain.plan.sim import SimResult, simulate
-from lazytrain.runtime.calibrate import calibrate
+from lazytrain.runtime.calibrate import calibrate, calibrate_links
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.replan import Replanner
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import available_host_memory_bytes
-from lazytrain.spec.topology import ONE_RANK, Topology
+from lazytrain.spec.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 from lazytrain.spec.workload import Workload
 from lazytrain.train.build import build_device, build_hardware, workload_of
 from lazytrain.train.data import cache_dir
@@ -77,13 +77,24 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
     """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule).
 
     With ranks (torchrun; `job.parallel` holds the launched layout) every rank calibrates -- the same work at the
-    same time, so no rank waits long at the broadcast -- and rank 0 alone plans, on its cost model, for one rank
-    of the run (the collective lane in the step); every rank then runs rank 0's plan and predictions."""
+    same time, so no rank waits long at the broadcast -- and the ranks time their gradients' sums (the largest
+    group's, as the runtime sums it: `Ranks.time_sums`), whose rates replace the hardware's; rank 0 alone plans,
+    on its cost model, for one rank of the run (the sums over the ranks in the step); every rank then runs rank
+    0's plan and predictions."""
     cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch, masked=masked)
     if ranks is None:
         return _decide(job, model, kind, cost, masked)
-    planned = ranks.decided_by_main(lambda: _decide(job, model, kind, cost, masked), "the plan")
-    return replace(planned, how=f"{planned.how}; rank 0's plan for the {ranks.world_size} ranks")
+    numel = max(cost.streamed_group_params)
+    cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *ranks.time_sums(numel))
+    hw = cost.hardware  # this rank's measured rates: rank 0's go with its plan
+    ours = (f"; rank 0's plan for the {ranks.world_size} ranks, their gradients' sums measured at "
+            f"{hw.intra_node_gbps:.3g} GB/s in a node, {hw.inter_node_gbps:.3g} between nodes")
+
+    def decide() -> Planned:
+        planned = _decide(job, model, kind, cost, masked)
+        return replace(planned, how=planned.how + ours)
+
+    return ranks.decided_by_main(decide, "the plan")
 
 
 def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, masked: bool) -> Planned:
