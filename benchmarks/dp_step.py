@@ -15,7 +15,9 @@ ranks measured when they started: `Ranks.time_sums`). Reported per layout:
   step_trace_measured.json: compute, links, the optimizer lane's updates, reduces and lands) against that step's
   measured span -- the program's structure checked apart from the cost model's seconds;
 - the sums: each group's `reduce` op, measured median against the seconds the planner gave it (its bytes over
-  the measured rate), and the rates the ranks measured.
+  the measured rate), and the rates the ranks measured;
+- where the seconds go: step 1's busy seconds per kind of op, measured (step_trace_measured.json) against
+  predicted (step_trace_predicted.json, the simulated step the prediction is).
 The machine is shared and the ranks share its cores (the emulated device computes on the CPU), so state the
 load beside any figure; the sim(run) column is the one load does not move much.
 """
@@ -73,6 +75,25 @@ def run(out: Path, world: int, nodes: int, args: argparse.Namespace) -> str:
     return outputs[0][0]
 
 
+KINDS = {"forward": ("F", "R"), "backward": ("B",), "head": ("H",), "sums": ("reduce", "gather"),
+         "land": ("land", "embedding"), "update": ("update",)}
+
+
+def busy_by_kind(path: Path) -> dict[str, float]:
+    """Seconds of a step trace's ops by kind (KINDS: compute ops by their name's letter, optimizer-lane jobs by
+    their name's first word), and the h2d and d2h lanes' busy seconds."""
+    out = dict.fromkeys([*KINDS, "h2d", "d2h"], 0.0)
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e["ph"] != "X":
+            continue
+        lane, first = e["cat"], e["name"].split()[0]
+        kind = lane if lane in ("h2d", "d2h") else next(
+            (k for k, names in KINDS.items() if (first[0] if lane == "compute" else first) in names), None)
+        if kind is not None:
+            out[kind] += e["dur"] / 1e6
+    return out
+
+
 def replay(out: Path, world: int, nodes: int, args: argparse.Namespace) -> dict[str, float]:
     """sim(run) of rank 0's measured step 1, and its reduce ops' seconds (measured median, and as planned)."""
     plan = json.loads((out / "run" / "plan.json").read_text())
@@ -103,6 +124,9 @@ def replay(out: Path, world: int, nodes: int, args: argparse.Namespace) -> dict[
     reduces = [s for name, runs in measured.items() if name.startswith("reduce ") for _, s in runs]
     row = {"replayed_s": replayed_s, "span_s": span_s,
            "reduce_s": statistics.median(reduces) if reduces else 0.0}
+    predicted = busy_by_kind(out / "run" / "step_trace_predicted.json")
+    for kind, seconds in busy_by_kind(out / "run" / "step_trace_measured.json").items():
+        row[f"busy {kind}"], row[f"predicted {kind}"] = seconds, predicted[kind]
     rates = RATES.search((out / "run" / "summary.json").read_text()) if (out / "run" / "summary.json").is_file() \
         else None
     if world > 1 and rates is not None:
@@ -150,6 +174,8 @@ def main() -> None:
         ratio = med["step_s"] / med["predicted_s"]
         print(f"{name:<18} {med['step_s']:>10.3f} {med['predicted_s']:>11.3f} {ratio:>6.2f} {errors:>12} {reduce:>30} "
               f"{rates:>25}", flush=True)
+        print("    busy s, measured / predicted: " + ", ".join(
+            f"{kind} {med[f'busy {kind}']:.3f} / {med[f'predicted {kind}']:.3f}" for kind in [*KINDS, "h2d", "d2h"]))
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
