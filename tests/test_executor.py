@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from pathlib import Path
 
@@ -380,3 +381,65 @@ def test_device_peak_equals_the_simulators() -> None:
             ex.forward_backward(ids, labels)
             predicted = simulate(plan, cost).peak_bytes["gpu"]
             assert ex.last_step.peak_device_bytes == predicted, (kind, name)  # to the byte
+
+
+# ---- kept layers: the last K layers keep their graph and weights from forward to backward ------------------
+KEPT = {  # K -> tiers whose boundaries L-K..L are gpu (the rest mixed)
+    1: ["gpu", "recompute", "cpu", "nvme", "recompute", "gpu", "gpu"],
+    3: ["gpu", "cpu", "recompute", "gpu", "gpu", "gpu", "gpu"],
+    NUM_LAYERS: ["gpu"] * (NUM_LAYERS + 1),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])  # qwen2: a tied head
+@pytest.mark.parametrize("kept", list(KEPT))
+def test_kept_layers_match_transformers(kind: str, kept: int, tmp_path) -> None:
+    """K = 1, some, L kept layers (K = 0 is every test above): loss and every gradient as transformers; a kept
+    layer's backward runs through its graph (no re-forward), its weights are streamed once."""
+    model = make_model(kind)
+    ids, labels = make_batch()
+    ref_loss, ref_grads = reference(model, ids, labels)
+    plan = Plan.from_tiers(model, KEPT[kept], kept_layers=kept)
+    ex = Executor(model, plan, EmulatedDevice(nvme_dir=tmp_path), head_chunk_tokens=7)
+    assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
+    program = ex.program(3, 11)
+    L = NUM_LAYERS
+    backward = [op for op in program.ops if op.lane == "compute" and op.name.startswith("B")]
+    assert [op.kind for op in backward] == ["backprop"] * kept + ["backward"] * (L - kept)
+    streamed = [op.target for op in program.ops if op.kind == "weights"]
+    assert all(streamed.count(j) == 1 for j in range(L - kept, L))  # once, for the forward
+    assert ex.last_step.peak_device_bytes == ex.last_step.predicted_peak_device_bytes
+    assert all(s > 0 for s in ex.last_step.backward_s) and all(s > 0 for s in ex.last_step.forward_s)
+
+
+@pytest.mark.parametrize("kept", [1, NUM_LAYERS])
+def test_kept_layers_are_bitwise_the_streamed_step(kept: int) -> None:
+    """Keeping a graph changes where the forward's tensors live, not the math: bf16 loss and gradients equal the
+    K = 0 step's bit for bit, over two micro-batches (gradient accumulation) and a deferred (overlapped) update."""
+    results = []
+    for k in (0, kept):
+        model = make_model("qwen2")
+        ex = Executor(model, Plan.from_tiers(model, KEPT[kept], kept_layers=k), EmulatedDevice(),
+                      compute_dtype=torch.bfloat16)
+        opt = torch.optim.AdamW([{"params": g} for g in ex.param_groups()], lr=1e-2)
+        losses = []
+        for step in range(2):
+            for micro in range(2):
+                ids, labels = make_batch(3, 7, seed=10 * step + micro)
+                losses.append(ex.forward_backward(ids, labels, loss_scale=0.5, last_micro_batch=micro == 1))
+            ex.defer_update(functools.partial(lambda opt, index: step_param_groups(opt, [index]), opt))
+        grads = [g.clone() for index in range(len(ex.param_groups())) for g in ex.gradients(index)]
+        ex.drain()
+        results.append((losses, grads, [p.detach().clone() for p in model.parameters()]))
+    (losses0, grads0, params0), (losses1, grads1, params1) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses0, losses1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))
+
+
+def test_kept_layers_need_gpu_boundaries() -> None:
+    model = make_model("llama")
+    with pytest.raises(LazyTrainError, match="must be 'gpu'"):
+        Plan.from_tiers(model, KEPT[1], kept_layers=2)
+    with pytest.raises(LazyTrainError, match="kept_layers must be"):
+        Plan.from_tiers(model, KEPT[NUM_LAYERS], kept_layers=NUM_LAYERS + 1)

@@ -60,9 +60,9 @@ def _resized(model: torch.nn.Module, vocab: int) -> torch.nn.Module:
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        inner=st.lists(st.sampled_from(["gpu", "cpu", "nvme", "recompute"]), min_size=3, max_size=3),
        batch=st.integers(1, 3), seq_len=st.integers(3, 13), chunk=st.sampled_from([4, 7, 1024]),
-       padded=st.booleans(), big_head=st.booleans())
+       padded=st.booleans(), big_head=st.booleans(), kept=st.sampled_from([0, 0, 1, 2, 4]))
 def test_true_peak_equals_the_programs_to_the_byte(kind, attn, dtype, inner, batch, seq_len, chunk, padded,
-                                                   big_head) -> None:
+                                                   big_head, kept) -> None:
     model = tiny_models.make_model(kind, num_layers=4, attn=attn)
     if big_head:
         model = _resized(model, 300)
@@ -75,8 +75,9 @@ def test_true_peak_equals_the_programs_to_the_byte(kind, attn, dtype, inner, bat
         mask[0, seq_len - seq_len // 3:] = 0
         labels = labels.masked_fill(mask == 0, -100)
     tiers = ["gpu", *inner, "gpu"]
-    ex = Executor(model, Plan.from_tiers(model, tiers), EmulatedDevice(measure_memory=True), compute_dtype=dtype,
-                  head_chunk_tokens=chunk)
+    tiers[4 - kept:] = ["gpu"] * (kept + 1)  # kept layers: their boundaries on the device
+    ex = Executor(model, Plan.from_tiers(model, tiers, kept_layers=kept), EmulatedDevice(measure_memory=True),
+                  compute_dtype=dtype, head_chunk_tokens=chunk)
     ex.forward_backward(ids, labels, attention_mask=mask)
     st_ = ex.last_step
     assert st_.true_peak_device_bytes == st_.predicted_peak_device_bytes == st_.peak_device_bytes, tiers
@@ -103,3 +104,6 @@ def test_working_set_formulas_are_never_below_the_measured(kind, dtype, shape) -
                      head_chunk_tokens=chunk)
     for formula, measured in [*zip(cost.working_bytes, working, strict=True), (cost.head_working_bytes, head)]:
         assert measured <= formula <= 1.2 * measured, (formula, measured)
+    graphs = ex.memory_sizes(batch, seq_len).graph_bytes  # a kept layer's graph (Plan.kept_layers), measured
+    for formula, measured in zip(cost.graph_bytes, graphs, strict=True):
+        assert measured <= formula <= 1.3 * measured, (formula, measured)

@@ -23,9 +23,11 @@ GB = 1e9
 def random_instance(rng: random.Random, L: int, *, nvme: bool = True, tight: float = 1.0,
                     optimizer_mode: str = "overlap") -> PlanningInstance:
     """Heterogeneous layers and budgets sized so that memory, capacity and windows all bind sometimes; the host
-    optimizer lane busy enough to be exposed in some windows."""
+    optimizer lane busy enough to be exposed in some windows; kept layers' graphs from half a boundary to
+    four (some optima keep layers, some keep none)."""
     A = [rng.uniform(0.6, 1.4) * GB for _ in range(L + 1)]
     rho = [rng.uniform(0.02, 0.12) for _ in range(L)]
+    apart = random.Random(A[0])  # the kept graphs' draws, apart: the other draws stay those without them
     inst = PlanningInstance(
         forward_s=rho,
         backward_s=[r * rng.uniform(2.0, 3.5) for r in rho],
@@ -47,6 +49,7 @@ def random_instance(rng: random.Random, L: int, *, nvme: bool = True, tight: flo
         # overlap: the previous step's group updates fence the forward's weight h2d (some exposed, some hidden)
         update_s=tuple(rng.uniform(0.0, 0.08) for _ in range(L + 2)) if optimizer_mode == "overlap" else (),
         tied_head=rng.random() < 0.3,
+        graph_bytes=[apart.uniform(0.5, 4.0) * GB for _ in range(L)],
     )
     # each layer's own working set (a hybrid model's mix), the head's; M_G is net of the largest
     working = [rng.choice([0.2, 1.5]) * rng.uniform(0.5, 1.0) * GB for _ in range(L)]
@@ -67,14 +70,24 @@ def with_ranks(rng: random.Random, inst: PlanningInstance) -> PlanningInstance:
 
 
 def brute_force(inst: PlanningInstance, max_segment: int) -> tuple[float, tuple[str, ...] | None]:
-    best, best_tiers = math.inf, None
-    tiers_of = ("gpu", "cpu", "nvme", "recompute") if inst.nvme_act_bytes > 0 else ("gpu", "cpu", "recompute")
-    for inner in itertools.product(tiers_of, repeat=inst.num_layers - 1):
-        tiers = ("gpu", *inner, "gpu")
-        ev = evaluate_tiers(tiers, inst, max_segment=max_segment)
-        if ev.feasible and ev.objective < best:
-            best, best_tiers = ev.objective, tiers
+    """The best objective over every tier list and every number of kept layers its gpu suffix allows (the
+    simulator's step of each program); its tiers (None when nothing fits). `brute_force_kept` also gives K."""
+    best, best_tiers, _ = brute_force_kept(inst, max_segment)
     return best, best_tiers
+
+
+def brute_force_kept(inst: PlanningInstance, max_segment: int) -> tuple[float, tuple[str, ...] | None, int]:
+    best, best_tiers, best_kept = math.inf, None, 0
+    tiers_of = ("gpu", "cpu", "nvme", "recompute") if inst.nvme_act_bytes > 0 else ("gpu", "cpu", "recompute")
+    L = inst.num_layers
+    for inner in itertools.product(tiers_of, repeat=L - 1):
+        tiers = ("gpu", *inner, "gpu")
+        suffix = next(k for k in range(L + 1) if k == L or tiers[L - k - 1] != "gpu")  # gpu boundaries L-k..L
+        for kept in range(suffix + 1 if inst.graph_bytes else 1):
+            ev = evaluate_tiers(tiers, inst, max_segment=max_segment, kept_layers=kept)
+            if ev.feasible and ev.objective < best - 1e-12:
+                best, best_tiers, best_kept = ev.objective, tiers, kept
+    return best, best_tiers, best_kept
 
 
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
@@ -92,8 +105,9 @@ def test_milp_optimum_equals_brute_force(case: int, mode: str) -> None:
     sol = solve_instance(inst, max_segment=K)
     assert sol.report.status == "optimal" and sol.report.gap == pytest.approx(0, abs=1e-9)
     assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
-    # the MILP's step of its own tiers is their simulated step
-    assert sol.step_s == pytest.approx(evaluate_tiers(sol.tiers, inst, max_segment=K).step_s, rel=1e-6, abs=1e-9)
+    # the MILP's step of its own tiers and kept layers is their simulated step
+    ev = evaluate_tiers(sol.tiers, inst, max_segment=K, kept_layers=sol.kept_layers)
+    assert ev.feasible and sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -111,21 +125,25 @@ def test_milp_optimum_equals_brute_force_with_the_sums_over_the_ranks(case: int)
         return
     sol = solve_instance(inst, max_segment=K)
     assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
-    ev = evaluate_tiers(sol.tiers, inst, max_segment=K)
-    alone = evaluate_tiers(sol.tiers, replace(inst, topology=Topology(), reduce_s=(), gather_s=0.0), max_segment=K)
+    ev = evaluate_tiers(sol.tiers, inst, max_segment=K, kept_layers=sol.kept_layers)
+    alone = evaluate_tiers(sol.tiers, replace(inst, topology=Topology(), reduce_s=(), gather_s=0.0), max_segment=K,
+                           kept_layers=sol.kept_layers)
     assert sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
     assert ev.step_s > alone.step_s + 1e-3  # the optimizer lane's queue of sums shows in the step
 
 
 def test_brute_force_cases_exercise_every_tier() -> None:
-    """The random cases above are only worth something if their optima use offload, nvme and recompute."""
+    """The random cases above are only worth something if their optima use offload, nvme and recompute, and keep
+    some layers' graphs in some cases and none in others."""
     seen: set[str] = set()
+    kept: set[bool] = set()
     for case in range(8):
         rng = random.Random(SEED + case)
         L, K = rng.randrange(2, 7), rng.randrange(2, 4)
-        _, tiers = brute_force(random_instance(rng, L, nvme=case % 2 == 0), K)
+        _, tiers, num_kept = brute_force_kept(random_instance(rng, L, nvme=case % 2 == 0), K)
         seen.update(tiers or ())
-    assert {"cpu", "recompute"} <= seen
+        kept.add(num_kept > 0)
+    assert {"cpu", "recompute"} <= seen and kept == {True, False}
 
 
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
@@ -134,20 +152,22 @@ def test_fixed_tiers_objective_equals_the_simulated_step(case: int, mode: str) -
     rng = random.Random(SEED + 100 + case)
     inst = random_instance(rng, 6, tight=2.0, optimizer_mode=mode)
     options = ("gpu", "cpu", "nvme", "recompute")
-    checked = 0
-    for _ in range(12):
+    checked = kept_checked = 0
+    for _ in range(40):
         tiers = ("gpu", *(rng.choice(options) for _ in range(5)), "gpu")
-        ev = evaluate_tiers(tiers, inst)
+        kept = rng.choice([0, 0, 1, 2, 6])  # some lists cannot keep that many: then infeasible
+        ev = evaluate_tiers(tiers, inst, kept_layers=kept)
         if ev.feasible:
-            sol = solve_instance(inst, max_segment=3, fixed_tiers=tiers)
-            assert sol.tiers == tiers
+            sol = solve_instance(inst, max_segment=3, fixed_tiers=tiers, kept_layers=kept)
+            assert sol.tiers == tiers and sol.kept_layers == kept
             assert sol.report.objective == pytest.approx(ev.objective, rel=1e-6, abs=1e-9)
             assert sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
             checked += 1
+            kept_checked += kept > 0
         else:
             with pytest.raises(LazyTrainError):
-                solve_instance(inst, max_segment=3, fixed_tiers=tiers)
-    assert checked >= 3
+                solve_instance(inst, max_segment=3, fixed_tiers=tiers, kept_layers=kept)
+    assert checked >= 3 and kept_checked >= 1
 
 
 def test_megatrain_rule_is_a_feasible_point() -> None:

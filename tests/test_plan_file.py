@@ -61,6 +61,19 @@ def test_rule_plan_round_trips(tmp_path) -> None:
     assert Plan.load(tmp_path / "p.json", spec=spec) == plan
 
 
+def test_kept_layers_round_trip_and_show_in_the_map(tmp_path) -> None:
+    """A plan whose last K layers keep their graphs: the file keeps K, the map marks their input boundaries."""
+    spec = ModelSpec.load("tiny-qwen3")
+    L = spec.num_layers
+    plan = Plan.from_tiers(spec, ["gpu", *["recompute"] * (L - 3), "gpu", "gpu", "gpu"], kept_layers=2)
+    assert plan.placement_map() == "G" + "R" * (L - 3) + "KKG" and plan.kept(L - 1) and not plan.kept(L - 3)
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json", spec=spec) == plan
+    data = plan.to_dict()
+    del data["kept_layers"]  # a plan file written before kept layers: none kept
+    assert Plan.from_dict(data).kept_layers == 0
+
+
 def _mutations(data: dict) -> dict[str, object]:
     boundaries = data["boundaries"]
     return {
@@ -76,6 +89,8 @@ def _mutations(data: dict) -> dict[str, object]:
         "transfer out of range": {**data, "transfers": [{"boundary": 1, "window": 999, "link": "d2h",
                                                          "num_bytes": 1}]},
         "bad workload": {**data, "workload": {"batch_size": -3, "seq_len": 1024}},
+        "kept layers not an int": {**data, "kept_layers": "all"},
+        "kept layer over an offloaded boundary": {**data, "kept_layers": len(boundaries) - 1},
     }
 
 

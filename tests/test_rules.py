@@ -128,9 +128,12 @@ def test_device_rows_equal_the_simulated_device_peak(model: str) -> None:
     plans = [rule_tiers(rule, L) for rule in RULES]
     plans += [("gpu", *(rng.choice(["gpu", "cpu", "nvme", "recompute", "recompute"]) for _ in range(L - 1)), "gpu")
               for _ in range(6)]
-    for tiers in plans:
-        predicted = cost.static_device_bytes() + evaluate_tiers(tiers, inst).gpu_act_peak_bytes
-        assert predicted == pytest.approx(simulate(Plan.from_tiers(spec, tiers), cost).peak_bytes["gpu"], rel=1e-9)
+    for tiers in plans:  # and with kept layers: one, and as many as the tiers' gpu suffix allows
+        suffix = next(k for k in range(L + 1) if k == L or tiers[L - k - 1] != "gpu")
+        for kept in sorted({0, min(1, suffix), suffix}):
+            predicted = cost.static_device_bytes() + evaluate_tiers(tiers, inst, kept_layers=kept).gpu_act_peak_bytes
+            simulated = simulate(Plan.from_tiers(spec, tiers, kept_layers=kept), cost).peak_bytes["gpu"]
+            assert predicted == pytest.approx(simulated, rel=1e-9), (tiers, kept)
 
 
 def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:

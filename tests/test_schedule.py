@@ -83,6 +83,7 @@ instances = st.fixed_dictionaries({
     "links": st.tuples(*(st.sampled_from([0.25, 0.5, 1.0, 2.0]) for _ in range(4))),
     "nvme": st.booleans(),
     "cap_boundaries": st.floats(4.0, 19.0),  # tight .. loose
+    "kept_room": st.sampled_from([0, 0, 1, 2.5, 40]),  # room for this many kept layers' graphs and slots
     "cpu_boundaries": st.floats(0.0, 16.0),
     "mode": st.sampled_from(["overlap", "serial"]),
 })
@@ -92,12 +93,14 @@ instances = st.fixed_dictionaries({
 @given(case=instances)
 def test_the_milp_step_is_the_simulated_step_and_its_plans_fit_their_cap(case: dict) -> None:
     """Issue 10's property: on drawn instances (4-16 layers, links very slow to free, nvme on and off, caps
-    tight to loose, both optimizer modes) the MILP's step of its plan equals the simulated step of the plan's
-    program within 1% + 1 ms (exactly, up to rounding), and the simulated device peak stays under the cap."""
+    tight to loose -- up to keeping every layer's graph --, both optimizer modes) the MILP's step of its plan
+    (tiers and kept layers) equals the simulated step of the plan's program within 1% + 1 ms (exactly, up to
+    rounding), and the simulated device peak stays under the cap."""
     L = case["L"]
     cost = _cost(L, case["rate_gbps"], case["links"])
     A = max(cost.boundary_bytes)
-    cap = int(cost.static_device_bytes() + A * min(case["cap_boundaries"], L + 3))
+    kept_bytes = cost.graph_bytes[0] + cost.param_bytes[0]
+    cap = int(cost.static_device_bytes() + A * min(case["cap_boundaries"], L + 3) + kept_bytes * case["kept_room"])
     budgets = Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=int(A * case["cpu_boundaries"]),
                       nvme_act_bytes=int(A * L) if case["nvme"] else 0)
     try:
@@ -112,7 +115,7 @@ def test_the_milp_step_is_the_simulated_step_and_its_plans_fit_their_cap(case: d
     assert abs(milp_s - sim.step_s) <= 0.01 * sim.step_s + 1e-3
     assert milp_s == pytest.approx(sim.step_s, rel=1e-6)
     inst = instance_from_cost(cost, budgets, optimizer_mode=case["mode"])
-    assert milp_step_s(plan.tiers, inst) == pytest.approx(milp_s, rel=1e-6)
+    assert milp_step_s(plan.tiers, inst, plan.kept_layers) == pytest.approx(milp_s, rel=1e-6)
 
 
 ranks = st.fixed_dictionaries({
@@ -132,7 +135,8 @@ def _check_ranks(case: dict, rank: dict) -> None:
     cost = CostModel(cost.spec, topology.rank_hardware(cost.hardware.with_overrides(
         intra_node_gbps=rank["intra_gbps"], inter_node_gbps=rank["inter_gbps"])), cost.workload)
     A = max(cost.boundary_bytes)
-    cap = int(cost.static_device_bytes() + A * min(case["cap_boundaries"], L + 3))
+    kept_bytes = cost.graph_bytes[0] + cost.param_bytes[0]
+    cap = int(cost.static_device_bytes() + A * min(case["cap_boundaries"], L + 3) + kept_bytes * case["kept_room"])
     budgets = Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=int(A * case["cpu_boundaries"]),
                       nvme_act_bytes=int(A * L) if case["nvme"] else 0)
     try:
@@ -145,7 +149,7 @@ def _check_ranks(case: dict, rank: dict) -> None:
     milp_s = plan.report.options["step_s"]
     assert milp_s == pytest.approx(sim.step_s, rel=1e-6)
     inst = instance_from_cost(cost, budgets, optimizer_mode=mode, topology=topology)
-    assert milp_step_s(plan.tiers, inst) == pytest.approx(milp_s, rel=1e-6)
+    assert milp_step_s(plan.tiers, inst, plan.kept_layers) == pytest.approx(milp_s, rel=1e-6)
 
 
 @settings(max_examples=15, deadline=None)
@@ -227,3 +231,46 @@ def test_overlap_updates_run_in_forward_order_and_fence_each_groups_forward_h2d(
     assert [op.kind for op in serial.ops if op.lane == "optimizer"][-1] == "step"
     assert not any(op.kind == "update" for op in serial.ops)
     assert p.device_peak_bytes() == serial.device_peak_bytes()  # the lane moves no device bytes
+
+
+def test_kept_layers_stream_once_and_hold_their_graphs_until_their_backward() -> None:
+    """Kept layers (the last K): their forward keeps a graph and its own weight slot, their backward runs
+    through it with no weight h2d (the window before it issues none), and both are freed after it."""
+    tiers = ("gpu", "cpu", "recompute", "gpu", "gpu", "gpu", "gpu")
+    shapes = Shapes(**{**SHAPES.__dict__, "graph_bytes": (30,) * 6, "graph_forward_bytes": (80,) * 6,
+                       "graph_backward_bytes": (20,) * 6})
+    p = build_program(tiers, shapes, kept_layers=3)
+    computes = [op for op in p.ops if op.lane == "compute"]
+    assert [op.kind for op in computes] == ["forward"] * 3 + ["keep"] * 3 + ["head"] + ["backprop"] * 3 + \
+        ["recompute", "backward", "backward", "backward"]
+    assert [op.name for op in computes][7:10] == ["B5", "B4", "B3"]
+    streamed = [op for op in p.ops if op.kind == "weights"]
+    assert [op.target for op in streamed] == [0, 1, 2, 3, 4, 5, 6, 1, 2, 1, 0]  # kept 3..5 once; R1, B2, B1, B0
+    first = next(k for k, a in enumerate(p.actions) if a.verb == "issue" and a.op == streamed[7].index)
+    assert _ran(p, "backprop", 4) < first < _ran(p, "backprop", 3)  # R1's weights stream in B_3's window
+    for j in (3, 4, 5):
+        alloc = next(k for k, a in enumerate(p.actions) if a.verb == "alloc" and a.buffer == ("graph", j))
+        free = next(k for k, a in enumerate(p.actions) if a.verb == "free" and a.buffer == ("graph", j))
+        assert _ran(p, "keep", j) < alloc < _ran(p, "head", 6) < _ran(p, "backprop", j) < free
+    assert p.device_peak_bytes() == max(level for _, level in p.device_trace())
+    assert build_program(tiers, shapes).device_peak_bytes() < p.device_peak_bytes()
+    with pytest.raises(LazyTrainError, match="kept_layers=5"):
+        build_program(tiers, shapes, kept_layers=5)  # boundary 2 is recomputed
+
+
+def test_the_milp_keeps_layers_when_they_fit_and_its_step_is_still_the_simulated_one() -> None:
+    """With room for every graph and links that bind, the MILP keeps layers (their backward weight h2d and
+    re-forward go), its step equals the simulated one, and the plan fits the cap; without the room it keeps none."""
+    cost = _cost(8, 10.0, (1.0, 1.0, 1.0, 1.0))
+    A = max(cost.boundary_bytes)
+    room = cost.graph_bytes[0] + cost.param_bytes[0]
+    for extra, kept in ((0, 0), (40 * room, 8)):
+        cap = int(cost.static_device_bytes() + 12 * A + extra)
+        budgets = Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=0, nvme_act_bytes=0)
+        plan = solve_milp(cost, budgets)
+        sim = simulate(plan, cost)
+        assert plan.kept_layers == kept and sim.peak_bytes["gpu"] <= cap
+        assert plan.report.options["step_s"] == pytest.approx(sim.step_s, rel=1e-6)
+        inst = instance_from_cost(cost, budgets)
+        assert milp_step_s(plan.tiers, inst, kept) == pytest.approx(sim.step_s, rel=1e-6)
+    assert sim.link_bytes["h2d"] < simulate(Plan(tiers=plan.tiers, model_fingerprint="-"), cost).link_bytes["h2d"]

@@ -187,10 +187,16 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     print(f"budgets: gpu cap {format_bytes(admission.gpu_mem_cap_bytes)} = static "
           f"{format_bytes(cost.static_device_bytes())} + activations {format_bytes(admission.gpu_act_bytes)}; "
           f"cpu act {cpu}; nvme act {nvme}; boundary {format_bytes(max(cost.boundary_bytes))}")
-    print(f"placement (boundaries 0..{plan.num_layers}; G gpu, C cpu, N nvme, R recompute):")
+    print(f"placement (boundaries 0..{plan.num_layers}; G gpu, C cpu, N nvme, R recompute, K gpu and its layer's "
+          "graph kept):")
     print(plan.placement_map())
     counts = plan.counts()
     print("counts: " + ", ".join(f"{tier} {n}" for tier, n in counts.items()))
+    if plan.kept_layers:
+        L, K = plan.num_layers, plan.kept_layers
+        kept_bytes = sum(cost.graph_bytes[j] + cost.param_bytes[j] for j in range(L - K, L))
+        print(f"kept layers: {K} ({L - K}..{L - 1}): graphs and weights {format_bytes(kept_bytes)} on the device "
+              "from their forward to their backward (no re-forward, no second weight h2d)")
     print(f"recomputed boundaries: {_ranges(plan.boundaries('recompute'))}")
     r = plan.report
     if r.planner == "milp":
@@ -202,7 +208,7 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
               f"MILP objective of its tiers {r.objective:.3f} s")
     rows, own = _prediction_rows(job, cost, plan, topology)
     milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission, optimizer_mode=job.optim.optimizer_mode,
-                                                        topology=topology))
+                                                        topology=topology), plan.kept_layers)
     if milp_s is None:
         print(f"step: simulated {own.step_s:.3f} s (the MILP does not place the last segment's start on nvme)")
     else:

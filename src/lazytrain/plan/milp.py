@@ -6,6 +6,9 @@ The placement part follows LazyTrain §2 (reference/lazytrain-paper.md); the tim
 Index sets
     j in J = {0..L-1}          layers; layer j maps boundary j -> j+1
     i in B = {0..L}            boundaries; 0 = embedding output, L = last layer output (both always gpu)
+    kept layers                a suffix L-K..L-1 of the layers keeps its graph (saved tensors) and weights on the
+                               device from its forward to its backward (Plan.kept_layers): its backward B_j runs
+                               through the graph (beta[j] - rho[j]: no re-forward) and streams no weights
     (s, e) in E                candidate recompute edges, 0 <= s < e <= L, e - s <= K (max segment length)
     windows                    one per compute op of the step program, each fenced (every job it issues is
                                waited for at its end): F_j (forward of layer j), H (loss head), R_j (recompute
@@ -15,6 +18,7 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
     rho[j]      forward time of layer j             beta[j]   autograd re-forward + backward time of layer j
     rho[L]      loss head time (forward+backward)   A[i]      bytes of boundary i
     p[j]        weight (= gradient) bytes of layer j; p[L] the loss head's
+    G[j]        bytes of layer j's graph when it is kept (its saved tensors beyond its boundaries)
     land[j]     optimizer-lane jobs of group j's gradients: accumulation into .grad, preceded with ranks (data
                 parallelism) by the group's sum over the ranks red[j]; land[L] the head's
     d[j]        seconds from the start of the window that sends group j's gradients to the release of land[j]:
@@ -31,6 +35,7 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
 Variables
     x[s,e] in {0,1}   edge (s, e) is a segment: s and e materialized, s+1..e-1 recomputed
     z[i] in {0,1}     boundary i is materialized;  g[i], c[i], n[i] in {0,1}: its home is gpu / cpu / nvme
+    y[j] in {0,1}     layer j is kept: y[j] <= y[j+1] (a suffix), y[j] <= g[j]; K = sum_j y[j]
     v[s,e] >= 0       = x[s,e] (c[s] + n[s]): s is reloaded (h2d) in window B_e (H when e = L) into a device
                       buffer allocated in that window (linearized: v >= x + c + n - 1)
     vn[s,e] >= 0      = x[s,e] n[s]: s is read from NVMe in window B_{e+1} (H when e = L-1)
@@ -38,10 +43,10 @@ Variables
     Q[k], S >= 0      the end of B_k (less the recompute windows of its own segment that run before it), the step
 
 Constraints (one `_add_<family>` each; equations repeated there)
-    path, placement, capacity (cpu, nvme), gpu_memory (the forward windows, the loss head and every backward
-    segment, each with its own working set: the transient memory of recompute blocks, reload buffers and
-    working sets, the paper's weak spot 3), windows (each T[w] at least its
-    compute and each lane's load: weights, activations, gradients; the step S at least the sum of the windows
+    path, placement, capacity (cpu, nvme), kept (the suffix), gpu_memory (the forward windows, the loss head and
+    every backward segment, each with its own working set and the kept layers' graphs and slots: the transient
+    memory of recompute blocks, reload buffers and working sets, the paper's weak spot 3), windows (each T[w] at
+    least its compute and each lane's load: weights, activations, gradients; the step S at least the sum of the windows
     and at least each optimizer-lane release plus the host work queued behind it).
 
 Objective (seconds)
@@ -72,7 +77,7 @@ from lazytrain.plan.schedule import (
     segments_of,
     update_order,
 )
-from lazytrain.plan.sim import op_seconds, update_seconds
+from lazytrain.plan.sim import compute_seconds, op_seconds, update_seconds
 from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.units import format_bytes
 
@@ -107,6 +112,7 @@ class PlanningInstance:
     d2h_bytes_per_s: float = INF  # B_D
     nvme_read_bytes_per_s: float = INF  # B_R
     nvme_write_bytes_per_s: float = INF  # B_W
+    graph_bytes: tuple[float, ...] = ()  # G[j]: a kept layer's graph; () = no layer can be kept
     fwd_unallocated_bytes: float = 0.0  # U_F: static bytes the forward does not hold yet (gradient slots, grads)
     fwd_transient_bytes: float = 0.0  # T_F: extra device bytes in the forward beyond the boundaries
     bwd_transient_bytes: float = 0.0  # T_B: extra device bytes in the backward beyond boundaries and reloads
@@ -141,10 +147,13 @@ class PlanningInstance:
         if self.topology.parallel and len(self.reduce_s) != L + 1:
             raise LazyTrainError(f"planning instance: {self.topology.world_size} ranks need reduce_s for the {L} "
                                  f"layers and the head ({L + 1} entries), got {len(self.reduce_s)}")
-        for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes", "working_bytes"):
+        for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes", "working_bytes", "graph_bytes"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if not self.working_bytes:
             object.__setattr__(self, "working_bytes", (0.0,) * L)
+        if self.graph_bytes and len(self.graph_bytes) != L:
+            raise LazyTrainError(f"planning instance: graph_bytes needs {L} entries (or none), got "
+                                 f"{len(self.graph_bytes)}")
         if L < 1 or len(self.backward_s) != L or len(self.param_bytes) != L or len(self.boundary_bytes) != L + 1 \
                 or len(self.working_bytes) != L:
             raise LazyTrainError(
@@ -171,8 +180,7 @@ class PlanningInstance:
     def op_seconds(self, op: Op) -> float:
         """Seconds of one step-program op on this instance (what `sim.op_seconds` is on a CostModel)."""
         if op.lane == "compute":
-            return {"forward": self.forward_s, "recompute": self.forward_s, "backward": self.backward_s}[op.kind][
-                op.target] if op.kind != "head" else self.head_s
+            return compute_seconds(op.kind, op.target, self.forward_s, self.backward_s, self.head_s)
         if op.lane in LINK_RATES:
             rate = getattr(self, LINK_RATES[op.lane])
             return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
@@ -180,15 +188,16 @@ class PlanningInstance:
                 "reduce": lambda: self.reduce_s[op.target], "gather": lambda: self.gather_s,
                 "step": lambda: self.optimizer_step_s, "update": lambda: self.update_s[op.target + 1]}[op.kind]()
 
-    def program(self, tiers: Sequence[str]) -> StepProgram:
-        """The step program of `tiers` with this instance's bytes (no device memory: for timing)."""
+    def program(self, tiers: Sequence[str], kept_layers: int = 0) -> StepProgram:
+        """The step program of `tiers` and `kept_layers` with this instance's bytes (no device memory: for
+        timing)."""
         L = self.num_layers
         shapes = Shapes(boundary_bytes=tuple(round(a) for a in self.boundary_bytes),
                         param_bytes=tuple(round(p) for p in self.param_bytes),
                         head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0,
                         tied_head=self.tied_head)
         return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode, updates=bool(self.update_s),
-                             topology=self.topology)
+                             topology=self.topology, kept_layers=kept_layers)
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
@@ -268,6 +277,7 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         optimizer_step_s=op_seconds(Op(0, "optimizer", "step"), cost),
         update_s=update_seconds(cost) if optimizer_mode == "overlap" else (),
         tied_head=bool(cost.spec.tie_word_embeddings),
+        graph_bytes=Shapes.from_cost(cost).graph_bytes,
     )
     if topology.parallel:  # the program's bytes (Shapes.from_cost), timed as the simulator times them
         shapes = Shapes.from_cost(cost)
@@ -291,6 +301,7 @@ class MilpSolution:
     transfers: tuple[Transfer, ...]
     report: SolveReport
     step_s: float  # the step seconds of the program the tiers give: the objective less the tie-breakers
+    kept_layers: int = 0  # K: the last K layers keep their graphs (Plan.kept_layers)
 
 
 # ---- a solver-neutral sparse model ---------------------------------------------------------------
@@ -340,21 +351,22 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
                    "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
                    "head_working_bytes", "static_working_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
-    changes["boundary_bytes"] = tuple(a / unit for a in inst.boundary_bytes)
-    changes["working_bytes"] = tuple(w / unit for w in inst.working_bytes)
-    changes["param_bytes"] = tuple(p / unit for p in inst.param_bytes)
+    for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes"):
+        changes[name] = tuple(b / unit for b in getattr(inst, name))
     return replace(inst, **changes)
 
 
 class _Formulation:
-    def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None) -> None:
+    def __init__(self, inst: PlanningInstance, max_segment: int, fixed_tiers: Sequence[str] | None,
+                 fixed_kept: int | None = None) -> None:
         self.unit = max(max(inst.boundary_bytes), 1.0)  # bytes per model unit
         inst = _scaled(inst, self.unit)
         self.inst, self.K, self.L = inst, max_segment, inst.num_layers
         self.m = _Model()
         self.fixed = tuple(fixed_tiers) if fixed_tiers is not None else None
+        self.fixed_kept = fixed_kept
         self.build_s: dict[str, float] = {}
-        for family in (self._add_variables, self._add_path, self._add_placement, self._add_capacity,
+        for family in (self._add_variables, self._add_path, self._add_placement, self._add_kept, self._add_capacity,
                        self._add_gpu_memory, self._add_windows):
             t0 = time.perf_counter()
             family()
@@ -362,8 +374,9 @@ class _Formulation:
         log.debug("MILP build seconds per family: %s", self.build_s)
 
     # -- helpers --
-    def start_values(self, tiers: Sequence[str]) -> dict[int, float] | None:
-        """Column values of the binaries for `tiers` (a warm start); None when a segment is not a candidate."""
+    def start_values(self, tiers: Sequence[str], kept_layers: int = 0) -> dict[int, float] | None:
+        """Column values of the binaries for `tiers` and `kept_layers` (a warm start); None when a segment is not
+        a candidate."""
         if len(tiers) != self.L + 1:
             return None
         kept = [i for i, t in enumerate(tiers) if t != "recompute"]
@@ -375,6 +388,8 @@ class _Formulation:
             for var, on in ((self.z[i], tier != "recompute"), (self.g[i], tier == "gpu"), (self.c[i], tier == "cpu"),
                             (self.n[i], tier == "nvme")):
                 values[var] = float(on)
+        for j, y in enumerate(self.y):
+            values[y] = float(j >= self.L - kept_layers)
         return values
 
     def _inverse(self, rate: float) -> float:
@@ -396,6 +411,14 @@ class _Formulation:
         for i in (0, L):
             m.lb[self.g[i]] = m.ub[self.c[i]] = m.ub[self.n[i]] = 0.0
             m.lb[self.g[i]] = 1.0
+        # y[j]: layer j keeps its graph (a layer can be kept only when the instance has graph bytes)
+        keepable = 1 if inst.graph_bytes else 0
+        self.y = [m.var(f"y[{j}]", 0, keepable, 0.0, True) for j in range(L)]
+        if self.fixed_kept is not None:
+            if self.fixed_kept and not keepable or not 0 <= self.fixed_kept <= L:
+                raise _Infeasible(f"kept_layers={self.fixed_kept}")
+            for j, y in enumerate(self.y):
+                m.lb[y] = m.ub[y] = float(j >= L - self.fixed_kept)
         if self.fixed is not None:
             self._fix_tiers()
     def _fix_tiers(self) -> None:
@@ -427,6 +450,17 @@ class _Formulation:
         for i in range(self.L + 1):
             self.m.row(f"place[{i}]", {self.z[i]: 1.0, self.g[i]: -1.0, self.c[i]: -1.0, self.n[i]: -1.0}, 0, 0)
 
+    def _add_kept(self) -> None:
+        # y[j] <= y[j+1] (the kept layers are a suffix) ;  y[j] <= g[j] (a kept layer's input stays on the device,
+        # its graph holds it; boundary L is gpu)
+        m, y = self.m, self.y
+        if not self.inst.graph_bytes:
+            return
+        for j in range(self.L):
+            if j + 1 < self.L:
+                m.row(f"kept_suffix[{j}]", {y[j]: 1.0, y[j + 1]: -1.0}, hi=0.0)
+            m.row(f"kept_gpu[{j}]", {y[j]: 1.0, self.g[j]: -1.0}, hi=0.0)
+
     def _add_capacity(self) -> None:
         # sum_i A[i] c[i] <= M_C ;  sum_i A[i] n[i] <= M_N
         A, inst = self.inst.boundary_bytes, self.inst
@@ -443,17 +477,29 @@ class _Formulation:
         segment_bytes)."""
         A, L, inst, m = self.inst.boundary_bytes, self.L, self.inst, self.m
         room = inst.gpu_act_bytes + inst.static_working_bytes
+        # A kept layer j holds its weights' own slot from its forward h2d (in F_{j-1}) and its graph from its
+        # forward (F_j) to its backward (B_j); its forward and backward transients are within w[j] (y terms):
+        kept = [inst.graph_bytes[j] + inst.param_bytes[j] for j in range(L)] if inst.graph_bytes else []
+
+        def kept_before(j: int) -> dict[int, float]:
+            """Kept layers below j (graph, slot) and layer j's slot: sum_{j'<j} (G[j'] + p[j']) y[j'] + p[j] y[j]."""
+            if not kept or j >= L:
+                return {}
+            return {**{self.y[i]: kept[i] for i in range(j)}, self.y[j]: inst.param_bytes[j]}
+
         # Forward window F_j: every gpu boundary below j, its input j and output j+1 whatever their tiers (an
-        # offloaded copy is freed once its d2h is done), layer j's working set w[j]; the gradient slots and boundary
-        # gradients are not allocated yet (U_F):
-        #   sum_{i<j} A[i] g[i] + A[j] + A[j+1] + w[j] + T_F <= M_G + W + U_F
+        # offloaded copy is freed once its d2h is done), layer j's working set w[j], the kept layers below j and
+        # the slots of j and j+1; the gradient slots and boundary gradients are not allocated yet (U_F):
+        #   sum_{i<j} A[i] g[i] + A[j] + A[j+1] + w[j] + kept(j) + p[j+1] y[j+1] + T_F <= M_G + W + U_F
         # (row j is implied by a later row whose constant is at least its own: it holds a superset below)
         top = -INF
         for j in range(L - 1, -1, -1):
             const = inst.forward_bytes(j) + inst.fwd_transient_bytes
             if const > top:
-                m.row(f"gpu_fwd[{j}]", {self.g[i]: A[i] for i in range(j)},
-                      hi=room + inst.fwd_unallocated_bytes - const)
+                coefs = {**{self.g[i]: A[i] for i in range(j)}, **kept_before(j)}
+                if kept and j + 1 < L:
+                    coefs[self.y[j + 1]] = inst.param_bytes[j + 1]
+                m.row(f"gpu_fwd[{j}]", coefs, hi=room + inst.fwd_unallocated_bytes - const)
                 top = const
         # Reload buffer: in window B_s, the last of segment (s, e), the start s' of the previous segment (s', s) is
         # reloaded into a device buffer allocated there when it is offloaded:  v[s',s] >= x[s',s] + c[s'] + n[s'] - 1;
@@ -466,10 +512,12 @@ class _Formulation:
             self.v[s0, s1] = v
             m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
         # Head window H: every gpu boundary below L, the last segment's start's reload buffer, boundary L, its
-        # gradient and the head's working set (head_bytes: less the boundary-gradient buffers G already static):
-        #   sum_{i<L} A[i] g[i] + sum_s A[s] v[s,L] + 2 A[L] - G + w[L] + T_B <= M_G + W
+        # gradient and the head's working set (head_bytes: less the boundary-gradient buffers G already static),
+        # every kept layer's graph and slot:
+        #   sum_{i<L} A[i] g[i] + sum_s A[s] v[s,L] + 2 A[L] - G + w[L] + sum_j (G[j] + p[j]) y[j] + T_B <= M_G + W
         m.row("gpu_head", {**{self.g[i]: A[i] for i in range(L)},
-                           **{v: A[s0] for (s0, s1), v in self.v.items() if s1 == L}},
+                           **{v: A[s0] for (s0, s1), v in self.v.items() if s1 == L},
+                           **({self.y[j]: kept[j] for j in range(L)} if kept else {})},
               hi=room - inst.head_bytes() - inst.bwd_transient_bytes)
         # Backward of segment (s, e): gpu boundaries below s, and at R_j / B_j boundaries s..j+1 (s reloaded or
         # kept, the rest recomputed or e) with layer j's working set, the largest over j (segment_bytes):
@@ -477,9 +525,10 @@ class _Formulation:
         # and in B_s, the segment's last window: gpu boundaries below s, s and s+1, w[s], the reload buffer of the
         # previous start (the same window as the first row when e = s+1):
         #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1] + w[s]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G + W
-        # (for s not materialized the rows hold: the segment that contains s holds more).
+        # (for s not materialized the rows hold: the segment that contains s holds more). Both add the kept layers
+        # whose backward has not run and layer s's own slot (kept(s); nonzero only when s is kept: a suffix).
         for s in range(L):
-            below = {self.g[i]: A[i] for i in range(s)}
+            below = {**{self.g[i]: A[i] for i in range(s)}, **kept_before(s)}
             coefs = dict(below)
             for (s2, e), xv in self.x.items():
                 if s2 == s:
@@ -501,9 +550,11 @@ class _Formulation:
           R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  sum_{e >= j+2} x[j,e] d[e]   (j+1 recomputed)
           B_j   T >= beta[j], a_H (p[j-1] (1 - z[j]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j]),
                 d[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
-        with p[L] the loss head's, v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in H when e = L),
-        vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H). The last
-        segment's start cannot be on nvme (its read would chain with its h2d in H): n[s] + x[s,L] <= 1.
+        with p[L] the loss head's; a kept layer j (y[j] = 1) streams no weights for its backward and runs it
+        through its graph: H and B_{j+1} lose a_H p[j] y[j], and B_j's compute is beta[j] - (beta[j] - kb[j]) y[j]
+        with kb[j] = max(0, beta[j] - rho[j]); v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in
+        H when e = L), vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H).
+        The last segment's start cannot be on nvme (its read would chain with its h2d in H): n[s] + x[s,L] <= 1.
 
         The step: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
         Q[L] = start + sum_j T[F_j] + T[H], Q[k] = Q[k+1] + T[B_k] + T[R_k]. The optimizer lane is a FIFO queue:
@@ -557,6 +608,7 @@ class _Formulation:
             F.append(window(f"T[F{j}]", max(inst.forward_s[j], aH * p[j + 1]), loads))
         head_h2d = {xv: aH * p[s] for (s, e), xv in x.items() if e == L}
         head_h2d.update({v: aH * A[s] for (s, e), v in self.v.items() if e == L})
+        _add(head_h2d, self.y[L - 1], -aH * p[L - 1])  # B_{L-1} kept: no weights to stream
         loads = [(0.0, head_h2d), (0.0, reads(L - 1))]
         if L > 1:
             loads.append((0.0, {self.n[L - 1]: aW * A[L - 1]}))
@@ -577,10 +629,15 @@ class _Formulation:
                 for (s, e), v in self.v.items():
                     if e == j:
                         _add(h2d, v, aH * A[s])
+                _add(h2d, self.y[j - 1], -aH * p[j - 1])  # B_{j-1} kept: no weights to stream
                 loads.append((aH * p[j - 1], h2d))
             if j > 1:
                 loads.append((0.0, reads(j - 1)))
-            B.append(window(f"T[B{j}]", inst.backward_s[j], loads))
+            beta = inst.backward_s[j]
+            kb = max(0.0, beta - inst.forward_s[j])  # through the kept graph
+            if inst.graph_bytes and kb < beta:
+                loads.append((beta, {self.y[j]: -(beta - kb)}))
+            B.append(window(f"T[B{j}]", kb if inst.graph_bytes else beta, loads))
 
         # overlap: the previous step's updates run from the step's start in forward order; the h2d of boundary 0
         # and of group j's forward weights start after update j ends (ends[j]), the FIFO h2d lane in order:
@@ -737,10 +794,12 @@ SOLVERS = {"highs": _solve_highs, "scip": _solve_scip}
 # ---- public entry points ------------------------------------------------------------------------------
 def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
                    mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
-                   start_tiers: Sequence[str] | None = None, deadline_s: float | None = None) -> MilpSolution:
+                   start_tiers: Sequence[str] | None = None, deadline_s: float | None = None,
+                   kept_layers: int | None = None, start_kept: int = 0) -> MilpSolution:
     """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers.
 
-    start_tiers: a plan's tiers to warm-start from (re-planning; HiGHS only, ignored by SCIP).
+    kept_layers: K fixed (Plan.kept_layers); None = the MILP decides K, or 0 with `fixed_tiers` (a rule's plan).
+    start_tiers, start_kept: a plan to warm-start from (re-planning; HiGHS only, ignored by SCIP).
     deadline_s (a `time.perf_counter()` instant): the solver gets at most what is left of it after the build."""
     if solver not in SOLVERS:
         raise LazyTrainError(f"solver {solver!r} is not one of {', '.join(SOLVERS)}")
@@ -755,7 +814,9 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         kept = [i for i, t in enumerate(fixed_tiers) if t != "recompute"]
         max_segment = max([max_segment, *(b - a for a, b in zip(kept, kept[1:], strict=False))])
     try:
-        form = _Formulation(inst, min(max_segment, inst.num_layers), fixed_tiers)
+        if kept_layers is None and fixed_tiers is not None:
+            kept_layers = 0
+        form = _Formulation(inst, min(max_segment, inst.num_layers), fixed_tiers, kept_layers)
     except _Infeasible as why:
         raise LazyTrainError(_infeasible_message(inst, max_segment, str(why))) from None
     m = form.m
@@ -765,7 +826,7 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
             raise LazyTrainError(f"building the MILP took {time.perf_counter() - t0:.1f} s, past the time limit; raise "
                                  "--time-limit or lower --max-segment")
         time_limit_s = min(time_limit_s, left_s)
-    start = form.start_values(start_tiers) if start_tiers is not None else None
+    start = form.start_values(start_tiers, start_kept) if start_tiers is not None else None
     status, values, objective, gap = SOLVERS[solver](m, time_limit_s, mip_rel_gap, start)
     seconds = time.perf_counter() - t0
     if values is None:
@@ -776,6 +837,7 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
             "raise --time-limit or lower --max-segment"
         )
     tiers = _read_tiers(form, values)
+    kept = sum(values[y] > 0.5 for y in form.y)
     step_s = m.offset + values[form.S]
     report = SolveReport(
         planner="milp", solver=solver, status=status, objective=objective, gap=gap, seconds=seconds,
@@ -783,11 +845,12 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         options={"max_segment": max_segment, "time_limit_s": time_limit_s, "mip_rel_gap": mip_rel_gap,
                  "num_binaries": sum(m.integer), "fixed_tiers": fixed_tiers is not None,
                  "build_s": round(sum(form.build_s.values()), 4), "step_s": step_s,
-                 "optimizer_mode": inst.optimizer_mode,
+                 "optimizer_mode": inst.optimizer_mode, "kept_layers": kept,
                  **({"world_size": inst.topology.world_size, "nodes": inst.topology.nodes}
                     if inst.topology.parallel else {})},
     )
-    return MilpSolution(tiers=tiers, transfers=plan_transfers(tiers, inst), report=report, step_s=step_s)
+    return MilpSolution(tiers=tiers, transfers=plan_transfers(tiers, inst), report=report, step_s=step_s,
+                        kept_layers=kept)
 
 
 def _read_tiers(form: _Formulation, values: list[float]) -> tuple[str, ...]:
@@ -839,24 +902,26 @@ def solve_milp(cost: CostModel, budgets: Budgets | None = None, *, max_segment: 
                time_limit_s: float = 60.0, mip_rel_gap: float = 0.0, solver: str = "highs",
                fixed_tiers: Sequence[str] | None = None, start_tiers: Sequence[str] | None = None,
                deadline_s: float | None = None, optimizer_mode: str = "overlap",
-               topology: Topology = ONE_RANK) -> Plan:
+               topology: Topology = ONE_RANK, kept_layers: int | None = None, start_kept: int = 0) -> Plan:
     """Solve the MILP for a CostModel under Budgets and return the Plan (Contract 1); its report's
-    `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode` on one rank of `topology`."""
+    `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode` on one rank of `topology`.
+    kept_layers: K fixed, or None: the MILP decides how many layers keep their graphs."""
     inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode, topology=topology)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
-                              solver=solver, fixed_tiers=fixed_tiers, start_tiers=start_tiers, deadline_s=deadline_s)
+                              solver=solver, fixed_tiers=fixed_tiers, start_tiers=start_tiers, deadline_s=deadline_s,
+                              kept_layers=kept_layers, start_kept=start_kept)
     return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
 
 
-def milp_step_s(tiers: Sequence[str], inst: PlanningInstance) -> float | None:
-    """The MILP's step seconds of fixed `tiers` (its objective without the tie-breakers), whatever the memory
-    budgets (a rule's plan may be over the cap); None for tiers the MILP does not express (the last segment's
-    start on nvme: the program chains its read, spill and h2d in the head window)."""
+def milp_step_s(tiers: Sequence[str], inst: PlanningInstance, kept_layers: int = 0) -> float | None:
+    """The MILP's step seconds of fixed `tiers` and `kept_layers` (its objective without the tie-breakers),
+    whatever the memory budgets (a rule's plan may be over the cap); None for tiers the MILP does not express (the
+    last segment's start on nvme: the program chains its read, spill and h2d in the head window)."""
     starts = [s for s, _ in segments_of(tuple(tiers))]
     if tiers[starts[-1]] == "nvme":
         return None
     relaxed = replace(inst, gpu_act_bytes=INF, cpu_act_bytes=INF, nvme_act_bytes=INF if "nvme" in tiers else 0.0)
-    return solve_instance(relaxed, fixed_tiers=tiers, max_segment=inst.num_layers).step_s
+    return solve_instance(relaxed, fixed_tiers=tiers, max_segment=inst.num_layers, kept_layers=kept_layers).step_s
 
 
 def to_plan(solution: MilpSolution, spec: Any, workload: Any = None, budgets: Any = None) -> Plan:
@@ -868,4 +933,5 @@ def to_plan(solution: MilpSolution, spec: Any, workload: Any = None, budgets: An
                      if v is not None}
     plan = Plan.from_tiers(spec, solution.tiers, workload=workload)
     return Plan(tiers=plan.tiers, model_fingerprint=plan.model_fingerprint, model_name=plan.model_name,
-                workload=workload, transfers=solution.transfers, budgets_bytes=budgets_bytes, report=solution.report)
+                workload=workload, transfers=solution.transfers, budgets_bytes=budgets_bytes, report=solution.report,
+                kept_layers=solution.kept_layers)

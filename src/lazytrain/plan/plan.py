@@ -7,6 +7,11 @@ output of layer i-1, boundary L the last layer's output. Each boundary has one t
 boundary). Boundaries 0 and L are always `gpu`. Consecutive materialized boundaries s < e delimit a
 *segment*: the backward regenerates s+1..e-1 from s (Contract 2).
 
+*Kept layers*: the last `kept_layers` layers (K, the ones just before the loss head) keep their autograd graph
+(saved tensors) and their weights on the device from their forward to their backward, so their backward runs
+without a re-forward and without a second weight h2d. Their boundaries L-K..L are `gpu`; K = 0 is the plain
+streamed step, K = L keeps every layer (what fits when the device holds the whole step).
+
 Every planner (MILP or rule) returns this one frozen type; the simulator and the executor consume it.
 """
 
@@ -26,6 +31,7 @@ from lazytrain.spec.workload import Workload
 PLAN_VERSION = 1
 TIERS = ("gpu", "cpu", "nvme", "recompute")
 TIER_CHARS = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "R"}
+KEPT_CHAR = "K"  # placement map: the input boundary of a kept layer (gpu, its graph kept)
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
 
 
@@ -81,6 +87,7 @@ class Plan:
     budgets_bytes: dict[str, int] = field(default_factory=dict)  # e.g. gpu_mem_cap, cpu_act, nvme_act
     report: SolveReport = field(default_factory=lambda: SolveReport(planner="tiers"))
     prediction: Prediction | None = None
+    kept_layers: int = 0  # K: layers L-K..L-1 keep their graph and weights from forward to backward
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", tuple(self.tiers))
@@ -94,6 +101,13 @@ class Plan:
             raise LazyTrainError(
                 f"boundaries 0 and {self.num_layers} must be 'gpu', got {self.tiers[0]!r} and {self.tiers[-1]!r}"
             )
+        K, L = self.kept_layers, self.num_layers
+        if isinstance(K, bool) or not isinstance(K, int) or not 0 <= K <= L:
+            raise LazyTrainError(f"kept_layers must be an integer in 0..{L} (the model's layers), got {K!r}")
+        not_gpu = [i for i in range(L - K, L + 1) if self.tiers[i] != "gpu"]
+        if not_gpu:
+            raise LazyTrainError(f"kept_layers={K} keeps the graphs of layers {L - K}..{L - 1}, so boundaries "
+                                 f"{L - K}..{L} must be 'gpu'; boundaries {not_gpu} are not: lower kept_layers")
         for t in self.transfers:
             if t.link not in LINKS or not 0 <= t.boundary <= self.num_layers or not 0 <= t.window <= self.num_layers:
                 raise LazyTrainError(f"plan transfer {t} is out of range for {self.num_layers} layers")
@@ -120,8 +134,14 @@ class Plan:
         return {tier: self.tiers.count(tier) for tier in TIERS}
 
     def placement_map(self) -> str:
-        """One character per boundary: G(pu) C(pu) N(vme) R(ecompute), like the paper's schedule map."""
-        return "".join(TIER_CHARS[t] for t in self.tiers)
+        """One character per boundary: G(pu) C(pu) N(vme) R(ecompute), like the paper's schedule map; K for the
+        input boundary of a kept layer (gpu, its layer's graph kept)."""
+        L = self.num_layers
+        return "".join(KEPT_CHAR if L - self.kept_layers <= i < L else TIER_CHARS[t] for i, t in enumerate(self.tiers))
+
+    def kept(self, layer: int) -> bool:
+        """Whether `layer` keeps its graph and weights from its forward to its backward."""
+        return layer >= self.num_layers - self.kept_layers
 
     # ---- identity checks --------------------------------------------------------------------
     def check_matches(self, spec: ModelSpec, workload: Workload | None = None) -> None:
@@ -142,8 +162,9 @@ class Plan:
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     def from_tiers(cls, model_or_spec: Any, tiers: list[str] | tuple[str, ...],
-                   workload: Workload | None = None) -> Plan:
-        """A plan stated in code: `tiers` has L+1 entries from gpu/cpu/nvme/recompute."""
+                   workload: Workload | None = None, kept_layers: int = 0) -> Plan:
+        """A plan stated in code: `tiers` has L+1 entries from gpu/cpu/nvme/recompute; the last `kept_layers`
+        layers keep their graphs."""
         spec = spec_of(model_or_spec)
         if len(tiers) != spec.num_layers + 1:
             raise LazyTrainError(
@@ -151,7 +172,7 @@ class Plan:
                 f"({spec.num_layers + 1} boundaries)"
             )
         return cls(tiers=tuple(tiers), model_fingerprint=spec.fingerprint(), model_name=spec.name,
-                   workload=workload)
+                   workload=workload, kept_layers=kept_layers)
 
     def with_prediction(self, prediction: Prediction) -> Plan:
         return replace(self, prediction=prediction)
@@ -163,6 +184,7 @@ class Plan:
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
             "workload": self.workload.to_dict() if self.workload else None,
             "boundaries": [{"boundary": i, "tier": t} for i, t in enumerate(self.tiers)],
+            "kept_layers": self.kept_layers,
             "transfers": [asdict(t) for t in self.transfers],
             "budgets_bytes": dict(self.budgets_bytes),
             "solve": asdict(self.report),
@@ -191,6 +213,7 @@ class Plan:
                 budgets_bytes={k: int(v) for k, v in data.get("budgets_bytes", {}).items()},
                 report=SolveReport(**data["solve"]),
                 prediction=Prediction(**data["prediction"]) if data.get("prediction") else None,
+                kept_layers=data.get("kept_layers", 0),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise LazyTrainError(f"plan file is malformed: {type(err).__name__}: {err}") from None

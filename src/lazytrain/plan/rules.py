@@ -64,9 +64,10 @@ class Evaluation:
     gpu_act_peak_bytes: float = 0.0  # device bytes beyond the static ones at the worst moment (vs M_G)
 
 
-def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment: int | None = None) -> Evaluation:
-    """Check `tiers` (L+1 entries) against the MILP's constraints (memory rows in closed form, see plan/milp.py)
-    and time its step program with the simulator on the instance's op seconds."""
+def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment: int | None = None,
+                   kept_layers: int = 0) -> Evaluation:
+    """Check `tiers` (L+1 entries) and `kept_layers` against the MILP's constraints (memory rows in closed form,
+    see plan/milp.py) and time its step program with the simulator on the instance's op seconds."""
     L, A = inst.num_layers, inst.boundary_bytes
     tiers = tuple(tiers)
     if len(tiers) != L + 1:
@@ -82,38 +83,50 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
         violations.append(f"a segment is longer than {max_segment}")
     if tiers[segments[-1][0]] == "nvme":
         violations.append(f"boundary {segments[-1][0]} starts the last segment and is on nvme")
+    K = kept_layers
+    if K and (not inst.graph_bytes or not all(g[L - K:])):
+        violations.append(f"{K} kept layers need their boundaries {L - K}..{L} on gpu (and graph bytes)")
+        K = 0  # timed without them
+    # a kept layer holds its graph and its weights' own slot from its forward to its backward
+    kept = [inst.graph_bytes[j] + inst.param_bytes[j] if j >= L - K and inst.graph_bytes else 0.0 for j in range(L)]
     cpu_bytes = sum(a for a, t in zip(A, tiers, strict=True) if t == "cpu")
     nvme_bytes = sum(a for a, t in zip(A, tiers, strict=True) if t == "nvme")
     if cpu_bytes > inst.cpu_act_bytes * (1 + 1e-9):
         violations.append(f"cpu activations {format_bytes(cpu_bytes)} > {format_bytes(inst.cpu_act_bytes)}")
     if nvme_bytes > inst.nvme_act_bytes * (1 + 1e-9):
         violations.append(f"nvme activations {format_bytes(nvme_bytes)} > {format_bytes(inst.nvme_act_bytes)}")
-    # each window's peak beyond the static bytes (which hold the largest working set W, given back here)
+    # each window's peak beyond the static bytes (which hold the largest working set W, given back here); the kept
+    # layers below j and layer j's slot (kept_before), from its forward h2d (in F_{j-1}) to its backward
     room, W = inst.gpu_act_bytes + inst.static_working_bytes, inst.static_working_bytes
     tol = 1e-9 * max(1.0, room)
+
+    def kept_before(j: int) -> float:
+        return sum(kept[:j]) + (inst.param_bytes[j] if j < L and kept[j] else 0.0)
+
     gpu_act_peak = -float("inf")
     for j in range(L):  # F_j: gpu boundaries below j, j, j+1, w[j]; the gradient buffers not yet allocated (U_F)
-        fwd_peak = sum(A[i] for i in range(j) if g[i]) + inst.forward_bytes(j) + inst.fwd_transient_bytes
+        fwd_peak = (sum(A[i] for i in range(j) if g[i]) + inst.forward_bytes(j) + kept_before(j)
+                    + (inst.param_bytes[j + 1] if j + 1 < L and kept[j + 1] else 0.0) + inst.fwd_transient_bytes)
         gpu_act_peak = max(gpu_act_peak, fwd_peak - inst.fwd_unallocated_bytes - W)
         if fwd_peak > room + inst.fwd_unallocated_bytes + tol:
             violations.append(f"forward of layer {j} needs {format_bytes(fwd_peak)} > "
                               f"{format_bytes(room + inst.fwd_unallocated_bytes)} on the device")
     last_start = segments[-1][0]
     head_peak = (sum(A[i] for i in range(L) if g[i]) + (A[last_start] if off[last_start] else 0.0)
-                 + inst.head_bytes() + inst.bwd_transient_bytes)
+                 + inst.head_bytes() + sum(kept) + inst.bwd_transient_bytes)
     windows = [("the loss head", head_peak)]
     for k, (s, e) in enumerate(segments):
         # R_j / B_j hold boundaries s..j+1 and w[j]; B_s also the buffer the previous segment's start is reloaded
         # into (allocated in B_s, where its h2d is issued)
         reload_buffer = A[segments[k - 1][0]] if k > 0 and off[segments[k - 1][0]] else 0.0
-        below = sum(A[i] for i in range(s) if g[i])
+        below = sum(A[i] for i in range(s) if g[i]) + kept_before(s)
         peak = below + max(inst.segment_bytes(s, e), A[s] + A[s + 1] + inst.working_bytes[s] + reload_buffer)
         windows.append((f"backward of segment ({s}, {e})", peak + inst.bwd_transient_bytes))
     for what, peak in windows:
         gpu_act_peak = max(gpu_act_peak, peak - W)
         if peak > room + tol:
             violations.append(f"{what} needs {format_bytes(peak)} > {format_bytes(room)} on the device")
-    step_s, exposed_s = step_seconds(inst.program(tiers), inst.op_seconds)
+    step_s, exposed_s = step_seconds(inst.program(tiers, K), inst.op_seconds)
     objective = (step_s + inst.lambda_z * sum(z) + inst.lambda_c * tiers.count("cpu")
                  + inst.lambda_n * tiers.count("nvme"))
     return Evaluation(feasible=not violations, objective=objective, step_s=step_s,

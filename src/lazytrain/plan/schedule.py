@@ -69,6 +69,7 @@ segment's start reloads in H.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,8 @@ LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 STALL_LANES = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 OPTIMIZER_MODES = ("overlap", "serial")
 OFFLOADED = ("cpu", "nvme")
-COMPUTE_KINDS = ("forward", "recompute", "backward", "head", "loss")
+COMPUTE_KINDS = ("forward", "recompute", "backward", "keep", "backprop", "head", "loss")
+WINDOW_LETTER = {"forward": "F", "keep": "F", "recompute": "R", "backward": "B", "backprop": "B"}
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,21 @@ class Shapes:
     constant_bytes: int = 0  # rotary cos/sin, positions, attention masks of the step
     tied_head: bool = False  # the head's group owns the embedding (tied LM head): its update precedes boundary 0
     dtype_bytes: int = 4  # of the compute dtype: the ranks sum a gradient in fp32 (REDUCE_DTYPE_BYTES per element)
+    # kept layers (Plan.kept_layers), per layer j; () = 0 for every layer:
+    graph_bytes: tuple[int, ...] = ()  # the saved tensors its graph holds from its forward to its backward
+    graph_forward_bytes: tuple[int, ...] = ()  # peak of its forward with autograd (its output and graph included)
+    graph_backward_bytes: tuple[int, ...] = ()  # its backward's peak beyond its graph, output and input gradient
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
         if L < 1 or len(self.boundary_bytes) != L + 1 or len(self.working_bytes) != L:
             raise LazyTrainError(f"step shapes: need L >= 1 layers, L working sets and L+1 boundaries, got "
                                  f"{L}, {len(self.working_bytes)}, {len(self.boundary_bytes)}")
+        for name in ("graph_bytes", "graph_forward_bytes", "graph_backward_bytes"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0,) * L)
+            elif len(getattr(self, name)) != L:
+                raise LazyTrainError(f"step shapes: {name} needs {L} entries, got {len(getattr(self, name))}")
 
     @property
     def num_layers(self) -> int:
@@ -117,19 +128,32 @@ class Shapes:
 
     @classmethod
     def from_cost(cls, cost: CostModel) -> Shapes:
+        """A CostModel's bytes (a kept layer's: `graph_bounds`)."""
         L = cost.num_layers
+        working = tuple(int(w) for w in cost.working_bytes[:L])
+        graphs = graph_bounds(working, cost.graph_bytes[:L], int(max(cost.boundary_bytes)))
         return cls(boundary_bytes=tuple(int(a) for a in cost.boundary_bytes[:L + 1]),
                    param_bytes=tuple(int(p) for p in cost.param_bytes[:L]),
                    head_param_bytes=int(cost.head_param_bytes),
-                   working_bytes=tuple(int(w) for w in cost.working_bytes[:L]),
+                   working_bytes=working,
                    head_working_bytes=int(cost.head_working_bytes),
                    constant_bytes=int(cost.constant_device_bytes),
                    tied_head=bool(cost.spec.tie_word_embeddings),
-                   dtype_bytes=int(cost.dtype_bytes))
+                   dtype_bytes=int(cost.dtype_bytes),
+                   graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2])
 
     def reduce_bytes(self, grad_bytes: int) -> int:
         """Bytes the ranks sum for a gradient of `grad_bytes` in the compute dtype (fp32: spec/topology.py)."""
         return grad_bytes // self.dtype_bytes * REDUCE_DTYPE_BYTES
+
+
+def graph_bounds(working: Sequence[int], graph: Sequence[int], boundary_bytes: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(graph, graph forward, graph backward) bytes per layer from working sets and graph bytes: a kept layer's
+    forward counted as its working set and output, its backward as its working set (the graph included) -- bounds
+    of what they hold (the executor's measured shapes are exact)."""
+    return (tuple(int(g) for g in graph), tuple(int(w) + int(boundary_bytes) for w in working),
+            tuple(max(0, int(w) - int(g)) for w, g in zip(working, graph, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -148,7 +172,7 @@ class Op:
     @property
     def name(self) -> str:
         if self.kind in COMPUTE_KINDS:
-            return "H" if self.kind in ("head", "loss") else f"{self.kind[0].upper()}{self.target}"
+            return "H" if self.kind in ("head", "loss") else f"{WINDOW_LETTER[self.kind]}{self.target}"
         if self.kind == "update":
             return f"update {'embedding' if self.target < 0 else self.target}"
         return f"{self.kind} {self.target}" if self.target >= 0 else self.kind
@@ -173,6 +197,7 @@ class StepProgram:
     optimizer_mode: str
     uses: tuple[tuple[str, int], ...]  # weight use u -> (kind, layer); the head's layer is L
     topology: Topology = ONE_RANK  # the ranks the reduce ops sum over (one: none)
+    kept_layers: int = 0  # K: layers L-K..L-1 keep their graph and weights (Plan.kept_layers)
 
     def device_peak_bytes(self) -> int:
         """The high-water mark of the alloc/free actions (link speeds do not move it)."""
@@ -200,13 +225,17 @@ def segments_of(tiers: tuple[str, ...]) -> list[tuple[int, int]]:
     return list(zip(kept[:-1], kept[1:], strict=True))
 
 
-def weight_uses(tiers: tuple[str, ...], forward_only: bool = False) -> list[tuple[str, int]]:
+def weight_uses(tiers: tuple[str, ...], forward_only: bool = False, kept_layers: int = 0) -> list[tuple[str, int]]:
+    """The compute ops in program order as (kind, layer); each streams its layer's weights, except a kept
+    layer's backward ("backprop": its weights stayed on the device since its forward, "keep")."""
     L = len(tiers) - 1
-    uses = [("forward", j) for j in range(L)] + [("head", L)]
+    first_kept = L - (0 if forward_only else kept_layers)
+    uses = [("keep" if j >= first_kept else "forward", j) for j in range(L)] + [("head", L)]
     if forward_only:
         return uses
     for s, e in reversed(segments_of(tiers)):
-        uses += [("recompute", j) for j in range(s, e - 1)] + [("backward", j) for j in range(e - 1, s - 1, -1)]
+        uses += [("recompute", j) for j in range(s, e - 1)]
+        uses += [("backprop" if j >= first_kept else "backward", j) for j in range(e - 1, s - 1, -1)]
     return uses
 
 
@@ -247,8 +276,12 @@ def update_order(num_layers: int, tied_head: bool) -> list[int]:
 
 
 def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimizer_mode: str = "overlap",
-                  updates: bool = True, forward_only: bool = False, topology: Topology = ONE_RANK) -> StepProgram:
+                  updates: bool = True, forward_only: bool = False, topology: Topology = ONE_RANK,
+                  kept_layers: int = 0) -> StepProgram:
     """The step program of `tiers` (L+1 entries) with `shapes`' bytes; see the module docstring.
+
+    kept_layers: K, the last K layers keep their graph and weights from forward to backward (Plan.kept_layers;
+    boundaries L-K..L must be gpu).
 
     updates: overlap mode: the step starts with the previous step's group updates on the optimizer lane (False:
     a step's later micro-batch, or no update pending).
@@ -261,9 +294,13 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         raise LazyTrainError(f"plan has {L} layers but the step shapes have {shapes.num_layers}")
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
+    if not 0 <= kept_layers <= L or any(t != "gpu" for t in tiers[L - kept_layers:]):
+        raise LazyTrainError(f"kept_layers={kept_layers} needs 0..{L} and boundaries {L - kept_layers}..{L} on gpu")
     A, P, W = shapes.boundary_bytes, shapes.param_bytes, shapes.slots_bytes
+    G, GF, GB = shapes.graph_bytes, shapes.graph_forward_bytes, shapes.graph_backward_bytes
+    first_kept = L - kept_layers
     segments = segments_of(tiers)
-    uses = weight_uses(tiers, forward_only)
+    uses = weight_uses(tiers, forward_only, kept_layers)
     b = _Builder()
     if forward_only:
         return _forward_only(tiers, shapes, uses, b)
@@ -291,6 +328,10 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     def issue_weights(u: int) -> None:
         if u < len(uses):
             kind, j = uses[u]
+            if kind == "backprop":
+                return  # a kept layer's weights stayed on the device since its forward
+            if kind == "keep":
+                b.alloc("kept_weights", j, P[j])  # its own slot, until its backward
             fence_update = update.pop(j, None) if u <= L else None  # a forward use waits for its group's update
             if fence_update is not None:
                 window.append(fence_update)
@@ -350,6 +391,14 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
             offload_d2h[j] = issue("d2h", "offload", j, A[j])
         if j > 1 and tiers[j - 1] == "nvme":
             offload_d2h[j - 1] = issue("nvme_write", "spill", j - 1, A[j - 1], after=(offload_d2h[j - 1],))
+        if j >= first_kept:  # with autograd: its graph stays until its backward
+            b.alloc("working", j, GF[j])
+            b.run("keep", j, j)
+            b.free("working", j, GF[j])
+            b.alloc("boundary", j + 1, A[j + 1])
+            b.alloc("graph", j, G[j])
+            fence()
+            continue
         compute("forward", j, j)
         b.alloc("boundary", j + 1, A[j + 1])
         b.free("working", j, shapes.working_bytes[j])
@@ -397,9 +446,17 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
             if j == s and previous > 0 and tiers[previous] in OFFLOADED:
                 b.alloc("boundary", previous, A[previous])  # its reload's device buffer, from its window on
                 reload(previous)
-            compute("backward", j, u)
-            b.alloc("grad", j, A[j])
-            b.free("working", j, shapes.working_bytes[j])
+            if j >= first_kept:  # through the kept graph: no re-forward
+                b.alloc("working", j, GB[j])
+                b.run("backprop", j, u)
+                b.alloc("grad", j, A[j])
+                b.free("working", j, GB[j])
+                b.free("graph", j, G[j])
+                b.free("kept_weights", j, P[j])
+            else:
+                compute("backward", j, u)
+                b.alloc("grad", j, A[j])
+                b.free("working", j, shapes.working_bytes[j])
             b.free("boundary", j + 1, A[j + 1])
             b.free("grad", j + 1, A[j + 1])
             fence()
@@ -424,14 +481,16 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     if optimizer_mode == "serial":  # MegaTrain: the whole optimizer step after the backward
         b.wait(b.issue("optimizer", "step"))
     return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(b.ops), actions=tuple(b.actions),
-                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology)
+                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology, kept_layers=kept_layers)
 
 
 def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str = "overlap",
                 topology: Topology = ONE_RANK) -> StepProgram:
-    """The program of a Plan (its tiers) or a bare tier list, with a CostModel's shapes (and `topology`'s ranks)."""
+    """The program of a Plan (its tiers and kept layers) or a bare tier list, with a CostModel's shapes (and
+    `topology`'s ranks)."""
     tiers = getattr(plan_or_tiers, "tiers", plan_or_tiers)
-    return build_program(tuple(tiers), Shapes.from_cost(cost), optimizer_mode=optimizer_mode, topology=topology)
+    return build_program(tuple(tiers), Shapes.from_cost(cost), optimizer_mode=optimizer_mode, topology=topology,
+                         kept_layers=getattr(plan_or_tiers, "kept_layers", 0))
 
 
 def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], b: _Builder) -> StepProgram:

@@ -30,7 +30,7 @@ recycles them across steps). NVMe: each spill file from its write start to step 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lazytrain.errors import LazyTrainError
@@ -138,8 +138,7 @@ def op_seconds(op: Op, cost: CostModel, topology: Topology = ONE_RANK) -> float:
     if k in ("reduce", "gather"):
         return topology.collective_s(op.num_bytes, c.hardware, k)
     if op.lane == "compute":
-        return {"forward": c.forward_s, "recompute": c.forward_s, "backward": c.backward_s}[k][j] if k != "head" \
-            else c.head_s
+        return compute_seconds(k, j, c.forward_s, c.backward_s, c.head_s)
     if op.lane in RATES:
         return _seconds(op.num_bytes, getattr(c, RATES[op.lane]))
     if k == "land":
@@ -151,6 +150,17 @@ def op_seconds(op: Op, cost: CostModel, topology: Topology = ONE_RANK) -> float:
     if k == "step":
         return c.total_optimizer_s
     raise LazyTrainError(f"the simulator has no time for op {op.name!r} on lane {op.lane!r}")
+
+
+def compute_seconds(kind: str, layer: int, forward_s: Sequence[float], backward_s: Sequence[float],
+                    head_s: float) -> float:
+    """Seconds of a compute op: a forward or recompute rho[j] (a kept layer's forward with autograd too), a backward
+    beta[j] (autograd re-forward + backward), a kept layer's backward through its graph beta[j] - rho[j], the head."""
+    if kind == "head":
+        return head_s
+    if kind == "backprop":
+        return max(0.0, backward_s[layer] - forward_s[layer])
+    return (backward_s if kind == "backward" else forward_s)[layer]
 
 
 def update_seconds(cost: CostModel) -> tuple[float, ...]:

@@ -29,18 +29,21 @@ from torch import nn
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.schedule import Op, Shapes, StepProgram, build_program, update_order
+from lazytrain.plan.schedule import Op, Shapes, StepProgram, build_program, graph_bounds, update_order
 from lazytrain.runtime.device import Device, EmulatedDevice, Event, check_nvme_dir, check_nvme_space
 from lazytrain.runtime.hf import (
     DecoderParts,
+    LayerGraph,
     Rotary,
     find_parts,
+    graph_backward,
     head_forward_backward,
     head_loss_sum,
     head_named_params,
     is_packed,
     layer_backward,
     layer_forward,
+    layer_graph_forward,
     shift_labels,
 )
 from lazytrain.runtime.live_bytes import LiveBytes
@@ -206,6 +209,8 @@ class Executor:
         self.last_step: StepStats | None = None
         self._default_costs: dict[tuple[int, int], Any] = {}
         self._measured_working: dict[tuple[int, int, bool], tuple[tuple[int, ...], int]] = {}
+        # the same keys: (graph, graph forward, graph backward) bytes per layer (Shapes.graph_*)
+        self._measured_graphs: dict[tuple[int, int, bool], tuple[tuple[int, ...], ...]] = {}
 
     def set_plan(self, plan: Plan) -> None:
         """Run `plan` from the next step on (re-planning switches plans between steps)."""
@@ -327,17 +332,23 @@ class Executor:
         workload = getattr(cost, "workload", None)
         if cost is None or (workload is not None and (workload.batch_size, workload.seq_len) != (batch, seq_len)):
             cost = self._default_cost(batch, seq_len)  # e.g. a last, shorter batch than the plan's workload
+        L = self.parts.num_layers
+        boundary_bytes = batch * seq_len * config.hidden_size * dtype_bytes
+        graph = (0,) * L
         if getattr(self.device, "live", None) is not None:  # a device that measures memory: the real working sets
             working, head_working = self.measured_working_bytes(batch, seq_len, masked=masked)
-        elif cost is not None:
-            working = tuple(int(w) for w in cost.working_bytes)
-            head_working = int(cost.head_working_bytes)
+            graphs = self._measured_graphs[(batch, seq_len, masked)]
         else:
-            working = (estimate_working_bytes(config, batch, seq_len, dtype_bytes),) * self.parts.num_layers
-            head_working = estimate_head_working_bytes(config, batch, seq_len, dtype_bytes, self.head_chunk_tokens)
-        L = self.parts.num_layers
+            if cost is not None:
+                working = tuple(int(w) for w in cost.working_bytes)
+                head_working = int(cost.head_working_bytes)
+                graph = tuple(int(g) for g in cost.graph_bytes)
+            else:
+                working = (estimate_working_bytes(config, batch, seq_len, dtype_bytes),) * L
+                head_working = estimate_head_working_bytes(config, batch, seq_len, dtype_bytes, self.head_chunk_tokens)
+            graphs = graph_bounds(working, graph, boundary_bytes)
         return Shapes(
-            boundary_bytes=(batch * seq_len * config.hidden_size * dtype_bytes,) * (L + 1),
+            boundary_bytes=(boundary_bytes,) * (L + 1),
             param_bytes=tuple(g.numel * dtype_bytes for g in self.layer_groups),
             head_param_bytes=self.head_group.numel * dtype_bytes,
             working_bytes=working,
@@ -345,6 +356,7 @@ class Executor:
             constant_bytes=self.rotary.constant_bytes(batch, seq_len, dtype_bytes, masked),
             tied_head=self.parts.tied,
             dtype_bytes=dtype_bytes,
+            graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2],
         )
 
     def measured_working_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> tuple[tuple[int, ...], int]:
@@ -355,7 +367,11 @@ class Executor:
         output d(boundary j) (the program allocates that after the compute, while the working set is still
         counted). Head: the same for the chunked head (its output is written into a buffer the program holds),
         with every label counted (a chunk without labels holds less). A forward or recompute holds less than the
-        backward of its layer, so the program over-counts those windows."""
+        backward of its layer, so the program over-counts those windows.
+
+        The same pass measures what a kept layer holds (`Shapes.graph_*`, in `_measured_graphs`): its graph (the
+        storages alive after its forward with autograd, less its output), the peak of that forward, and its
+        backward's peak beyond the graph, its output and its input's gradient."""
         key = (batch, seq_len, masked)
         if key in self._measured_working:
             return self._measured_working[key]
@@ -367,19 +383,26 @@ class Executor:
         ones = torch.ones(batch, seq_len, dtype=torch.long) if masked else None
         consts = self.rotary.constants(hidden, ones)
         boundary_bytes = hidden.numel() * hidden.element_size()
-        by_shape: dict[tuple[str, tuple], int] = {}
-        working = []
+        by_shape: dict[tuple[str, tuple], tuple[int, int, int, int]] = {}
+        sizes = []  # per layer: (working set, graph, graph forward peak, graph backward beyond)
         for j, (layer, group) in enumerate(zip(self.parts.layers, self.layer_groups, strict=True)):
             shape_key = (self.parts.mask_kinds[j], tuple((s.name, s.shape) for s in group.slots))
             if shape_key not in by_shape:
                 slot = torch.empty(group.numel, dtype=dtype, device=torch_device)
                 weights = {n: t.to(device=torch_device, dtype=dtype) for n, t in group.views(group.buffer).items()}
                 live = LiveBytes()
-                with live:
-                    layer_backward(layer, weights, hidden, grad_out, consts, self.parts.mask_kinds[j],
-                                   group.views(slot))
-                by_shape[shape_key] = live.peak_bytes - boundary_bytes
-            working.append(by_shape[shape_key])
+                with live:  # layer_backward, in its two halves
+                    graph = layer_graph_forward(layer, weights, hidden, consts, self.parts.mask_kinds[j])
+                    forward_peak, graph_bytes = live.peak_bytes, live.used_bytes - boundary_bytes
+                    live.reset_peak()
+                    graph_backward(graph, grad_out, group.views(slot))
+                    del graph
+                backward_peak = live.peak_bytes
+                by_shape[shape_key] = (max(forward_peak, backward_peak) - boundary_bytes, graph_bytes, forward_peak,
+                                       max(0, backward_peak - graph_bytes - 2 * boundary_bytes))
+            sizes.append(by_shape[shape_key])
+        working = [w for w, *_ in sizes]
+        self._measured_graphs[key] = tuple(tuple(column) for column in list(zip(*sizes, strict=True))[1:])
         head = self.head_group
         weights = {n: t.to(device=torch_device, dtype=dtype) for n, t in head.views(head.buffer).items()}
         grads = head.views(torch.zeros(head.numel, dtype=dtype, device=torch_device))
@@ -401,7 +424,7 @@ class Executor:
         over the ranks are ops of the program."""
         topology = self.grad_reducer.topology if self.grad_reducer is not None else ONE_RANK
         return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=updates,
-                             forward_only=forward_only, topology=topology)
+                             forward_only=forward_only, topology=topology, kept_layers=self.plan.kept_layers)
 
     def _default_cost(self, batch: int, seq_len: int) -> Any:
         """The shared CostModel's byte sizes (working sets), so the planner, simulator and arena agree."""
@@ -535,6 +558,8 @@ class _Step:
         self.reserved = 0
         self.allocated: dict[int, torch.Tensor] = {}  # id -> device tensor, until freed (then released)
         self.slots: list[torch.Tensor] = []  # two layer slots, then the head's own when it has one
+        self.kept_slots: dict[int, torch.Tensor] = {}  # kept layer -> its weights' own slot
+        self.graphs: dict[int, LayerGraph] = {}  # kept layer -> its graph, from its forward to its backward
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
         self.arrivals: dict[int, int] = defaultdict(int)  # group index -> gradient parts landed
@@ -591,8 +616,15 @@ class _Step:
     # ---- compute ops ------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
         ex, j, t0 = self.ex, op.target, self.dev.mark()
-        weights = self._group_of(op).views(self._slot(self.slots, op.target, op.use))
-        if op.kind in ("forward", "recompute"):
+        weights = self._group_of(op).views(self._weight_slot(op))
+        if op.kind == "keep":  # a kept layer: with autograd, its graph (and weights) kept until its backward
+            self.graphs[j] = layer_graph_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
+                                                 ex.parts.mask_kinds[j])
+            self.out = self.graphs[j].out.detach()
+        elif op.kind == "backprop":  # through the kept graph: no re-forward, weights never streamed again
+            grads = ex.layer_groups[j].views(self._slot(self.grad_slots, j, self.grad_uses))
+            self.out = graph_backward(self.graphs.pop(j), self.grads[j + 1], grads)
+        elif op.kind in ("forward", "recompute"):
             with torch.no_grad():
                 self.out = layer_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
                                          ex.parts.mask_kinds[j])
@@ -621,12 +653,14 @@ class _Step:
         seconds_between, base = self.dev.seconds_between, self.mark_start
         for op, t0, t1 in self.marks:
             j, seconds = op.target, seconds_between(t0, t1)
-            if op.kind == "forward":
+            if op.kind in ("forward", "keep"):
                 self.stats.forward_s[j] = seconds
             elif op.kind == "recompute":
                 self.stats.recompute_s[j] += seconds
             elif op.kind == "backward":
                 self.stats.backward_s[j] = seconds
+            elif op.kind == "backprop":  # with its forward: the re-forward + backward a streamed layer's costs
+                self.stats.backward_s[j] = self.stats.forward_s[j] + seconds
             elif op.kind == "head":
                 self.stats.head_s = seconds
             start = seconds_between(base, t0)
@@ -636,9 +670,9 @@ class _Step:
     def _issue(self, op: Op) -> Event:
         dev, store, after = self.dev, self.ex.store, [self.events[a] for a in op.after]
         i = op.target
-        if op.kind == "weights":  # into slot use % 2, after the compute that last read that slot
+        if op.kind == "weights":  # into slot use % 2 (a kept layer's own), after the compute that last read it
             group = self._group_of(op)
-            slot = self._slot(self.slots, op.target, op.use)
+            slot = self._weight_slot(op)
             return dev.copy("h2d", slot[:group.numel], group.buffer, after=[*after, dev.record_compute()])
         if op.kind == "update":
             update, target = self.update, op.target
@@ -712,6 +746,11 @@ class _Step:
             host0 = self.host[-1]
             return dev.submit("optimizer", lambda: self._embedding_backward(host0, index), after=after)
         raise LazyTrainError(f"the executor cannot run op {op.name!r} (the optimizer step is its caller's)")
+
+    def _weight_slot(self, op: Op) -> torch.Tensor:
+        """Where the weights of `op`'s use live: a kept layer's own slot, else `_slot`."""
+        kept = self.kept_slots.get(op.target)
+        return kept if kept is not None else self._slot(self.slots, op.target, op.use)
 
     def _slot(self, slots: list[torch.Tensor], target: int, use: int) -> torch.Tensor:
         """Layer slot use % 2, or the loss head's own slot when it has one."""
@@ -793,11 +832,13 @@ class _Step:
                 self.slots = slots
             else:
                 self.grad_slots = slots
-        elif kind in ("working", "constants"):
+        elif kind == "kept_weights":
+            self.kept_slots[i] = self._alloc((ex.layer_groups[i].numel,), dtype, f"kept weights {i}")
+        elif kind in ("working", "graph", "constants"):
             if kind == "constants":
                 with self.dev.measuring():
                     self.consts = ex.rotary.constants(self.on_device[0], self.attention_mask, self.position_ids)
-            self._reserve(num_bytes, "rotary tables and masks" if kind == "constants" else f"working set {i}")
+            self._reserve(num_bytes, "rotary tables and masks" if kind == "constants" else f"{kind} {i}")
         elif self.out is not None:  # a compute's output: boundary i (forward, recompute) or its gradient
             t, self.out = self._adopt(self.out, f"{kind} {i}"), None
             (self.on_device if kind == "boundary" else self.grads)[i] = t
@@ -809,7 +850,9 @@ class _Step:
             self._free(self.on_device.pop(i))
         elif kind == "grad":
             self._free(self.grads.pop(i))
-        elif kind in ("working", "constants"):
+        elif kind == "kept_weights":
+            self._free(self.kept_slots.pop(i))
+        elif kind in ("working", "graph", "constants"):
             self._unreserve(num_bytes)
         else:
             for t in self.slots if kind == "weight_slots" else self.grad_slots:
@@ -848,6 +891,7 @@ class _Step:
                 event.wait()
             except BaseException:  # the first error is already propagating
                 pass
+        self.graphs.clear()  # after an error: a kept layer's saved tensors go with its graph
         for t in self.allocated.values():
             self.dev.free(t)
         if self.reserved:

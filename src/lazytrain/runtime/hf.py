@@ -319,20 +319,42 @@ def head_loss_sum(norm: nn.Module, weights: dict[str, torch.Tensor], hidden: tor
     return total, int((targets != IGNORE_INDEX).sum())
 
 
-def layer_backward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
-                   grad_out: torch.Tensor, consts: StepConstants, mask_kind: str,
-                   grad_weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Re-run layer j with autograd from boundary j and backpropagate d(boundary j+1).
+@dataclass
+class LayerGraph:
+    """A layer's forward run with autograd: its input leaf, weight leaves and output, whose graph holds the saved
+    tensors until `graph_backward` (a kept layer's, from its forward to its backward; or a re-forward's)."""
 
-    Returns d(boundary j); the weight gradients go straight into `grad_weights` (the gradient slot's views, by
-    parameter name; overwritten): each leaf's `.grad` is its view, zeroed, so autograd adds every gradient into
-    the slot as it is made (0 + g = g) and frees it -- no layer's worth of gradients exists beside the slot.
-    """
+    hidden: torch.Tensor  # boundary j, detached: a leaf whose .grad becomes d(boundary j)
+    leaves: dict[str, torch.Tensor]  # the weights, detached leaves
+    out: torch.Tensor  # boundary j+1, with the graph
+
+
+def layer_graph_forward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                        consts: StepConstants, mask_kind: str) -> LayerGraph:
+    """Layer j with autograd from boundary j (a graph of its own: its input is a fresh leaf)."""
     leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
-    for n, leaf in leaves.items():
-        leaf.grad = grad_weights[n].zero_()  # an unused parameter keeps its zeros, as autograd's allow_unused
     x = hidden.detach().requires_grad_()
     with torch.enable_grad():
         out = layer_forward(layer, leaves, x, consts, mask_kind)
-        torch.autograd.backward(out, grad_out, inputs=[x, *leaves.values()])
-    return x.grad
+    return LayerGraph(x, leaves, out)
+
+
+def graph_backward(graph: LayerGraph, grad_out: torch.Tensor, grad_weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Backpropagate d(boundary j+1) through a layer's graph; returns d(boundary j).
+
+    The weight gradients go straight into `grad_weights` (the gradient slot's views, by parameter name;
+    overwritten): each leaf's `.grad` is its view, zeroed, so autograd adds every gradient into the slot as it is
+    made (0 + g = g) and frees it -- no layer's worth of gradients exists beside the slot. The graph is released.
+    """
+    for n, leaf in graph.leaves.items():
+        leaf.grad = grad_weights[n].zero_()  # an unused parameter keeps its zeros, as autograd's allow_unused
+    with torch.enable_grad():
+        torch.autograd.backward(graph.out, grad_out, inputs=[graph.hidden, *graph.leaves.values()])
+    return graph.hidden.grad
+
+
+def layer_backward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+                   grad_out: torch.Tensor, consts: StepConstants, mask_kind: str,
+                   grad_weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Re-run layer j with autograd from boundary j and backpropagate d(boundary j+1) (`graph_backward`)."""
+    return graph_backward(layer_graph_forward(layer, weights, hidden, consts, mask_kind), grad_out, grad_weights)

@@ -116,6 +116,12 @@ class CostModel:
         self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
         self.working_bytes = [tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
                               for j in range(L)]
+        # a kept layer's graph (Plan.kept_layers): the saved tensors its forward with autograd leaves, less its
+        # output -- the working set without the backward's I-wide gradient, plus one h-wide tensor per token
+        # (SDPA's and the norms' small saved statistics); bounds the measured graph of dense layers (SDPA)
+        self.graph_bytes = [min(w, tokens * (self._working_bytes_per_token(j)
+                                             - (self._mlp_width() - spec.hidden_size) * dtype_bytes))
+                            for j, w in enumerate(self.working_bytes)]
         # per chunk row: the logits (compute dtype) and three fp32 rows (log-softmax, its gradient, the logits'
         # gradient), the final norm's fp32 input and output (8 h), the row's loss; the chunk's fp32 loss scalars;
         # the step's shifted labels (int64). Measured on the emulated device (tests/test_live_bytes.py); the LM

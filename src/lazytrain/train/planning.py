@@ -125,7 +125,8 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, 
                                         remembered_plan_path(job, cost, budgets, kind, masked), topology)
     sim = _simulate(plan, cost, job.optim.optimizer_mode, topology)
     milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets),
-                                                        optimizer_mode=job.optim.optimizer_mode, topology=topology))
+                                                        optimizer_mode=job.optim.optimizer_mode, topology=topology),
+                         plan.kept_layers)
     plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
     return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, topology=topology,
                    serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
