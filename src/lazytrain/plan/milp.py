@@ -411,7 +411,8 @@ class _Formulation:
         for i in (0, L):
             m.lb[self.g[i]] = m.ub[self.c[i]] = m.ub[self.n[i]] = 0.0
             m.lb[self.g[i]] = 1.0
-        # y[j]: layer j keeps its graph (a layer can be kept only when the instance has graph bytes)
+        # y[j]: layer j keeps its graph (a layer can be kept only when the instance has graph bytes); at most as
+        # many as the head row admits with nothing else on the device (the rest fixed to 0: fewer binaries)
         keepable = 1 if inst.graph_bytes else 0
         self.y = [m.var(f"y[{j}]", 0, keepable, 0.0, True) for j in range(L)]
         if self.fixed_kept is not None:
@@ -419,8 +420,22 @@ class _Formulation:
                 raise _Infeasible(f"kept_layers={self.fixed_kept}")
             for j, y in enumerate(self.y):
                 m.lb[y] = m.ub[y] = float(j >= L - self.fixed_kept)
+        elif keepable:
+            for j in range(L - 1, -1, -1):
+                if self._kept_head_bytes(j) > inst.gpu_act_bytes + inst.static_working_bytes + 1e-9:
+                    for i in range(j + 1):
+                        m.ub[self.y[i]] = 0.0
+                    break
         if self.fixed is not None:
             self._fix_tiers()
+
+    def _kept_head_bytes(self, first: int) -> float:
+        """The head row's left side with layers first..L-1 kept and every other boundary but 0 off the device:
+        boundaries 0 and first..L-1, the head's own bytes, the kept graphs and slots."""
+        inst, L, A = self.inst, self.L, self.inst.boundary_bytes
+        return ((A[0] if first > 0 else 0.0) + sum(A[first:L]) + inst.head_bytes() + inst.bwd_transient_bytes
+                + sum(inst.graph_bytes[j] + inst.param_bytes[j] for j in range(first, L)))
+
     def _fix_tiers(self) -> None:
         """Fix z, g, c, n (and so x) to a given tier list: evaluates a rule as a point of this MILP."""
         m, fixed = self.m, self.fixed
