@@ -106,6 +106,7 @@ def part_a_b(args) -> None:
     }
     cap = None
     mega_name = ""
+    kept: dict[str, int] = {}  # a plan's kept layers (the MILP's)
     try:
         from lazytrain.plan.milp import solve_milp
 
@@ -128,10 +129,11 @@ def part_a_b(args) -> None:
         mega_name = f"megatrain-{best_k} (best K, cap)"
         plans[mega_name] = megatrain(L, best_k)
         plans["milp (same cap)"] = list(milp.tiers)
+        kept["milp (same cap)"] = milp.kept_layers
     except ImportError:
         print("lazytrain.plan.milp.solve_milp not available: no MILP plan")
 
-    entries = {name: (Plan.from_tiers(model, t), rates) for name, t in plans.items()}
+    entries = {name: (Plan.from_tiers(model, t, kept_layers=kept.get(name, 0)), rates) for name, t in plans.items()}
     entries["calib"] = (keep, {})
     stats = rounds(model, entries, ids, labels, args.repeats, cost=base)
     cost = calibrated(base, stats.pop("calib"))

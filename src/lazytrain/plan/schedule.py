@@ -62,6 +62,13 @@ release times is also exactly linear.
             "gather" op before the embedding backward. Like every optimizer-lane job they are not fenced: the
             backward runs on while they queue.
 
+Kept layers (`kept_layers` = K, Plan.kept_layers; boundaries L-K..L gpu): layer j >= L-K is use "keep" in
+the forward: its weight h2d (in F_{j-1}) allocates its own slot ("kept_weights" j), F_j allocates its forward's
+peak (graph_forward_bytes), runs it with autograd, frees that, allocates boundary j+1 and its graph ("graph" j).
+Its backward is use "backprop" (B_j): no weights are issued for it, it allocates its backward's peak beyond the
+graph (graph_backward_bytes), runs through the graph, allocates the gradient of boundary j, frees its graph and
+its slot. The windows are otherwise the same, so the MILP's step (y[j]) stays the simulated one.
+
 Transfer windows (what `Plan.transfers` records): the d2h of boundary i in F_i, its nvme write in F_{i+1} (H
 for i = L-1), its nvme read in B_{e+1} (H for e = L-1) and its h2d in B_e, with (i, e) its segment; the last
 segment's start reloads in H.
