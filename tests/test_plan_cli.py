@@ -20,12 +20,13 @@ def test_paper_instance_prints_the_plan_and_writes_it(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     lines = out.splitlines()
     placement = lines[lines.index(next(line for line in lines if line.startswith("placement"))) + 1]
-    assert len(placement) == 65 and set(placement) <= set("GCNR") and placement[0] == placement[-1] == "G"
+    assert len(placement) == 65 and set(placement) <= set("GCNRK") and placement[0] == placement[-1] == "G"
     assert "counts: gpu" in out and "recomputed boundaries:" in out
     assert "solver: highs optimal" in out and "gap 0" in out
     assert "megatrain K=4" in out and "serial" in out  # the simulated MegaTrain rule beside the plan
     plan = Plan.load(path, spec=ModelSpec.load("qwen3.6-27b"))
-    assert plan.placement_map() == placement
+    assert plan.placement_map() == placement and placement.count("K") == plan.kept_layers  # kept: K marks
+    assert (f"kept layers: {plan.kept_layers} " in out) == (plan.kept_layers > 0)
     assert plan.prediction is not None and plan.prediction.step_s > 0
     assert plan.report.planner == "milp" and plan.report.status == "optimal"
     assert plan.budgets_bytes["gpu_mem_cap_bytes"] == 70 * 10**9
