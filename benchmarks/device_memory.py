@@ -3,6 +3,7 @@
     python benchmarks/device_memory.py                 # 8 layers of the 301.5 M Llama of benchmarks/host.py
     python benchmarks/device_memory.py --layers 20     # the whole 301.5 M model (~3 GB of host memory in fp32)
     python benchmarks/device_memory.py --vocab 4096 --seq 1024   # a small head: the layers' windows peak
+    python benchmarks/device_memory.py --families      # every family's working sets: CostModel formula / measured
 
 One step per plan (keep-all, MegaTrain K=4, all-cpu, a mix with nvme) and dtype (fp32, bf16) on
 `EmulatedDevice(measure_memory=True)`, which counts every storage the step holds on the device (autograd's
@@ -15,11 +16,17 @@ below it). Bytes are deterministic: one step each, no timing.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lazytrain import EmulatedDevice, Executor, Plan
+from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, Plan, Workload
+from lazytrain.spec.model import ModelSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import tiny_models  # noqa: E402 - the tests' tiny models of every family
 
 MiB = 2**20
 
@@ -33,13 +40,40 @@ def plans(num_layers: int) -> dict[str, list[str]]:
             "mix": mix}
 
 
+def family_table() -> None:
+    """Per family, dtype and batch shape: each layer kind's and the head's CostModel working set over the measured."""
+    print("| family | dtype | batch x seq | formula / measured per layer kind and head |")
+    print("|---|---|---|---|")
+    for kind in tiny_models.FAMILIES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch, seq in ((1, 11), (2, 64), (2, 200), (1, 300)):
+                model = tiny_models.make_model(kind, num_layers=3, attn="eager" if kind == "gpt_oss" else "sdpa")
+                ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True),
+                              compute_dtype=dtype)
+                working, head = ex.measured_working_bytes(batch, seq)
+                name = "fp32" if dtype == torch.float32 else "bf16"
+                cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"),
+                                 Workload(batch, seq, name))
+                spec, ratios = cost.spec, {}
+                for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
+                    moe = " moe" if spec.layer_active_params[j] != spec.layer_params[j] else ""
+                    ratios.setdefault(spec.layer_types[j] + moe, formula / measured)
+                ratios["head"] = cost.head_working_bytes / head
+                print(f"| {kind} | {name} | {batch} x {seq} | "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + " |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--families", action="store_true", help="the working-set formulas of every family instead")
     args = p.parse_args(argv)
+    if args.families:
+        family_table()
+        return
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=1024, intermediate_size=2816, num_hidden_layers=args.layers,
                          num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,

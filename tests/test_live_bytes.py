@@ -107,3 +107,22 @@ def test_working_set_formulas_are_never_below_the_measured(kind, dtype, shape) -
     graphs = ex.memory_sizes(batch, seq_len).graph_bytes  # a kept layer's graph (Plan.kept_layers), measured
     for formula, measured in zip(cost.graph_bytes, graphs, strict=True):
         assert measured <= formula <= 1.3 * measured, (formula, measured)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, seq_len", [(1, 11), (2, 200)])
+def test_working_set_formulas_bound_the_hybrid_and_gpt_oss_families(kind, dtype, batch, seq_len) -> None:
+    """Gated DeltaNet (the torch fallback: sequences padded to whole chunks), gated attention, GPT-OSS's eager
+    attention with sinks, and their heads: the CostModel's working sets are never below the measured and within
+    1.35x of them; MoE layers (every expert's gradient counted at once) within 3x."""
+    model = tiny_models.make_model(kind, num_layers=3, attn="eager" if kind == "gpt_oss" else "sdpa")
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
+    working, head = ex.measured_working_bytes(batch, seq_len)
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name))
+    moe = [cost.spec.layer_active_params[j] != cost.spec.layer_params[j] for j in range(3)]
+    for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
+        band = 3.0 if moe[j] else 1.35
+        assert measured <= formula <= band * measured, (j, cost.spec.layer_types[j], formula, measured)
+    assert head <= cost.head_working_bytes <= 1.35 * head, (cost.head_working_bytes, head)

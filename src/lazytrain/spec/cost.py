@@ -46,7 +46,7 @@ from typing import Any
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
+from lazytrain.spec.model import HYBRID_TYPES, ModelSpec
 from lazytrain.spec.workload import Workload
 
 OPTIMIZERS = ("fp32", "hybrid", "8bit")
@@ -56,6 +56,9 @@ LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk
 # Whose chunked delta rule a linear-attention layer runs: flash-linear-attention's fused kernels (what
 # transformers uses on a GPU when `fla` is installed) or transformers' torch fallback (the CPU).
 LINEAR_ATTN_KERNELS = ("auto", "fla", "torch")
+# The torch fallback's device bytes per padded token and value head, by compute dtype bytes: per position of a
+# chunk (C x C blocks), per key and per value head dim (fitted on the emulated device: _layer_working_bytes).
+LINEAR_ATTN_TORCH_BYTES = {4: (33, 73, 37), 2: (41, 15, 8)}
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
 MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
@@ -114,20 +117,23 @@ class CostModel:
         self.grad_bytes = list(self.param_bytes)
         self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
         self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
-        self.working_bytes = [tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
-                              for j in range(L)]
+        self.working_bytes = [self._layer_working_bytes(j) for j in range(L)]
         # a kept layer's graph (Plan.kept_layers): the saved tensors its forward with autograd leaves, less its
-        # output -- the working set without the backward's I-wide gradient, plus one h-wide tensor per token
-        # (SDPA's and the norms' small saved statistics); bounds the measured graph of dense layers (SDPA)
-        self.graph_bytes = [min(w, tokens * (self._working_bytes_per_token(j)
-                                             - (self._mlp_width() - spec.hidden_size) * dtype_bytes))
+        # output -- the working set without the largest weight gradient and the backward's I-wide gradients, plus
+        # one h-wide tensor per token (SDPA's and the norms' small saved statistics); bounds the measured graph of
+        # dense layers (SDPA)
+        self.graph_bytes = [min(w, w - self._largest_weight_bytes(j) - tokens * self._mlp_width() * dtype_bytes)
                             for j, w in enumerate(self.working_bytes)]
         # per chunk row: the logits (compute dtype) and three fp32 rows (log-softmax, its gradient, the logits'
         # gradient), the final norm's fp32 input and output (8 h), the row's loss; the chunk's fp32 loss scalars;
         # the step's shifted labels (int64). Measured on the emulated device (tests/test_live_bytes.py); the LM
         # head's weight gradient is added into its slot chunk by chunk, so no vocab x hidden temporary exists.
-        self.head_working_bytes = (self.head_chunk_tokens * (spec.vocab_size * (dtype_bytes + 12) + 8 * spec.hidden_size
-                                                             + 4) + 16 + 8 * tokens)
+        # When the hidden size is near the vocabulary (tiny models) the norm's backward peaks instead: ~8 fp32 chunk x
+        # hidden rows. The hybrid families' (1 + weight) and GPT-OSS's RMSNorm keep one more fp32 row in either phase.
+        h = spec.hidden_size
+        row = max(spec.vocab_size * (dtype_bytes + 12) + 8 * h + 4, 32 * h + 4)
+        row += 4 * h if spec.model_type in HYBRID_TYPES or spec.model_type == "gpt_oss" else 0
+        self.head_working_bytes = self.head_chunk_tokens * row + 16 + 8 * tokens
 
         # ---- optimizer time ---------------------------------------------------------------------
         self.optimizer_s = [self._optimizer_seconds(p) for p in spec.layer_params]
@@ -182,6 +188,29 @@ class CostModel:
         per_token += 10 * self._mlp_width()
         return per_token * self.dtype_bytes / 2 * self.workload.tokens
 
+    def _layer_working_bytes(self, j: int) -> int:
+        """Layer j's device working set: per token (_working_bytes_per_token), the largest weight gradient, and
+        what does not scale with the tokens. The torch fallback's chunked Gated DeltaNet pads every sequence to
+        whole chunks of C = 64 and holds, per padded token and value head, fp32 C x C blocks (the decay, UT system,
+        intra-chunk attention and their gradients), d_k- and d_v-wide copies (repeated, normalized, padded, chunked
+        q/k/v, the solves' outputs), and a d_k x d_v state per chunk with its gradient: LINEAR_ATTN_TORCH_BYTES,
+        fitted on the emulated device (tests/test_live_bytes.py, docs/cost_model.md). GPT-OSS's attention is eager
+        (transformers has no SDPA for its sinks): 3 batch x heads x seq^2 scores (the probabilities, their
+        gradient and the scores' gradient) in the compute dtype, on sliding-window layers too."""
+        spec, workload = self.spec, self.workload
+        batch, seq, c = workload.batch_size, workload.seq_len, self.dtype_bytes
+        working = workload.tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
+        if spec.layer_types[j] == "linear_attention" and self.linear_attention_kernel == "torch":
+            per_chunk, per_key, per_value = LINEAR_ATTN_TORCH_BYTES[c]
+            padded = batch * -(-seq // LINEAR_ATTN_CHUNK) * LINEAR_ATTN_CHUNK
+            d_k, d_v = spec.linear_key_head_dim, spec.linear_value_head_dim
+            states = 2 * 4 * d_k * d_v / LINEAR_ATTN_CHUNK
+            working += int(padded * spec.linear_num_value_heads
+                           * (per_chunk * LINEAR_ATTN_CHUNK + per_key * d_k + per_value * d_v + states))
+        if spec.model_type == "gpt_oss":
+            working += 3 * batch * spec.num_attention_heads * seq * seq * c
+        return working
+
     def _working_bytes_per_token(self, j: int) -> int:
         """Autograd-saved tensors of one layer plus the largest transient of its backward, bytes per token.
 
@@ -211,15 +240,16 @@ class CostModel:
             heads, d_k, d_v = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
             key_dim = spec.linear_num_key_heads * d_k
             value_dim = heads * d_v
+            if self.linear_attention_kernel == "torch":  # the chunked part per padded token: _layer_working_bytes
+                return (4 * width + moe) * self.dtype_bytes + 24 * key_dim + 12 * h
             compute = 5 * h + 4 * width + 2 * (2 * key_dim + value_dim) + 6 * value_dim + moe
             states = heads * d_k * d_v // LINEAR_ATTN_CHUNK
-            if self.linear_attention_kernel == "fla":
-                fp32 = heads * (LINEAR_ATTN_CHUNK + 2) + 2 * states
-            else:
-                fp32 = heads * (7 * (d_k + d_v) + 5 * LINEAR_ATTN_CHUNK) + states
+            fp32 = heads * (LINEAR_ATTN_CHUNK + 2) + 2 * states
             return compute * self.dtype_bytes + 4 * fp32 + norms
         qk_norms = 8 * (q_width + kv) if spec.qk_norm else 0
-        return (4 * h + 2 * q_width + 2 * kv + 6 * width + moe) * self.dtype_bytes + norms + qk_norms
+        gate = 5 * q_width if spec.model_type in HYBRID_TYPES else 0  # gated attention: the gate, its sigmoid, the
+        # gated output (measured: tests/test_live_bytes.py)
+        return (4 * h + 2 * q_width + 2 * kv + 6 * width + moe + gate) * self.dtype_bytes + norms + qk_norms
 
     def _largest_weight_bytes(self, j: int) -> int:
         """The largest single weight gradient of layer j: autograd makes it before adding it into the gradient
