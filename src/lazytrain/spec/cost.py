@@ -214,22 +214,20 @@ class CostModel:
     def _working_bytes_per_token(self, j: int) -> int:
         """Autograd-saved tensors of one layer plus the largest transient of its backward, bytes per token.
 
-        Saved: layer input, norm outputs, residual (4 h), q and attention output (2 d_q), k, v (2 d_kv),
-        gate, up, SiLU(gate), their product (4 I); the backward adds about two I-wide gradients (2 I).
-        MoE adds the gathered token copies for the top-k experts (2 k h). All in the compute dtype.
-        A linear-attention (Gated DeltaNet) layer saves instead, in the compute dtype, 5 h + 4 I + the conv's
-        input and output (2 conv_dim) + 6 value_dim (z, the gated norm's inputs and outputs, out_proj's input),
-        and in fp32 (transformers' chunked delta rule upcasts) per value head 7 (d_k + d_v) (q, k, v, their
-        l2 norms and chunk copies, k_beta, v_beta, the solves' outputs), 5 C (the chunk's decay, UT system and
-        intra-chunk attention) and one d_k x d_v state per chunk (d_k d_v / C per token). No seq^2 term: it
-        was checked against the bytes autograd saves (tests/test_cost_linear_attention.py). With the fused
-        `fla` kernel the fp32 part is per value head C + 2 (the UT inverse, decay, beta) and the chunk states and
-        their gradients that its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured here.
-        Every layer adds the fp32 copies its RMSNorms save (8 h; q/k norms 8 (d_q + d_kv)): the true device bytes
-        measured on the emulated device (runtime/live_bytes.py, tests/test_live_bytes.py) showed them. With the
-        layer's largest weight gradient (`_largest_weight_bytes`) this bounds the measured working set of dense
-        layers (Llama, Qwen2, Qwen3, Mistral; SDPA); Gated DeltaNet, gated attention, MoE routing and eager
-        attention's scores are not bounded by it (docs/cost_model.md).
+        Saved: layer input, norm outputs, residual and one more hidden-wide row (5 h; the fifth measured at
+        hidden 32 in bf16), q and attention output (2 d_q), k, v (2 d_kv), gate, up, SiLU(gate), their product
+        (4 I); the backward adds about two I-wide gradients (2 I). MoE adds the gathered token copies for the top-k
+        experts (2 k h). Gated attention (the hybrid families' full-attention layers) adds the gate, its sigmoid and
+        the gated output (5 d_q). All in the compute dtype. Every layer adds the fp32 copies its RMSNorms save
+        (8 h; q/k norms 8 (d_q + d_kv)). A linear-attention (Gated DeltaNet) layer with the torch fallback: 24 B
+        per key-dim and 12 B per hidden element, 4 I in the compute dtype, and the chunked part per padded token
+        (_layer_working_bytes); with the fused `fla` kernel 5 h + 4 I + the conv's input and output (2 conv_dim)
+        + 6 value_dim in the compute dtype and per value head C + 2 fp32 (the UT inverse, decay, beta) and the chunk
+        states and their gradients its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured
+        here. With the layer's largest weight gradient (`_largest_weight_bytes`) these bound the working sets
+        measured on the emulated device (runtime/live_bytes.py) for every family (tests/test_live_bytes.py,
+        docs/cost_model.md); not bounded: a sliding-window SDPA layer (its batch x seq^2 mask) and eager attention
+        outside GPT-OSS.
         """
         spec = self.spec
         moe = 2 * spec.num_experts_per_tok * spec.hidden_size if spec.is_moe else 0
@@ -249,7 +247,7 @@ class CostModel:
         qk_norms = 8 * (q_width + kv) if spec.qk_norm else 0
         gate = 5 * q_width if spec.model_type in HYBRID_TYPES else 0  # gated attention: the gate, its sigmoid, the
         # gated output (measured: tests/test_live_bytes.py)
-        return (4 * h + 2 * q_width + 2 * kv + 6 * width + moe + gate) * self.dtype_bytes + norms + qk_norms
+        return (5 * h + 2 * q_width + 2 * kv + 6 * width + moe + gate) * self.dtype_bytes + norms + qk_norms
 
     def _largest_weight_bytes(self, j: int) -> int:
         """The largest single weight gradient of layer j: autograd makes it before adding it into the gradient
