@@ -62,6 +62,23 @@ def test_linear_attention_working_set_is_what_autograd_saves(hidden, value_heads
     assert 0.85 <= predicted / measured <= 1.25, (predicted, measured)
 
 
+@pytest.mark.parametrize(("hidden", "value_heads", "head_dim", "batch", "seq_len", "dtype"), [
+    (128, 6, 32, 2, 256, torch.float32),
+    (256, 12, 64, 2, 192, torch.bfloat16),
+    (256, 12, 128, 1, 100, torch.bfloat16),
+])
+def test_linear_attention_working_set_bounds_the_measured_peak(hidden, value_heads, head_dim, batch, seq_len,
+                                                                dtype) -> None:
+    """The torch fallback's true working set (LiveBytes: its backward's peak, sequences padded to whole chunks)
+    at head dims beyond the tiny models': never above the formula, within 1.35x of it."""
+    model = hybrid(hidden, value_heads, head_dim)
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 3), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
+    measured = ex.measured_working_bytes(batch, seq_len)[0][0]
+    workload = Workload(batch, seq_len, "bf16" if dtype == torch.bfloat16 else "fp32")
+    predicted = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload).working_bytes[0]
+    assert measured <= predicted <= 1.35 * measured, (predicted, measured)
+
+
 def test_linear_attention_grows_linearly_with_the_sequence() -> None:
     spec = ModelSpec.load("qwen3.6-27b")
     linear = spec.layer_types.index("linear_attention")

@@ -58,7 +58,7 @@ LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk
 LINEAR_ATTN_KERNELS = ("auto", "fla", "torch")
 # The torch fallback's device bytes per padded token and value head, by compute dtype bytes: per position of a
 # chunk (C x C blocks), per key and per value head dim (fitted on the emulated device: _layer_working_bytes).
-LINEAR_ATTN_TORCH_BYTES = {4: (33, 73, 37), 2: (41, 15, 8)}
+LINEAR_ATTN_TORCH_BYTES = {4: (33, 73, 37), 2: (36, 40, 20)}
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
 MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
