@@ -76,23 +76,27 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
               *, masked: bool = False, ranks: Ranks | None = None) -> Planned:
     """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule).
 
-    With ranks (torchrun; `job.parallel` holds the launched layout) every rank calibrates -- the same work at the
-    same time, so no rank waits long at the broadcast -- and the ranks time their gradients' sums (the largest
-    group's, as the runtime sums it: `Ranks.time_sums`), whose rates replace the hardware's; rank 0 alone plans,
-    on its cost model, for one rank of the run (the sums over the ranks in the step); every rank then runs rank
-    0's plan and predictions."""
-    cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch, masked=masked)
+    With ranks (torchrun; `job.parallel` holds the launched layout) the ranks first time their gradients' sums
+    together (the largest group's, as the runtime sums it: `Ranks.time_sums`); then rank 0 alone calibrates, its
+    measured sum rates replacing the hardware's, and plans for one rank of the run (the sums over the ranks in the
+    step); every rank then runs rank 0's plan and predictions. The others wait at the broadcast (within
+    `collective_timeout_s`): a calibration holds a whole model's gradients and optimizer states, which on every
+    rank at once made the node's start-up peak grow with its ranks."""
     if ranks is None:
-        return _decide(job, model, kind, cost, masked)
-    numel = max(cost.streamed_group_params)
-    cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *ranks.time_sums(numel))
-    hw = cost.hardware  # this rank's measured rates: rank 0's go with its plan
-    ours = (f"; rank 0's plan for the {ranks.world_size} ranks, their gradients' sums measured at "
-            f"{hw.intra_node_gbps:.3g} GB/s in a node, {hw.inter_node_gbps:.3g} between nodes")
+        return _decide(job, model, kind, calibrated_cost(job, model, kind, workload_of(job), probe_batch,
+                                                         masked=masked), masked)
+    spec = spec_of(model)  # the largest streamed group (CostModel.streamed_group_params)
+    numel = max(*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0))
+    sums_s = ranks.time_sums(numel)
 
     def decide() -> Planned:
+        cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch, masked=masked)
+        cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *sums_s)
+        hw = cost.hardware  # rank 0's measured rates go with its plan
         planned = _decide(job, model, kind, cost, masked)
-        return replace(planned, how=planned.how + ours)
+        return replace(planned, how=f"{planned.how}; rank 0's plan for the {ranks.world_size} ranks, their "
+                       f"gradients' sums measured at {hw.intra_node_gbps:.3g} GB/s in a node, "
+                       f"{hw.inter_node_gbps:.3g} between nodes")
 
     return ranks.decided_by_main(decide, "the plan")
 
