@@ -398,6 +398,62 @@ def test_a_bf16_gradient_is_summed_over_the_ranks_in_fp32_and_rounded_once(tmp_p
     assert (pairwise != exact.to(torch.bfloat16)).float().mean() > 0.05  # which the test would catch
 
 
+def _load_shared(rank: int, world: int, init: str, dtype: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from lazytrain.distributed.shared import share_streamed_copies
+    from lazytrain.plan.plan import Plan
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train import build
+
+    torch.set_num_threads(1)  # forked: an OpenMP team the parent used would hang the first parallel region
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ranks = Ranks(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo", timeout_s=60)
+    job = load_job_config(dict(JOB, model="tiny-qwen2", dtype=dtype))
+    if rank > 0:  # one loader per node: the others must not build or load the weights
+        build.load_model = lambda *args, **kwargs: pytest.fail(f"rank {rank} loaded the model")
+    torch.manual_seed(job.runtime.seed)
+    model = build.build_model(job, build.model_source(job, 256), ranks)
+    node = ranks.node_weights
+    assert node is not None
+    start = node.mapping.data_ptr()
+    inside = lambda t: start <= t.data_ptr() < start + node.weights_bytes  # noqa: E731
+    assert all(inside(p) for p in model.parameters())  # no private copy of any weight
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * (model.config.num_hidden_layers + 1)),
+                  compute_dtype=build.compute_dtype(job))
+    groups = [*ex.layer_groups, ex.head_group]
+    assert all(g.aliased == (dtype == "fp32") for g in groups)
+    assert all(inside(g.buffer) == g.aliased for g in groups)  # fp32: the executor streams the mapping itself
+    share_streamed_copies(ranks, ex)
+    assert all(inside(g.buffer) and g.shared_copy != g.aliased for g in groups)  # bf16: the one copy, shared
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.{rank}")
+    torch.save([g.buffer.clone() for g in groups], f"{out}.buffers.{rank}")
+    ex.device.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_rank_per_node_loads_the_model_into_shared_memory_the_others_map_it(tmp_path, dtype):
+    """Local rank 0 alone loads (here: builds the seeded init) and moves every parameter into the node's shared
+    mapping, packed as the executor streams them; rank 1 builds nothing but the meta model and maps it. Both end
+    with the single process's parameters and buffers (tied Qwen2), every parameter in the mapping, the executor's
+    fp32 groups streaming from it with no copy, and in bf16 one shared streamed copy per group."""
+    world = 2
+    shm_before = set(glob.glob("/dev/shm/lazytrain-*"))
+    torch.multiprocessing.start_processes(_load_shared, args=(world, f"file://{tmp_path / 'store'}", dtype,
+                                                              str(tmp_path / "state")), nprocs=world,
+                                          start_method="fork")
+    expected = _params_at_init("tiny-qwen2")
+    for rank in range(world):
+        got = torch.load(f"{tmp_path / 'state'}.{rank}")
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), name
+    buffers = [torch.load(f"{tmp_path / 'state'}.buffers.{rank}") for rank in range(world)]
+    assert all(torch.equal(a, b) for a, b in zip(*buffers, strict=True))
+    assert set(glob.glob("/dev/shm/lazytrain-*")) <= shm_before  # the file went once both ranks mapped it
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "accumulation", "resume_at"), [("overlap", 1, None), ("serial", 2, 3)])
 def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path, mode, accumulation, resume_at):

@@ -18,13 +18,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.spec.topology import Topology
+
+if TYPE_CHECKING:
+    from lazytrain.distributed.shared import NodeWeights
 
 T = TypeVar("T")
 ALIVE_WAIT_S = 3.0  # how long the survivors of a failed collective wait for each other's roll call
@@ -46,6 +49,7 @@ class Ranks:
     timeout_s: float
     node_group: dist.ProcessGroup | None = None  # this node's ranks (None: one node, the whole world)
     across_group: dist.ProcessGroup | None = None  # the same local rank on every node (None: one node)
+    node_weights: NodeWeights | None = None  # the node's shared host mapping, once the model is in it (share_model)
 
     @property
     def is_main(self) -> bool:

@@ -1,13 +1,18 @@
 """One host copy of the model per node, and the host optimizer sharded over the node's ranks (docs/parallel.md).
 
-Weights. Local rank 0 of each node writes every host weight tensor into one file in /dev/shm -- the executor's
-packed layer groups (the parameters themselves in fp32 compute; with bf16 compute and fp32 masters, the bf16
-streamed copy) and every other parameter (the untied embedding; with bf16 compute all the fp32 master weights).
-After a barrier every local rank maps the file (MAP_SHARED) and re-points its tensors at the mapping, which
-frees its private copies; after a second barrier the file is unlinked, so nothing outlives the run (the
-mappings stay valid until the processes end). A shared bf16 streamed copy is refreshed from the masters by
-the group's owner alone, right after its update and before the fence lets another rank stream it
-(`OptimizerShard.refresh`); no rank re-packs it at the start of a step as one process does.
+Weights (`share_model`, at start-up). Local rank 0 of each node alone loads the model (or builds its seeded
+random init); it moves every parameter, one at a time, into one new file in /dev/shm, laid out as the executor
+streams them: each layer group's parameters packed in one region where they are what streams (fp32 compute, or
+bf16 master weights), every other parameter on its own (the untied embedding; with bf16 compute and fp32 masters
+every master weight, each streamed group then getting a region for its bf16 copy). The other local ranks build
+the model on the meta device only, map the file (MAP_SHARED) once it is written and make every parameter a view
+of it; after a barrier the file is unlinked, so nothing outlives the run (the mappings stay valid until the
+processes end). So a node holds the weights once from the start, and the executors' groups find their
+parameters already packed (`WeightGroup`: no copy). At `attach_executor` (`share_streamed_copies`) local rank
+0 writes its bf16 streamed copies into their regions and every rank adopts them; from then on a group's copy is
+refreshed from the masters by the group's owner alone, right after its update and before the fence lets another
+rank stream it (`OptimizerShard.refresh`); no rank re-packs it at the start of a step as one process does. The
+end of the mapping holds the fence's words (`GroupFence`).
 
 Optimizer. Executor group i (the untied embedding, layer 0..L-1, the head) belongs to local rank
 i % local ranks. Its gradient is summed into its owners as it lands (distributed/grads.py), and the global norm
@@ -46,8 +51,12 @@ from numba.extending import intrinsic
 
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.hf import find_parts, head_named_params
+from lazytrain.runtime.weights import init_buffers
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from lazytrain.distributed.ranks import Ranks
     from lazytrain.runtime.executor import Executor, GroupUpdate
     from lazytrain.runtime.store import WeightGroup
@@ -59,25 +68,29 @@ FENCE_POLL_S = 0.0002  # how often a rank waiting at the fence reads its group's
 ALIVE_CHECK_S = 1.0  # how often it checks that the group's owner still runs (and the timeout)
 
 
-def share_host_weights(ranks: Ranks, executor: Executor) -> tuple[int, torch.Tensor]:
-    """Put this node's host weights in one shared-memory file mapped by every local rank; returns their bytes and
-    the fence's words (`GroupFence`: a counter per executor group, then each local rank's pid), zeroed, in the
-    same mapping."""
-    groups = [*executor.layer_groups, executor.head_group]
-    in_groups = {id(p) for g in groups if g.aliased for p in g.params}  # (else the masters are loose)
-    loose = list({id(p): p for p in executor.model.parameters() if id(p) not in in_groups}.values())
-    regions = [g.buffer for g in groups] + [p.data for p in loose]
-    offsets, total = [], 0
-    for t in regions:
-        offsets.append(total)
-        total += _aligned(t.numel() * t.element_size())
-    words = len(executor.group_names()) + ranks.local_world_size
-    weights_bytes, total = total, total + _aligned(8 * words)
+@dataclass
+class NodeWeights:
+    """This node's shared host mapping (module docstring): the weights, the bf16 streamed copies' regions, the
+    fence's words."""
+
+    mapping: torch.Tensor  # uint8, the whole file
+    weights_bytes: int  # the weights and the streamed copies' regions; the fence's words follow
+    copies: dict[str, int]  # executor group name -> byte offset of its compute-dtype streamed copy
+    words: torch.Tensor  # int64: a counter per executor group, then each local rank's pid (`GroupFence`)
+
+
+def share_model(ranks: Ranks, model: PreTrainedModel, compute_dtype: torch.dtype) -> NodeWeights:
+    """Put `model`'s parameters in this node's shared mapping (module docstring): on local rank 0 the loaded ones
+    are moved there one at a time; on every other local rank `model` is on the meta device and its parameters
+    become views of the mapping (its buffers are computed, as loading does)."""
+    places, copies, weights_bytes, words = _layout(model, compute_dtype, ranks.local_world_size)
+    total = weights_bytes + _aligned(8 * words)
     if not SHM_DIR.is_dir():
         raise LazyTrainError(f"data parallelism shares the weights of a node's ranks through {SHM_DIR}, which this "
                              "machine does not have; run one rank per node")
     token = ranks.broadcast_object(secrets.token_hex(6) if ranks.is_main else None, "the shared weights' name")
     path = SHM_DIR / f"lazytrain-{token}-node{ranks.rank // ranks.local_world_size}.weights"
+    params = list(model.parameters())  # (a tied parameter once)
     try:
         if ranks.local_rank == 0:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -89,23 +102,81 @@ def share_host_weights(ranks: Ranks, executor: Executor) -> tuple[int, torch.Ten
             finally:
                 os.close(fd)
             mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-            for t, offset in zip(regions, offsets, strict=True):
-                _view(mapping, offset, t).copy_(t)
-        ranks.barrier("mapping the shared weights")
-        if ranks.local_rank != 0:
+            with torch.no_grad():
+                for p in params:  # one at a time: the private copy shrinks as the shared one grows
+                    p.data = _view(mapping, places[id(p)], p.data).copy_(p.data)
+        else:
+            for p in params:
+                p._is_hf_initialized = True  # (loaded: the model's init computes the buffers alone)
+            init_buffers(model)  # (with meta parameters: nothing of the shared weights is written)
+        ranks.barrier("loading the node's shared weights")
+        if ranks.local_rank != 0:  # a meta parameter cannot take host data: each becomes a new one, everywhere
             mapping = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
-        fence = mapping[weights_bytes:weights_bytes + 8 * words].view(torch.int64)
-        fence[len(executor.group_names()) + ranks.local_rank] = os.getpid()
-        with torch.no_grad():
-            for g, offset in zip(groups, offsets[:len(groups)], strict=True):
-                g.adopt(_view(mapping, offset, g.buffer))
-            for p, offset in zip(loose, offsets[len(groups):], strict=True):
-                p.data = _view(mapping, offset, p.data)
+            mapped = {id(p): torch.nn.Parameter(_view(mapping, places[id(p)], p), requires_grad=p.requires_grad)
+                      for p in params}
+            for module in model.modules():
+                for attr, p in module._parameters.items():
+                    if p is not None:
+                        module._parameters[attr] = mapped[id(p)]
         ranks.barrier("the shared weights mapped")
     finally:  # every rank has it mapped (or the run stops): the file goes, the mappings stay
         if ranks.local_rank == 0:
             path.unlink(missing_ok=True)
-    return weights_bytes, fence
+    return NodeWeights(mapping=mapping, weights_bytes=weights_bytes, copies=copies,
+                       words=mapping[weights_bytes:weights_bytes + 8 * words].view(torch.int64))
+
+
+def _layout(model: PreTrainedModel, compute_dtype: torch.dtype, local_ranks: int
+            ) -> tuple[dict[int, int], dict[str, int], int, int]:
+    """Where each parameter (by id) and each streamed copy (by group name) lies in the node's mapping, in bytes,
+    the weights' bytes, and the fence's words: the executor's groups (layer 0..L-1, the head) in order, each
+    packed as `WeightGroup` packs it where its parameters are what streams, else a region for its copy; then
+    every other parameter. The same on every rank (from the model's structure: a meta model gives it too)."""
+    parts = find_parts(model)
+    groups = [(f"layer.{j}", [p for _, p in layer.named_parameters()]) for j, layer in enumerate(parts.layers)]
+    groups.append(("head", [p for _, p in head_named_params(parts)]))
+    places: dict[int, int] = {}
+    copies: dict[str, int] = {}
+    total = 0
+    for name, params in groups:
+        if all(p.dtype == compute_dtype for p in params):  # packed densely from a 4 KiB boundary
+            for p in params:
+                places[id(p)] = total
+                total += _nbytes(p)
+            total = _aligned(total)
+        else:
+            copies[name] = total
+            total += _aligned(sum(p.numel() for p in params) * compute_dtype.itemsize)
+    for p in model.parameters():
+        if id(p) not in places:
+            places[id(p)] = total
+            total += _aligned(_nbytes(p))
+    num_groups = len(groups) + (0 if parts.tied else 1)  # (an untied embedding is an optimizer group too)
+    return places, copies, total, num_groups + local_ranks
+
+
+def share_streamed_copies(ranks: Ranks, executor: Executor) -> tuple[int, torch.Tensor]:
+    """The executor's bf16 streamed copies (bf16 compute, fp32 masters) into their regions of the node's mapping
+    (`share_model` made it): local rank 0 writes its own, every rank adopts them and frees its private ones.
+    Returns the mapping's weight bytes and the fence's words, this rank's pid written in them."""
+    node = ranks.node_weights
+    if node is None:
+        raise LazyTrainError("data parallelism: the model was not loaded into the node's shared memory "
+                             "(build it with build_model(..., ranks=ranks))")
+    copied = [g for g in [*executor.layer_groups, executor.head_group] if g.name in node.copies]
+    if ranks.local_rank == 0:
+        for g in copied:
+            _view(node.mapping, node.copies[g.name], g.buffer).copy_(g.buffer)
+    ranks.barrier("the shared streamed copies")
+    for g in copied:
+        g.adopt(_view(node.mapping, node.copies[g.name], g.buffer))
+    node.words[len(executor.group_names()) + ranks.local_rank] = os.getpid()
+    ranks.barrier("the shared streamed copies adopted")
+    return node.weights_bytes, node.words
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _aligned(num_bytes: int) -> int:

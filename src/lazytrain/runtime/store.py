@@ -3,7 +3,8 @@
 - `WeightGroup`: one layer's (or the loss head's) parameters packed densely, in the compute dtype, into
   one host buffer that starts on a 4 KiB boundary, so a layer crosses the link as one copy.
   When the parameters are in the compute dtype (fp32 compute, or bf16 master weights) they are re-pointed at
-  views of the buffer (no second copy; the optimizer updates the buffer in place). Otherwise (bf16 compute,
+  views of the buffer (no second copy; the optimizer updates the buffer in place); parameters that already lie
+  packed so (a node's shared mapping, another executor's buffer) stay where they are. Otherwise (bf16 compute,
   fp32 masters) the buffer is a compute-dtype copy of the fp32 master parameters, re-packed before every step:
   fused optimizers (torch's fused AdamW, our 8-bit kernel) write parameters in place without bumping tensor
   version counters, so no cheaper staleness test is reliable. A copy shared by a node's ranks (`adopt`) is
@@ -70,11 +71,16 @@ class WeightGroup:
         self.slots = slots
         self.numel = offset
         self._host_empty = host_empty
-        self.buffer = aligned_empty(offset, dtype, host_empty)
         self.aliased = all(p.dtype == dtype for p in self.params)
         self.shared_copy = False  # a compute-dtype copy in a node's shared memory, refreshed by its owner (`adopt`)
         self._ptrs: list[int] = []
-        self.pack(force=True)
+        in_place = packed_region(self.params) if self.aliased else None
+        if in_place is not None:  # already packed as this group packs them: no copy
+            self.buffer = in_place
+            self._ptrs = [p.data_ptr() for p in self.params]
+        else:
+            self.buffer = aligned_empty(offset, dtype, host_empty)
+            self.pack(force=True)
         self.landing = aligned_empty(offset, dtype, host_empty)  # where the d2h writes the gradients
         self.accum: torch.Tensor | None = None  # fp32 sum over micro-batches, made on first use
         self.grad: torch.Tensor | None = None  # the group's gradient: `landing` or `accum`; None = none yet
@@ -174,6 +180,22 @@ class WeightGroup:
         """Drop the casts `expose` made; views of the kept gradient stay."""
         if self.grad is not None:
             self._link()
+
+
+def packed_region(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The flat tensor `params` already lie in, one after the other from a 4 KiB boundary in one storage (as a
+    `WeightGroup` packs them), else None."""
+    first = params[0]
+    storage, base, size = first.untyped_storage(), first.data_ptr(), first.element_size()
+    if base % ALIGN_BYTES or first.device.type != "cpu":
+        return None
+    numel = 0
+    for p in params:
+        if (p.dtype != first.dtype or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage.data_ptr()
+                or p.data_ptr() != base + numel * size):
+            return None
+        numel += p.numel()
+    return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (numel,))
 
 
 def aligned_empty(numel: int, dtype: torch.dtype,

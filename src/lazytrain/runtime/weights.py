@@ -324,15 +324,19 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
     if missing:
         raise LazyTrainError(f"model {name!r}: {len(missing)} tensor(s) of the model are missing from its weights "
                              f"(first: {missing[0]}); a shard is missing, or the weights belong to another config")
-    # Buffers: real (empty) tensors, then recomputed by the model's own init as from_pretrained does; loaded
-    # parameters carry _is_hf_initialized, so only the buffers are touched.
+    init_buffers(model)
+    return model
+
+
+def init_buffers(model: PreTrainedModel) -> None:
+    """A meta model's buffers (rotary frequencies) as real tensors, computed by the model's own init as
+    from_pretrained does; parameters that carry `_is_hf_initialized` (loaded) are left alone."""
     for module in model.modules():
         for attr, b in module._buffers.items():
             if b is not None and b.is_meta:
                 module._buffers[attr] = torch.empty_like(b, device="cpu")
                 module.__dict__.pop("_is_hf_initialized", None)  # so initialize_weights visits it
     model.initialize_weights()
-    return model
 
 
 def _header(path: Path, name: str) -> dict[str, tuple[int, ...]]:

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, PreTrainedModel
 
 from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS
+from lazytrain.distributed.shared import share_model
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import check_host_memory
 from lazytrain.plan.plan import Plan
@@ -25,6 +26,7 @@ from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig
+    from lazytrain.distributed import Ranks
     from lazytrain.train.planning import Planned
 
 Device = CudaDevice | EmulatedDevice
@@ -61,17 +63,32 @@ def model_source(job: JobConfig, vocab_size: int) -> ModelSource:
     return source
 
 
-def build_model(job: JobConfig, source: ModelSource) -> PreTrainedModel:
+def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None) -> PreTrainedModel:
     """The host causal LM (fp32, or bf16 with master_weights bf16): built on the meta device first, its parameter
     count checked against the ModelSpec and the host memory (admission), then its weights loaded tensor by tensor
-    (or a seeded random init: built-in shapes, a bare config.json, init random)."""
+    (or a seeded random init: built-in shapes, a bare config.json, init random).
+
+    With ranks the node holds one copy (`distributed.share_model`): local rank 0 loads it and moves it into the
+    node's shared memory; the other local ranks load nothing and map it."""
     check_init(source, job.model.init)  # the weights are there: the root cause before any count of them
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
-    model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
+    if ranks is not None and ranks.local_rank != 0:
+        model = meta
+    else:
+        model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
     if job.runtime.master_weights == "bf16":  # tensor by tensor: the streamed bf16 weights become the masters
         model.to(torch.bfloat16)
+    if ranks is not None:
+        ranks.node_weights = share_model(ranks, model, compute_dtype(job))
+        model.config.use_cache = False
+        model.train()
     return model
+
+
+def compute_dtype(job: JobConfig) -> torch.dtype:
+    """The dtype the executor computes, streams and lands gradients in."""
+    return torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
 
 
 def starts_from_weights(job: JobConfig, source: ModelSource) -> bool:
@@ -126,7 +143,7 @@ def build_device(job: JobConfig, kind: str, capacity_bytes: int | None, throttle
 
 def build_executor(model: PreTrainedModel, planned: Planned, device: Device, job: JobConfig) -> Executor:
     """The layer-streaming executor that runs the plan on the device; the optimizer steps after it (serial)."""
-    dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
+    dtype = compute_dtype(job)
     # cost: the arena reserves the cost model's working sets, so the plan's predicted peak is what is counted
     return Executor(model, planned.plan, device, compute_dtype=dtype, cost=planned.cost)
 

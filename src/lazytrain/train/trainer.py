@@ -140,7 +140,7 @@ def train(job: JobConfig) -> TrainResult:
 
         # ---- model ----------------------------------------------------------------------------------
         source = model_source(job, data.vocab_size)
-        model = build_model(job, source)
+        model = build_model(job, source, ranks)  # with ranks: one copy per node, in its shared memory
         num_params = sum(p.numel() for p in model.parameters())
         init = f"weights from {source.directory}" if starts_from_weights(job, source) else "random init"
         say(f"model    {source.directory or source.name}: {num_params / 1e6:.1f} M params, "
