@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -34,9 +35,11 @@ RUNS = [("tiny-llama", "serial", 1), ("tiny-qwen2", "overlap", 1), ("tiny-llama"
         pytest.param("tiny-llama", "overlap", 1, marks=pytest.mark.slow),
         pytest.param("tiny-qwen2", "serial", 1, marks=pytest.mark.slow)]
 # the MegaTrain rule, and the MILP: rank 0 plans (on its calibration) for one rank of the two, every rank runs it,
-# at the largest batch per rank that its device cap admits (per_device_train_batch_size auto)
+# at the largest batch per rank that its device cap admits (per_device_train_batch_size auto), re-planning on
+# (rank 0's decision taken by every rank after every step; 5 steps do not reach the re-planner's warm-up)
 RANK_JOB = {"tiny-llama": dict(planner="megatrain"),
-            "tiny-qwen2": dict(planner="milp", per_device_train_batch_size="auto", gpu_mem_cap_bytes="3MiB")}
+            "tiny-qwen2": dict(planner="milp", per_device_train_batch_size="auto", gpu_mem_cap_bytes="3MiB",
+                               replan=True)}
 # fp32, clipping on (the norm is ~2.5, so every step clips), gradient accumulation 2, 5 steps, 3 held-out
 # batches (split unevenly over the ranks). The ranks sum rows in another order than one process (float noise
 # ~1e-7 relative); adam_epsilon 1e-6 keeps Adam from blowing the noise of a near-zero gradient up to a full
@@ -228,12 +231,6 @@ def test_rank_shards_make_up_the_global_batch_and_resume(packing):
 def test_a_world_size_that_was_not_launched_is_refused(tmp_path):
     with pytest.raises(LazyTrainError, match="torchrun --nproc_per_node 4"):
         train(load_job_config(dict(JOB, model="tiny-llama", world_size=4, output_dir=str(tmp_path / "x"))))
-
-
-def test_replanning_with_ranks_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", str(WORLD))  # as torchrun launches a rank; refused before joining the others
-    with pytest.raises(LazyTrainError, match="replan with 2 ranks: each rank would re-plan on its own timings"):
-        train(load_job_config(dict(JOB, model="tiny-llama", replan=True, output_dir=str(tmp_path / "x"))))
 
 
 def _free_port() -> int:
@@ -482,3 +479,46 @@ def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path, mode, accu
         # the export rounds each fp32 master to bf16: a master a hair across a rounding boundary is one bf16 ulp
         # off (serial, accumulation 2: one norm weight of ~1.0 by 2^-7, in main before the shared copy too)
         torch.testing.assert_close(got[name].float(), value.float(), rtol=2**-7, atol=2e-3)
+
+
+# ---- re-planning with ranks: rank 0 decides, every rank switches after the same step ---------------------------
+class _SwitchAtStep:
+    """A stand-in for rank 0's Replanner: a switch after step 2 only (the real one needs measured drift)."""
+
+    def __init__(self, plan) -> None:
+        self.plan, self.cost, self.switches, self.seen = plan, {"cost": "rank 0's"}, [], 0
+
+    def observe(self, stats):
+        self.seen += 1
+        if self.seen != 3:
+            return None
+        self.switches.append(SimpleNamespace(message=lambda: "re-plan at step 2: ..."))
+        return self.plan
+
+
+def _replan_on_ranks(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from lazytrain.plan.plan import Plan
+    from lazytrain.spec.model import ModelSpec
+    from lazytrain.train.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    spec = ModelSpec.load("tiny-llama")
+    plan = Plan.from_tiers(spec, ["gpu"] + ["recompute"] * (spec.num_layers - 1) + ["gpu"])
+    trainer = SimpleNamespace(ranks=_ranks(rank, world), replanner=_SwitchAtStep(plan) if rank == 0 else None)
+    decisions = [Trainer.replan(trainer, None, step) for step in range(5)]
+    torch.save([None if d is None else (d[0].tiers, d[1], d[2]) for d in decisions], f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_replan_with_ranks_is_rank_0s_decision_on_every_rank(tmp_path):
+    world = 2
+    torch.multiprocessing.start_processes(_replan_on_ranks, args=(world, f"file://{tmp_path / 'store'}",
+                                                                  str(tmp_path / "decisions")), nprocs=world,
+                                          start_method="fork")
+    decisions = [torch.load(tmp_path / f"decisions.{rank}") for rank in range(world)]
+    assert decisions[0] == decisions[1]  # rank 1 has no re-planner of its own: it takes rank 0's
+    assert [d is not None for d in decisions[0]] == [False, False, True, False, False]
+    tiers, cost, message = decisions[1][2]
+    assert cost == {"cost": "rank 0's"} and message.startswith("re-plan at step 2") and tiers[1] == "recompute"

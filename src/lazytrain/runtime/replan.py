@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from lazytrain.plan.sim import simulate
 from lazytrain.runtime.calibrate import calibrate, quantize_s, rebuilt
+from lazytrain.spec.topology import ONE_RANK, Topology
 
 if TYPE_CHECKING:
     from lazytrain.plan.plan import Plan
@@ -65,6 +66,7 @@ class Replanner:
     plan: Plan
     solve: Solve
     optimizer_mode: str = "overlap"
+    topology: Topology = ONE_RANK  # data parallelism: plans are judged for one rank of it (the sums in the step)
     warmup_steps: int = 3
     window: int = 3
     drift: float = 0.25  # relative difference of measured vs modelled times that triggers a re-solve
@@ -83,9 +85,9 @@ class Replanner:
         if len(self.recent) < self.window or self.drift_fraction() <= self.drift:
             return None
         measured, measured_s = self.measured_cost(), statistics.median(s.wall_s for s in self.recent)
-        old_s = simulate(self.plan, measured, optimizer_mode=self.optimizer_mode).step_s
+        old_s = simulate(self.plan, measured, optimizer_mode=self.optimizer_mode, topology=self.topology).step_s
         candidate = self.solve(measured, self.plan.tiers)
-        new_s = simulate(candidate, measured, optimizer_mode=self.optimizer_mode).step_s
+        new_s = simulate(candidate, measured, optimizer_mode=self.optimizer_mode, topology=self.topology).step_s
         self.cost, self.recent = measured, []  # the new reference: one drift, one re-solve
         if not new_s < old_s * (1 - self.min_gain):
             log.info("re-plan at step %d: kept the plan (predicted %.3f s, best other %.3f s)", self.steps_seen,

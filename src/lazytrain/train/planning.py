@@ -264,15 +264,17 @@ def _cpu_model() -> str:
 
 
 def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
-    """`replan: true`: re-solve (warm-started, same budgets and MILP options) when measured times drift."""
+    """`replan: true`: re-solve (warm-started, same budgets and MILP options, for one rank of the run's topology)
+    when measured times drift."""
     options = job.plan
 
     def solve(cost: CostModel, start: tuple[str, ...]) -> Plan:
         return solve_milp(cost, Budgets(**planned.budgets), max_segment=options.max_segment,
                           time_limit_s=options.time_limit_s, mip_rel_gap=options.mip_rel_gap, solver=options.solver,
-                          start_tiers=start, optimizer_mode=job.optim.optimizer_mode)
+                          start_tiers=start, optimizer_mode=job.optim.optimizer_mode, topology=planned.topology)
 
-    return Replanner(planned.cost, planned.plan, solve, optimizer_mode=job.optim.optimizer_mode)
+    return Replanner(planned.cost, planned.plan, solve, optimizer_mode=job.optim.optimizer_mode,
+                     topology=planned.topology)
 
 
 def replace_plan(planned: Planned, plan: Plan, cost: CostModel, optimizer_mode: str) -> Planned:

@@ -37,7 +37,8 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import resolve_batch
 from lazytrain.runtime.device import check_nvme_dir
-from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.executor import Executor, StepStats
+from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import resolve_dtype
 from lazytrain.train.build import (
     build_device,
@@ -240,9 +241,6 @@ def check_job(job: JobConfig) -> None:
     if job.parallel.nodes not in (1, launched_nodes):
         raise LazyTrainError(f"nodes {job.parallel.nodes} but torchrun started {launched_nodes} node(s); start the "
                              f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
-    if launched > 1 and job.plan.replan:
-        raise LazyTrainError(f"replan with {launched} ranks: each rank would re-plan on its own timings, and the ranks "
-                             "run one plan; set replan false")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
 
@@ -273,7 +271,9 @@ class Trainer:
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
         self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
         self.resumed = False
-        self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan else None
+        # re-planning: rank 0's measurements decide, and every rank switches after the same step (Trainer.replan)
+        self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan and (
+            self.ranks is None or self.ranks.is_main) else None
         self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
         if self.ranks is not None:  # one host copy per node, the optimizer sharded over its ranks
             self.shard = attach_executor(self.ranks, self.executor)
@@ -389,11 +389,11 @@ class Trainer:
             "step_s": step_s, "predicted_step_s": self.predicted_s, "optimizer_s": time.perf_counter() - t_opt,
             "stall_s": stalls, "peak_device_bytes": peak, "skipped": where,
         }
-        if self.replanner is not None and (plan := self.replanner.observe(ex.last_step)) is not None:
+        if job.plan.replan and (switch := self.replan(ex.last_step, step)) is not None:
+            plan, cost, row["replan"] = switch
             ex.set_plan(plan)  # from the next step on
-            self.planned = replace_plan(self.planned, plan, self.replanner.cost, job.optim.optimizer_mode)
+            self.planned = replace_plan(self.planned, plan, cost, job.optim.optimizer_mode)
             self.predicted_s = self.planned.predicted_step_s(accum)
-            row["replan"] = self.replanner.switches[-1].message()
             say(row["replan"])
         if job.metrics.eval_steps and (step + 1) % job.metrics.eval_steps == 0 and self.eval_set:
             row["eval_loss"] = self.evaluate()
@@ -401,6 +401,18 @@ class Trainer:
             self.metrics.write(row)
         self.policy.check()  # the max_nonfinite_steps-th non-finite step in a row stops the run
         return row
+
+    def replan(self, stats: StepStats, step: int) -> tuple[Plan, CostModel, str] | None:
+        """The re-planner's switch after this step (the plan, the cost model it was judged on, the message), or
+        None. With ranks it is rank 0's, decided on its own measurements and broadcast: every rank runs one plan,
+        so all switch after the same step."""
+        def decide() -> tuple[Plan, CostModel, str] | None:
+            plan = self.replanner.observe(stats) if self.replanner is not None else None
+            if plan is None or self.replanner is None:
+                return None
+            return plan, self.replanner.cost, self.replanner.switches[-1].message()
+
+        return decide() if self.ranks is None else self.ranks.decided_by_main(decide, f"the re-plan after step {step}")
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self) -> float:
