@@ -4,10 +4,10 @@
     python benchmarks/scaling.py --time-limit 20 --configs examples/qwen2.5-7b-sft-h800.yaml
 
 Each row is `lazytrain plan CONFIG --world-size N --nodes M` (lazytrain/plan/ranks.py): one rank's plan (the MILP
-with the collective lane in its step, per-rank budgets of the example, the node's NVMe rate shared by its ranks),
-the MILP's step beside the simulated step with the collective lane (equal), the simulated step of the plan the MILP
-makes without the collective lane (what `plan --world-size` solved before), the tokens/s of all ranks, the PCIe
-bytes one rank moves per step, and the host bytes of one node -- with the weights shared and the optimizer sharded
+with the gradients' sums over the ranks on its optimizer lane, per-rank budgets of the example, the node's NVMe
+rate shared by its ranks), the MILP's step beside the simulated step with the sums (equal), the simulated step of
+the plan the MILP makes without them (the one-rank MILP), the tokens/s of all ranks, the seconds of the sums, the
+PCIe bytes one rank moves per step, and the host bytes of one node -- with the weights shared and the optimizer sharded
 by the node's ranks (docs/parallel.md), and, beside it, with every rank holding its own copy. Simulated, nothing
 measured: no GPU was used.
 """
@@ -35,7 +35,7 @@ def rows(config: str, time_limit_s: float) -> list[str]:
         mode = job.optim.optimizer_mode
         plan = make_plan(job.plan, cost, budgets, optimizer_mode=mode, topology=topology)
         p = predict_ranks(plan, cost, topology, optimizer_mode=mode)
-        # what `plan --world-size` solved before: the MILP without the collective lane, its plan run with ranks
+        # the one-rank MILP (no sums in its step), its plan run with ranks
         alone = make_plan(job.plan, cost, budgets, optimizer_mode=mode)
         alone_s = simulate(alone, cost, optimizer_mode=mode, topology=topology).step_s
         counts = plan.counts()
@@ -46,7 +46,7 @@ def rows(config: str, time_limit_s: float) -> list[str]:
             f"{counts['gpu']}/{counts['cpu']}/{counts['nvme']}/{counts['recompute']} | {r.seconds:.1f} ({r.status}) | "
             f"{r.options['step_s']:.3f} | {p.step.step_s:.3f} | {alone_s:.3f} | "
             f"{p.tokens_per_s:,.0f} | {p.tokens_per_s / one_gpu_tokens_per_s:.2f} | "
-            f"{p.step.exposed_s.get('collective', 0.0) * 1e3:.0f} | {p.step.link_bytes['h2d'] / 2**30:.1f} + "
+            f"{p.reduce_s:.2f} ({p.step.exposed_s['optimizer'] * 1e3:.0f}) | {p.step.link_bytes['h2d'] / 2**30:.1f} + "
             f"{p.step.link_bytes['d2h'] / 2**30:.1f} | {p.intra_node_bytes / 2**30:.1f} / "
             f"{p.inter_node_bytes / 2**30:.1f} | {p.host['node'] / 2**30:.0f} | "
             f"{p.replicated_node_host_bytes / 2**30:.0f} |")
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="MILP seconds per row")
     args = parser.parse_args()
     print("| model | GPUs | nodes | batch | plan G/C/N/R | solve s | MILP step s | simulated step s | one-rank MILP's "
-          "plan, simulated s | tokens/s | x one GPU | collective exposed ms | PCIe GiB per rank (h2d + d2h) | "
-          "collective GiB per rank (node / across) | host GiB per node, shared | host GiB per node, replicated |")
+          "plan, simulated s | tokens/s | x one GPU | sums s (optimizer lane exposed ms) | PCIe GiB per rank (h2d + "
+          "d2h) | sums GiB per rank (node / across) | host GiB per node, shared | host GiB per node, replicated |")
     print("|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     for config in args.configs:
         for row in rows(config, args.time_limit):
