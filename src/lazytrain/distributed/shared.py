@@ -51,6 +51,7 @@ from numba.extending import intrinsic
 
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.device import return_freed_host_memory
 from lazytrain.runtime.hf import find_parts, head_named_params
 from lazytrain.runtime.weights import init_buffers
 
@@ -369,6 +370,8 @@ class OptimizerShard:
                 if owner and id(p) not in self.owned:
                     state[pid] = owner[0]
             merged.append({**sd, "state": state})
+        if lends:  # the lent states' pages back to the kernel: the node holds them once, on rank 0
+            return_freed_host_memory()
         return merged if self.ranks.is_main else None
 
     def return_states(self, optimizers: list[torch.optim.Optimizer], merged: list[dict[str, object]] | None) -> None:
@@ -390,3 +393,5 @@ class OptimizerShard:
                     back = r.recv_object(0, "returning the optimizer states")
                     if back:
                         opt.state[p].update(back)
+        if r.is_main:  # the copies it dropped, back to the kernel
+            return_freed_host_memory()
