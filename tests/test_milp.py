@@ -54,7 +54,10 @@ def random_instance(rng: random.Random, L: int, *, nvme: bool = True, tight: flo
     # each layer's own working set (a hybrid model's mix), the head's; M_G is net of the largest
     working = [rng.choice([0.2, 1.5]) * rng.uniform(0.5, 1.0) * GB for _ in range(L)]
     head = rng.uniform(0.0, 1.5) * GB
-    return replace(inst, working_bytes=working, head_working_bytes=head, static_working_bytes=max(*working, head))
+    # the head's own weight and gradient slots (charged where live), or none (it streams through the layer slots)
+    head_slot = apart.choice([0.0, apart.uniform(0.3, 2.0) * GB])
+    return replace(inst, working_bytes=working, head_working_bytes=head, static_working_bytes=max(*working, head),
+                   head_slot_bytes=head_slot)
 
 
 def with_ranks(rng: random.Random, inst: PlanningInstance) -> PlanningInstance:

@@ -274,3 +274,41 @@ def test_the_milp_keeps_layers_when_they_fit_and_its_step_is_still_the_simulated
         inst = instance_from_cost(cost, budgets)
         assert milp_step_s(plan.tiers, inst, kept) == pytest.approx(sim.step_s, rel=1e-6)
     assert sim.link_bytes["h2d"] < simulate(Plan(tiers=plan.tiers, model_fingerprint="-"), cost).link_bytes["h2d"]
+
+
+def _buffer_at(program, verb: str, kind: str) -> int:
+    return next(k for k, a in enumerate(program.actions) if a.verb == verb and a.buffer[0] == kind)
+
+
+@pytest.mark.parametrize("tiers", [TIERS, ("gpu", "cpu", "gpu", "recompute", "recompute", "recompute", "gpu")])
+def test_the_head_slots_live_only_around_the_windows_that_use_them(tiers) -> None:
+    """A loss head larger than a layer gets its own weight and gradient slots, which exist only while live: the
+    weight slot from its h2d's issue in F_{L-1} to the end of the head's compute, the gradient slot from H to the
+    fence of the backward's first window (B_{L-1}, or R_s when the last segment (s, L) recomputes), which waited
+    for its d2h. The layer slots stay sized for layers."""
+    big = Shapes(**{**SHAPES.__dict__, "head_param_bytes": 3000})
+    assert (big.slots_bytes, big.head_slot_bytes, SHAPES.head_slot_bytes) == (2000, 3000, 0)
+    p = build_program(tiers, big)
+    runs = [k for k, a in enumerate(p.actions) if a.verb == "run"]
+    head = _ran(p, "head", 6)
+    first = runs[runs.index(head) + 1]  # the backward's first window
+    alloc_w, free_w = _buffer_at(p, "alloc", "head_weights"), _buffer_at(p, "free", "head_weights")
+    assert _ran(p, "forward", 4) < alloc_w < _issued(p, "weights", 6) < _ran(p, "forward", 5)
+    assert head < free_w < first
+    alloc_g, free_g = _buffer_at(p, "alloc", "head_grads"), _buffer_at(p, "free", "head_grads")
+    send = _issued(p, "grads", 6)
+    waited = next(k for k, a in enumerate(p.actions) if a.verb == "wait" and a.op == p.actions[send].op)
+    assert _ran(p, "forward", 5) < alloc_g < head < send < first < waited < free_g < runs[runs.index(first) + 1]
+    assert all(a.num_bytes == 3000 for a in p.actions if a.buffer[0] in ("head_weights", "head_grads"))
+    assert [a.num_bytes for a in p.actions if a.buffer[0] in ("weight_slots", "grad_slots")] == [2000] * 4
+    # the level never counts a head slot outside those windows: the same program with a small head differs
+    # from this one by exactly the live head slots at every alloc/free
+    small, heads = build_program(tiers, SHAPES), ("head_weights", "head_grads")
+    trace = [(k, level) for k, level in p.device_trace() if p.actions[k].buffer[0] not in heads]
+    live = [3000 * (alloc_w <= k < free_w) + 3000 * (alloc_g <= k < free_g) for k, _ in trace]
+    assert [level - s for (_, level), (_, s) in zip(trace, small.device_trace(), strict=True)] == live
+    # evaluation: the weight slot alone, from F_{L-1}'s issue to the end of the loss
+    e = build_program(tiers, big, forward_only=True)
+    assert _ran(e, "forward", 4) < _buffer_at(e, "alloc", "head_weights") < _ran(e, "forward", 5)
+    assert _ran(e, "loss", 6) < _buffer_at(e, "free", "head_weights")
+    assert not any(a.buffer[0] == "head_grads" for a in e.actions)

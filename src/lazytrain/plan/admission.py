@@ -3,14 +3,15 @@
 Four budgets are checked, in this order, each against what *every* plan needs:
   host memory     static_host_bytes() (weights, grads, optimizer states by mode, staging) against --cpu-mem
                   (or the hardware's host memory; unchecked when neither is known);
-  device memory   static_device_bytes() (2 weight slots + 2 gradient slots, the largest working set of a
-                  layer or the loss head, 2 boundary gradients, constants) against --gpu-mem-cap (or the
+  device memory   static_device_bytes() (2 weight slots + 2 gradient slots sized for layers, the largest working
+                  set of a layer or the loss head, 2 boundary gradients, constants) against --gpu-mem-cap (or the
                   device's memory);
   gpu activations M_G = cap - static_device_bytes() must hold the boundaries every plan keeps on the device
                   at its worst moment: the least peak (`device_floor_bytes`) is the slots + constants + the
                   larger of (a layer's working set + 5 boundary buffers: boundary 0, the layer's input and
                   output, the gradients in and out) and (the head's working set + 3: boundaries 0 and L and
-                  the gradient of L);
+                  the gradient of L, + the head's own weight and gradient slots when it has them: not static,
+                  they are live in its window);
   cpu activations --cpu-act-budget must fit in the host memory left after the static host bytes.
 The result carries the activation budgets the planners use (M_G, M_C, M_N).
 """
@@ -40,12 +41,18 @@ class Admission:
 
 def device_floor_bytes(cost: CostModel) -> int:
     """The least device peak of any plan (the executor's accounting): see the module docstring."""
+    fixed, layer, head = _floor_windows(cost)
+    return fixed + max(layer, head)
+
+
+def _floor_windows(cost: CostModel) -> tuple[int, int, int]:
+    """(the slots and constants, the least a layer's backward window adds, the least the head's window adds)."""
     A = max(cost.boundary_bytes)
     device = cost.device_breakdown()
     fixed = device["weight_slots"] + device["grad_slots"] + cost.constant_device_bytes
     layer = max(cost.working_bytes) + (5 if cost.num_layers > 1 else 4) * A
-    head = cost.head_working_bytes + 3 * A
-    return fixed + max(layer, head)
+    head = cost.head_working_bytes + 3 * A + 2 * cost.head_slot_bytes
+    return fixed, layer, head
 
 
 def _short(what: str, need: int, need_detail: str, limit: int, knob: str, advice: str) -> LazyTrainError:
@@ -96,8 +103,7 @@ def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     cap_knob = "--gpu-mem-cap" if budgets.gpu_mem_cap_bytes is not None else f"the {hw.name} device memory"
     static_device = cost.static_device_bytes()
     if static_device > cap:
-        head = f" + 2 head slots of {format_bytes(cost.head_slot_bytes)}" if cost.head_slot_bytes else ""
-        detail = (f"weight + gradient slots 4 x {format_bytes(cost.layer_slot_bytes)}{head}, largest working set "
+        detail = (f"weight + gradient slots 4 x {format_bytes(cost.layer_slot_bytes)}, largest working set "
                   f"{format_bytes(max(max(cost.working_bytes), cost.head_working_bytes))}, 2 boundary gradients "
                   f"of {format_bytes(max(cost.boundary_bytes))}")
         raise _short("device memory", static_device, detail, cap, cap_knob,
@@ -110,8 +116,13 @@ def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     mandatory = floor - static_device  # boundaries every plan holds on the device at its worst moment
     if gpu_act < mandatory:
         A = max(cost.boundary_bytes)
+        _, layer, head = _floor_windows(cost)
+        head_slots = 2 * cost.head_slot_bytes if head > layer else 0  # the floor is the head's window
+        what = f"{(mandatory - head_slots) // A} boundary activations of {format_bytes(A)}" + (
+            f" and the loss head's own weight and gradient slots of {format_bytes(cost.head_slot_bytes)}"
+            if head_slots else "")
         raise LazyTrainError(
-            f"gpu activation budget: every plan holds {mandatory // A} boundary activations of {format_bytes(A)} "
+            f"gpu activation budget: every plan holds {what} "
             f"on the device at once ({format_bytes(mandatory)}) but {cap_knob} {format_bytes(cap)} leaves "
             f"{format_bytes(gpu_act)} after {format_bytes(static_device)} of slots and working set "
             f"(short by {format_bytes(mandatory - gpu_act)}); lower --batch-size or raise --gpu-mem-cap"

@@ -23,8 +23,11 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
                 parallelism) by the group's sum over the ranks red[j]; land[L] the head's
     d[j]        seconds from the start of the window that sends group j's gradients to the release of land[j]:
                 a_D p[j]
-    M_G         device bytes for activations = gpu memory cap - static device bytes (weight and gradient
+    M_G         device bytes for activations = gpu memory cap - static device bytes (layer weight and gradient
                 slots, the largest working set W, boundary-gradient buffers)
+    h           the loss head's own weight slot and its gradient slot (each p[L]) when it is larger than a layer,
+                else 0: not static, counted where live -- the weight slot in F_{L-1} (its h2d) and H, the gradient
+                slot in H and the backward's first window (R_s or B_{L-1} of the last segment (s, L), which sends it)
     w[j], w[L]  device working set of layer j's compute (forward, recompute, backward) and of the loss head:
                 each window's row counts its own and gives back W (hybrid models mix layer kinds)
     M_C, M_N    host DRAM / NVMe bytes for offloaded activations
@@ -125,6 +128,10 @@ class PlanningInstance:
     lambda_c: float = 1e-5  # s per cpu boundary (prefer gpu when both are free)
     lambda_n: float = 1e-4  # s per nvme boundary
     static_device_bytes: float = 0.0  # for messages only: what the cap lost to static memory
+    # h: the loss head's own weight slot (and as many for its gradient slot) when it is larger than a layer; not in
+    # the static bytes M_G is net of: the rows charge each where it is live (forward_bytes, head_bytes,
+    # segment_bytes, head_grad_bytes)
+    head_slot_bytes: float = 0.0
     gpu_mem_cap_bytes: float = 0.0  # for messages only
     optimizer_mode: str = "overlap"  # the step program's: "serial" ends with the whole optimizer step
     land_s: tuple[float, ...] = ()  # optimizer-lane job of group j = 0..L-1 and of the head (L): accumulation
@@ -163,7 +170,7 @@ class PlanningInstance:
             )
         values = [*self.forward_s, *self.backward_s, *self.boundary_bytes, *self.param_bytes, *self.working_bytes,
                   self.head_s, self.head_param_bytes, self.head_working_bytes, self.static_working_bytes,
-                  self.cpu_act_bytes, self.nvme_act_bytes]
+                  self.cpu_act_bytes, self.nvme_act_bytes, self.head_slot_bytes]
         if any(not v >= 0 for v in values):
             raise LazyTrainError("planning instance: times, bytes and budgets must be >= 0")
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
@@ -207,20 +214,28 @@ class PlanningInstance:
     # The static bytes hold the largest working set W and two boundary-gradient buffers G = 2 max A; these terms
     # count each window's own working set instead, so a row reads  sum A g (below) + term <= M_G + W.
     def forward_bytes(self, j: int) -> float:
-        """F_j: its input j (whatever its tier: freed after the window), its output j+1, layer j's working set."""
+        """F_j: its input j (whatever its tier: freed after the window), its output j+1, layer j's working set;
+        F_{L-1} also the head's own weight slot (h), allocated as its h2d is issued there."""
         A = self.boundary_bytes
-        return A[j] + A[j + 1] + self.working_bytes[j]
+        return A[j] + A[j + 1] + self.working_bytes[j] + (self.head_slot_bytes if j == self.num_layers - 1 else 0.0)
 
     def head_bytes(self) -> float:
-        """H: boundary L, its gradient (one of the two buffers G), the head's working set."""
+        """H: boundary L, its gradient (one of the two buffers G), the head's working set, its own weight and
+        gradient slots (2 h)."""
         A = self.boundary_bytes
-        return 2 * A[-1] - 2 * max(A) + self.head_working_bytes
+        return 2 * A[-1] - 2 * max(A) + self.head_working_bytes + 2 * self.head_slot_bytes
+
+    def head_grad_bytes(self, s: int, e: int) -> float:
+        """The head's own gradient slot (h) in the first window of segment (s, e) (R_s, or B_s when e = s + 1):
+        live there when it is the backward's first (e = L), whose fence sees the slot's d2h."""
+        return self.head_slot_bytes if e == self.num_layers else 0.0
 
     def segment_bytes(self, s: int, e: int) -> float:
         """The backward of segment (s, e): R_j and B_j hold boundaries s..j+1 and layer j's working set (the
-        gradients and boundary e of R_j are within G); the largest over j = s..e-1."""
+        gradients and boundary e of R_j are within G), the first window of the last segment the head's gradient
+        slot; the largest over j = s..e-1."""
         A, w = self.boundary_bytes, self.working_bytes
-        return max(sum(A[s:j + 2]) + w[j] for j in range(s, e))
+        return max(sum(A[s:j + 2]) + w[j] + (self.head_grad_bytes(s, e) if j == s else 0.0) for j in range(s, e))
 
     def min_gpu_act_bytes(self) -> float:
         """A lower bound on the M_G any plan needs: the last layer's backward holds boundaries 0, L-1 and L (and a
@@ -239,7 +254,8 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
 
     M_G = (budgets.gpu_mem_cap_bytes or the device's memory) - cost.static_device_bytes(); M_C = cpu activation
     budget (None = unlimited); M_N = nvme activation budget (None = unlimited, 0 = no nvme tier).
-    U_F = the gradient slots and boundary-gradient buffers, which the schedule allocates only at the loss head.
+    U_F = the layer gradient slots and boundary-gradient buffers, which the schedule allocates only at the loss
+    head; h = cost.head_slot_bytes (charged where live, not in the static bytes).
     The optimizer-lane seconds are the simulator's for `optimizer_mode`, with (`topology` of more than one rank)
     each group's sum over the ranks as the simulator times the program's bytes. `options` override
     PlanningInstance fields (e.g. lambda_z).
@@ -271,6 +287,7 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         gpu_mem_cap_bytes=float(gpu_cap),
         working_bytes=tuple(float(w) for w in cost.working_bytes[:L]),
         head_working_bytes=float(cost.head_working_bytes),
+        head_slot_bytes=float(getattr(cost, "head_slot_bytes", 0)),
         optimizer_mode=optimizer_mode,
         land_s=tuple(op_seconds(Op(0, "optimizer", "land", j), cost) for j in range(L + 1)),
         embedding_s=op_seconds(Op(0, "optimizer", "embedding", 0), cost),
@@ -349,7 +366,7 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
     byte_fields = ("gpu_act_bytes", "head_param_bytes", "cpu_act_bytes", "nvme_act_bytes", "h2d_bytes_per_s",
                    "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "fwd_unallocated_bytes",
                    "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
-                   "head_working_bytes", "static_working_bytes")
+                   "head_working_bytes", "static_working_bytes", "head_slot_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
     for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes"):
         changes[name] = tuple(b / unit for b in getattr(inst, name))
@@ -504,8 +521,9 @@ class _Formulation:
 
         # Forward window F_j: every gpu boundary below j, its input j and output j+1 whatever their tiers (an
         # offloaded copy is freed once its d2h is done), layer j's working set w[j], the kept layers below j and
-        # the slots of j and j+1; the gradient slots and boundary gradients are not allocated yet (U_F):
-        #   sum_{i<j} A[i] g[i] + A[j] + A[j+1] + w[j] + kept(j) + p[j+1] y[j+1] + T_F <= M_G + W + U_F
+        # the slots of j and j+1, in F_{L-1} the head's own weight slot h; the gradient slots and boundary gradients
+        # are not allocated yet (U_F):
+        #   sum_{i<j} A[i] g[i] + A[j] + A[j+1] + w[j] + h [j = L-1] + kept(j) + p[j+1] y[j+1] + T_F <= M_G + W + U_F
         # (row j is implied by a later row whose constant is at least its own: it holds a superset below)
         top = -INF
         for j in range(L - 1, -1, -1):
@@ -527,19 +545,22 @@ class _Formulation:
             self.v[s0, s1] = v
             m.row(f"reload_buffer[{s0},{s1}]", {v: -1.0, xv: 1.0, self.c[s0]: 1.0, self.n[s0]: 1.0}, hi=1.0)
         # Head window H: every gpu boundary below L, the last segment's start's reload buffer, boundary L, its
-        # gradient and the head's working set (head_bytes: less the boundary-gradient buffers G already static),
-        # every kept layer's graph and slot:
-        #   sum_{i<L} A[i] g[i] + sum_s A[s] v[s,L] + 2 A[L] - G + w[L] + sum_j (G[j] + p[j]) y[j] + T_B <= M_G + W
+        # gradient, the head's working set and its own weight and gradient slots (head_bytes: less the
+        # boundary-gradient buffers G already static), every kept layer's graph and slot:
+        #   sum_{i<L} A[i] g[i] + sum_s A[s] v[s,L] + 2 A[L] - G + w[L] + 2 h + sum_j (G[j] + p[j]) y[j] + T_B
+        #   <= M_G + W
         m.row("gpu_head", {**{self.g[i]: A[i] for i in range(L)},
                            **{v: A[s0] for (s0, s1), v in self.v.items() if s1 == L},
                            **({self.y[j]: kept[j] for j in range(L)} if kept else {})},
               hi=room - inst.head_bytes() - inst.bwd_transient_bytes)
         # Backward of segment (s, e): gpu boundaries below s, and at R_j / B_j boundaries s..j+1 (s reloaded or
-        # kept, the rest recomputed or e) with layer j's working set, the largest over j (segment_bytes):
+        # kept, the rest recomputed or e) with layer j's working set, the largest over j (segment_bytes; the first
+        # window of the last segment, e = L, also holds the head's gradient slot h until its d2h is done):
         #   sum_{i<s} A[i] g[i] + sum_e x[s,e] segment_bytes(s, e) + T_B <= M_G + W   (s < L)
         # and in B_s, the segment's last window: gpu boundaries below s, s and s+1, w[s], the reload buffer of the
-        # previous start (the same window as the first row when e = s+1):
-        #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1] + w[s]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G + W
+        # previous start (the same window as the first row when e = s+1; for s = L-1 the backward's first, which
+        # holds the head's gradient slot h):
+        #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1] + w[s] + h [s = L-1]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G + W
         # (for s not materialized the rows hold: the segment that contains s holds more). Both add the kept layers
         # whose backward has not run and layer s's own slot (kept(s); nonzero only when s is kept: a suffix).
         for s in range(L):
@@ -551,8 +572,8 @@ class _Formulation:
             m.row(f"gpu_bwd[{s}]", coefs, hi=room - inst.bwd_transient_bytes)
             buffers = {v: A[s0] for (s0, s1), v in self.v.items() if s1 == s}
             if buffers:
-                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: A[s] + A[s + 1] + inst.working_bytes[s], **buffers},
-                      hi=room - inst.bwd_transient_bytes)
+                last = A[s] + A[s + 1] + inst.working_bytes[s] + inst.head_grad_bytes(s, s + 1)
+                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: last, **buffers}, hi=room - inst.bwd_transient_bytes)
 
     def _add_windows(self) -> None:
         """The step program (plan/schedule.py) in time. Each window is fenced: it lasts the longest of its compute

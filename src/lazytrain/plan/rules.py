@@ -117,10 +117,13 @@ def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment:
     windows = [("the loss head", head_peak)]
     for k, (s, e) in enumerate(segments):
         # R_j / B_j hold boundaries s..j+1 and w[j]; B_s also the buffer the previous segment's start is reloaded
-        # into (allocated in B_s, where its h2d is issued)
+        # into (allocated in B_s, where its h2d is issued) and, when it is the backward's first window (e = s + 1
+        # = L), the head's gradient slot
         reload_buffer = A[segments[k - 1][0]] if k > 0 and off[segments[k - 1][0]] else 0.0
+        last = A[s] + A[s + 1] + inst.working_bytes[s] + reload_buffer + (inst.head_grad_bytes(s, e) if e == s + 1
+                                                                          else 0.0)
         below = sum(A[i] for i in range(s) if g[i]) + kept_before(s)
-        peak = below + max(inst.segment_bytes(s, e), A[s] + A[s + 1] + inst.working_bytes[s] + reload_buffer)
+        peak = below + max(inst.segment_bytes(s, e), last)
         windows.append((f"backward of segment ({s}, {e})", peak + inst.bwd_transient_bytes))
     for what, peak in windows:
         gpu_act_peak = max(gpu_act_peak, peak - W)

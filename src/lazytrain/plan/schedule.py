@@ -26,7 +26,9 @@ optimizer, waited for after the backward.
 
 Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
 s..e-2, backward e-1..s; use u streams into weight slot u % 2, the loss head into its own slot when it is
-larger than a layer, and its gradients likewise). Every compute op is one *window*: the jobs the
+larger than a layer, and its gradients likewise: those two exist only while live, the weight slot from its
+h2d's issue in F_{L-1} to the end of the head's compute, the gradient slot from H to the fence of the window that
+sends it). Every compute op is one *window*: the jobs the
 window issues start as it starts, and the window ends with a wait for all of them (a fence), so a window lasts
 max(its compute, each lane's chain of jobs) and the step is the sum of its windows -- exactly what the MILP
 (plan/milp.py) adds up. No transfer runs across a window boundary. The optimizer lane is the exception: its jobs
@@ -35,14 +37,16 @@ release times is also exactly linear.
   updates   (overlap, first micro-batch) "update j" for every group on the optimizer lane, forward order.
   start     alloc 2 weight slots and boundary 0; h2d boundary 0 and the weights of use 0; fence; alloc the
             constants (rotary tables, positions, masks).
-  F_j       h2d of use j+1's weights (into the slot use j-1 freed); d2h of boundary j if it is offloaded; the
+  F_j       h2d of use j+1's weights (into the slot use j-1 freed; F_{L-1} allocs the head's own slot first);
+            d2h of boundary j if it is offloaded; the
             nvme write of boundary j-1 if it is on nvme (its d2h was done in F_{j-1}); alloc working set; run;
             alloc boundary j+1; free working set (and boundary j if recomputed); fence; an offloaded boundary j
             leaves the device.
-  H         alloc 2 gradient slots and the device buffer of the last segment's start if offloaded; h2d of the
-            next use's weights; nvme write of boundary L-1; the nvme read staged for B_{L-1}; the reload h2d of
-            the last segment's start (after its read, in this window, if it is on nvme); alloc the head working
-            set and the gradient of boundary L; run; free the working set; fence.
+  H         alloc 2 gradient slots (and the head's own), the device buffer of the last segment's start if
+            offloaded; h2d of the next use's weights; nvme write of boundary L-1; the nvme read staged for
+            B_{L-1}; the reload h2d of the last segment's start (after its read, in this window, if it is on
+            nvme); alloc the head working set and the gradient of boundary L; run; free the working set and the
+            head's weight slot; fence.
   R_j, B_j  per segment (s, e), last first: each window issues the next use's weights and
             the d2h of the previous window's weight gradients (head or B), with their optimizer-lane job after
             it (accumulation into .grad, and in overlap mode the group's optimizer step; not fenced); B_j
@@ -50,7 +54,8 @@ release times is also exactly linear.
             window before its h2d), and B_s allocates the device buffer of the next segment's start s' and
             issues its reload h2d (if offloaded). R_j: alloc working set, run, alloc
             boundary j+1, free working set. B_j: alloc working set, run, alloc the gradient of boundary j,
-            free working set, boundary j+1 and its gradient. Fence.
+            free working set, boundary j+1 and its gradient. Fence; the window that sent the head's gradients
+            frees its gradient slot.
   end       d2h of B_0's gradients and their optimizer job, d2h of the gradient of boundary 0 and the embedding
             backward on the optimizer lane; fence; wait for every optimizer-lane job; free boundary 0, its
             gradient, constants and slots.
@@ -128,10 +133,15 @@ class Shapes:
 
     @property
     def slots_bytes(self) -> int:
-        """The weight slots (and as many gradient slots): two of the largest layer, and the loss head's own when
-        it is larger than a layer (so layer slots are sized for layers)."""
-        layer = max(self.param_bytes)
-        return 2 * layer + (self.head_param_bytes if self.head_param_bytes > layer else 0)
+        """The weight slots (and as many gradient slots): two of the largest layer (layer slots are sized for
+        layers)."""
+        return 2 * max(self.param_bytes)
+
+    @property
+    def head_slot_bytes(self) -> int:
+        """The loss head's own weight slot (and its gradient slot) when it is larger than a layer, else 0 (it
+        streams through the layer slots). Each exists only around the windows that use it."""
+        return self.head_param_bytes if self.head_param_bytes > max(self.param_bytes) else 0
 
     @classmethod
     def from_cost(cls, cost: CostModel) -> Shapes:
@@ -191,7 +201,9 @@ class Action:
 
     verb: str
     op: int = -1
-    buffer: tuple[str, int] = ("", -1)  # (kind, index): weight_slots, grad_slots, boundary, grad, working, constants
+    # (kind, index): weight_slots, grad_slots, head_weights, head_grads, kept_weights, boundary, grad, working,
+    # graph, constants
+    buffer: tuple[str, int] = ("", -1)
     num_bytes: int = 0
 
 
@@ -303,7 +315,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
     if not 0 <= kept_layers <= L or any(t != "gpu" for t in tiers[L - kept_layers:]):
         raise LazyTrainError(f"kept_layers={kept_layers} needs 0..{L} and boundaries {L - kept_layers}..{L} on gpu")
-    A, P, W = shapes.boundary_bytes, shapes.param_bytes, shapes.slots_bytes
+    A, P, W, HS = shapes.boundary_bytes, shapes.param_bytes, shapes.slots_bytes, shapes.head_slot_bytes
     G, GF, GB = shapes.graph_bytes, shapes.graph_forward_bytes, shapes.graph_backward_bytes
     first_kept = L - kept_layers
     segments = segments_of(tiers)
@@ -320,6 +332,7 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     weights: dict[int, int] = {}
     grads: list[tuple[int, int]] = []  # (group, bytes) whose gradients wait in a gradient slot
     landing: list[int] = []  # optimizer-lane jobs: a FIFO queue across windows, waited for at the end
+    released: list[tuple[str, int, int]] = []  # buffers freed at the next fence (once their transfer is done)
 
     def issue(lane: str, kind: str, target: int = -1, num_bytes: int = 0, after: tuple[int | None, ...] = (),
               use: int = -1) -> int:
@@ -331,6 +344,9 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         for op in window:
             b.wait(op)
         window.clear()
+        for buffer in released:
+            b.free(*buffer)
+        released.clear()
 
     def issue_weights(u: int) -> None:
         if u < len(uses):
@@ -339,6 +355,8 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
                 return  # a kept layer's weights stayed on the device since its forward
             if kind == "keep":
                 b.alloc("kept_weights", j, P[j])  # its own slot, until its backward
+            if kind == "head" and HS:
+                b.alloc("head_weights", L, HS)  # its own slot, until its compute ends
             fence_update = update.pop(j, None) if u <= L else None  # a forward use waits for its group's update
             if fence_update is not None:
                 window.append(fence_update)
@@ -352,6 +370,8 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
             return
         j, nbytes = grads.pop()
         landed = issue("d2h", "grads", j, nbytes)
+        if j == L and HS:
+            released.append(("head_grads", L, HS))  # its own gradient slot, once this window's fence saw the d2h
         if topology.parallel:  # summed into the group's owners once the whole gradient is on the host
             landed = b.issue("optimizer", "reduce", j, shapes.reduce_bytes(nbytes), after=(landed,))
             landing.append(landed)
@@ -417,6 +437,8 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
 
     # ---- loss head: window H ----------------------------------------------------------------------------
     b.alloc("grad_slots", -1, W)
+    if HS:
+        b.alloc("head_grads", L, HS)
     last_start = segments[-1][0]
     if last_start > 0 and tiers[last_start] in OFFLOADED:
         b.alloc("boundary", last_start, A[last_start])  # the device buffer exists from the reload's issue
@@ -430,6 +452,8 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
     b.alloc("grad", L, A[L])
     b.run("head", L, L)
     b.free("working", L, shapes.head_working_bytes)
+    if HS:
+        b.free("head_weights", L, HS)
     fence()
     grads.append((L, shapes.head_param_bytes))
 
@@ -501,13 +525,15 @@ def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str =
 
 
 def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], b: _Builder) -> StepProgram:
-    L, A, W = len(tiers) - 1, shapes.boundary_bytes, shapes.slots_bytes
+    L, A, W, HS = len(tiers) - 1, shapes.boundary_bytes, shapes.slots_bytes, shapes.head_slot_bytes
     weights: dict[int, int] = {}
 
     def begin_use(u: int) -> None:
         for v in (u, u + 1):
             if v < len(uses) and v not in weights:
                 nbytes = shapes.head_param_bytes if v == L else shapes.param_bytes[v]
+                if v == L and HS:
+                    b.alloc("head_weights", L, HS)  # its own slot, until the loss
                 weights[v] = b.issue("h2d", "weights", uses[v][1], nbytes, use=v)
         b.wait(weights.pop(u))
 
@@ -529,6 +555,8 @@ def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, 
     b.alloc("working", L, shapes.head_working_bytes)
     b.run("loss", L, L)
     b.free("working", L, shapes.head_working_bytes)
+    if HS:
+        b.free("head_weights", L, HS)
     b.free("boundary", L, A[L])
     b.free("constants", -1, shapes.constant_bytes)
     b.free("weight_slots", -1, W)

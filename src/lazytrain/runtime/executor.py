@@ -6,7 +6,8 @@ job (the seconds waited are that lane's stall), alloc/free a device buffer in th
 the device-memory count and this executor follow one schedule. Every transfer is issued in the window the
 program gives it (a function of the plan's tiers). Weights stream into two device slots sized for layers, use
 k into slot k % 2 (a loss head larger than a layer into its own slot); weight gradients leave through two
-gradient slots (and the head's own); activations are offloaded, spilled,
+gradient slots (and the head's own; the head's two slots exist only while live, as the program allocates them);
+activations are offloaded, spilled,
 reloaded and recomputed exactly as the program says; weight gradients land in each group's host buffer
 (`WeightGroup.land`: the gradient itself with one micro-batch, else summed in fp32) and, at the start of the
 step after `defer_update`, the optimizer lane runs the previous step's update group by group in forward order,
@@ -557,7 +558,8 @@ class _Step:
         self.loss_sum: tuple[float, int] | None = None  # forward_only: (summed token loss, token count)
         self.reserved = 0
         self.allocated: dict[int, torch.Tensor] = {}  # id -> device tensor, until freed (then released)
-        self.slots: list[torch.Tensor] = []  # two layer slots, then the head's own when it has one
+        self.slots: list[torch.Tensor] = []  # two layer slots
+        self.head_slots: dict[str, torch.Tensor] = {}  # head_weights / head_grads: the head's own, while live
         self.kept_slots: dict[int, torch.Tensor] = {}  # kept layer -> its weights' own slot
         self.graphs: dict[int, LayerGraph] = {}  # kept layer -> its graph, from its forward to its backward
         self.grad_slots: list[torch.Tensor] = []
@@ -622,14 +624,14 @@ class _Step:
                                                  ex.parts.mask_kinds[j])
             self.out = self.graphs[j].out.detach()
         elif op.kind == "backprop":  # through the kept graph: no re-forward, weights never streamed again
-            grads = ex.layer_groups[j].views(self._slot(self.grad_slots, j, self.grad_uses))
+            grads = ex.layer_groups[j].views(self._grad_slot(j))
             self.out = graph_backward(self.graphs.pop(j), self.grads[j + 1], grads)
         elif op.kind in ("forward", "recompute"):
             with torch.no_grad():
                 self.out = layer_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
                                          ex.parts.mask_kinds[j])
         elif op.kind == "backward":  # weight gradients straight into the next gradient slot (sent next window)
-            grads = ex.layer_groups[j].views(self._slot(self.grad_slots, j, self.grad_uses))
+            grads = ex.layer_groups[j].views(self._grad_slot(j))
             self.out = layer_backward(ex.parts.layers[j], weights, self.on_device[j], self.grads[j + 1], self.consts,
                                       ex.parts.mask_kinds[j], grads)
         elif op.kind == "loss":  # forward only: the chunked head sums the token losses
@@ -638,7 +640,7 @@ class _Step:
                                             ex.head_chunk_tokens)
             self.loss_sum = (float(loss_sum), count)
         else:  # the loss head writes its weight gradients straight into the next gradient slot
-            head_grads = ex.head_group.views(self._slot(self.grad_slots, self.L, self.grad_uses))
+            head_grads = ex.head_group.views(self._grad_slot(self.L))
             for g in head_grads.values():
                 g.zero_()
             targets = shift_labels(self.labels).to(self.dev.torch_device)
@@ -748,23 +750,31 @@ class _Step:
         raise LazyTrainError(f"the executor cannot run op {op.name!r} (the optimizer step is its caller's)")
 
     def _weight_slot(self, op: Op) -> torch.Tensor:
-        """Where the weights of `op`'s use live: a kept layer's own slot, else `_slot`."""
+        """Where the weights of `op`'s use live: a kept layer's own slot, the loss head's own when it has one,
+        else layer slot use % 2."""
         kept = self.kept_slots.get(op.target)
-        return kept if kept is not None else self._slot(self.slots, op.target, op.use)
+        if kept is not None:
+            return kept
+        if op.target == self.L and "head_weights" in self.head_slots:
+            return self.head_slots["head_weights"]
+        return self.slots[op.use % 2]
 
-    def _slot(self, slots: list[torch.Tensor], target: int, use: int) -> torch.Tensor:
-        """Layer slot use % 2, or the loss head's own slot when it has one."""
-        return slots[2] if target == self.L and len(slots) > 2 else slots[use % 2]
+    def _grad_slot(self, target: int) -> torch.Tensor:
+        """Where group `target`'s weight gradients are written and sent from: the loss head's own gradient slot
+        when it has one, else gradient slot g % 2 (g: gradients sent so far; the program waited for that slot's
+        previous d2h)."""
+        if target == self.L and "head_grads" in self.head_slots:
+            return self.head_slots["head_grads"]
+        return self.grad_slots[self.grad_uses % 2]
 
     def _group_of(self, op: Op) -> WeightGroup:
         return self.ex.head_group if op.target == self.L else self.ex.layer_groups[op.target]
 
     # ---- gradients ------------------------------------------------------------------------------
     def _send_grads(self, op: Op) -> Event:
-        """d2h of a group's gradients from gradient slot g % 2, where its compute wrote them (the program waited for
-        that slot's previous d2h)."""
+        """d2h of a group's gradients from the slot its compute wrote them into (`_grad_slot`)."""
         group = self._group_of(op)
-        grad_slot = self._slot(self.grad_slots, op.target, self.grad_uses)
+        grad_slot = self._grad_slot(op.target)
         self.grad_uses += 1
         free = self.landing_free.get(group.landing.data_ptr())  # a pooled buffer: after its last land
         return self.dev.copy("d2h", group.landing, grad_slot[:group.numel],
@@ -826,14 +836,14 @@ class _Step:
         shape = (self.batch, self.seq_len, ex.model.config.hidden_size)
         if kind in ("weight_slots", "grad_slots"):
             slots = [self._alloc((ex.slot_numel,), dtype, kind.replace("_", " ")) for _ in range(2)]
-            if ex.head_slot_numel:
-                slots.append(self._alloc((ex.head_slot_numel,), dtype, kind.replace("_", " ") + " (head)"))
             if kind == "weight_slots":
                 self.slots = slots
             else:
                 self.grad_slots = slots
         elif kind == "kept_weights":
             self.kept_slots[i] = self._alloc((ex.layer_groups[i].numel,), dtype, f"kept weights {i}")
+        elif kind in ("head_weights", "head_grads"):
+            self.head_slots[kind] = self._alloc((ex.head_slot_numel,), dtype, kind.replace("_", " "))
         elif kind in ("working", "graph", "constants"):
             if kind == "constants":
                 with self.dev.measuring():
@@ -852,6 +862,8 @@ class _Step:
             self._free(self.grads.pop(i))
         elif kind == "kept_weights":
             self._free(self.kept_slots.pop(i))
+        elif kind in ("head_weights", "head_grads"):
+            self._free(self.head_slots.pop(kind))
         elif kind in ("working", "graph", "constants"):
             self._unreserve(num_bytes)
         else:

@@ -31,9 +31,10 @@ Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_m
             cast of the largest group); bf16 masters 2 + 2 = 4 (+ the optimizer's fp32 working copies of
             the largest group); fp32 compute 4 + 4 = 8. Accumulating micro-batches adds an fp32 sum of
             every streamed group's gradient (4 B/param), so the sum is exact.
-    device: 2 weight slots + 2 gradient slots (each the largest layer) and, when the loss head is larger than a
-            layer, its own weight slot and gradient slot; the largest working set, 2 boundary-gradient buffers
-            (static part); boundary activations come and go.
+    device: 2 weight slots + 2 gradient slots (each the largest layer), the largest working set, 2 boundary-gradient
+            buffers (static part); boundary activations come and go, and so do the loss head's own weight and
+            gradient slots when it is larger than a layer (head_slot_bytes each: the step program allocates them
+            around the windows that use them, and the planner charges them there).
 """
 
 from __future__ import annotations
@@ -284,7 +285,8 @@ class CostModel:
     @property
     def head_slot_bytes(self) -> int:
         """The loss head's own device slot (weights; another for its gradients) when it is larger than a layer
-        slot, else 0 (it streams through the layer slots)."""
+        slot, else 0 (it streams through the layer slots). Not static: each lives only around the windows that
+        use it (plan/schedule.py)."""
         return self.head_param_bytes if self.head_param_bytes > self.layer_slot_bytes else 0
 
     def optimizer_state_bytes(self) -> int:
@@ -353,8 +355,8 @@ class CostModel:
 
     def device_breakdown(self) -> dict[str, int]:
         return {
-            "weight_slots": 2 * self.layer_slot_bytes + self.head_slot_bytes,
-            "grad_slots": 2 * self.layer_slot_bytes + self.head_slot_bytes,
+            "weight_slots": 2 * self.layer_slot_bytes,
+            "grad_slots": 2 * self.layer_slot_bytes,
             "working_set": max(max(self.working_bytes), self.head_working_bytes),
             "boundary_grads": 2 * max(self.boundary_bytes),
             "constants": self.constant_device_bytes,
