@@ -395,6 +395,62 @@ def test_a_bf16_gradient_is_summed_over_the_ranks_in_fp32_and_rounded_once(tmp_p
     assert (pairwise != exact.to(torch.bfloat16)).float().mean() > 0.05  # which the test would catch
 
 
+def _host_collectives(rank: int, world: int, local_world: int, path: str, out: str) -> None:
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    from lazytrain.distributed.ranks import joined_ranks
+
+    # the default group is "fake" (its collectives return at once and move nothing), standing in for nccl: a group
+    # the host tensors must not go through. Only the gloo groups beside it sum anything.
+    dist.init_process_group("fake", store=dist.FileStore(path, world), rank=rank, world_size=world)
+    ranks = joined_ranks(rank=rank, world_size=world, local_rank=rank % local_world, local_world_size=local_world,
+                         backend="fake", timeout_s=60)
+    groups = [g for g in (ranks.host_group, ranks.node_group, ranks.across_group) if g is not None]
+    got: dict[str, object] = {"backends": [dist.get_backend(g) for g in groups]}
+    gen = torch.Generator().manual_seed(rank)
+    grad = torch.randn(1000, generator=gen)
+    got["grad"] = grad.clone()
+    got["owner"] = ranks.sum_to_owners("layer.1's gradient", grad, owner_local=1)
+    got["sum"] = grad
+    rows = [torch.randn(3, 4, generator=gen), torch.randint(0, 9, (3,), generator=gen)]
+    got["rows"] = rows
+    got["gathered"] = ranks.gather_to_owners("the rows", rows, owner_local=0)
+    got["all_reduce_sum"] = ranks.all_reduce_sum([float(rank), 1.5], "tokens")
+    got["broadcast"] = ranks.broadcast_object(f"rank {rank}'s", "an object")
+    got["agree"] = ranks.agree(rank != world - 1, "stop?")
+    got["gather_to_main"] = ranks.gather_to_main(rank * 10, "objects")
+    ranks.barrier("the end")
+    torch.save(got, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, local_world", [(2, 2), (4, 2)])
+def test_every_collective_runs_on_gloo_groups_beside_the_default_group(tmp_path, world, local_world):
+    """A CUDA run's default group is nccl, which reduces CUDA tensors only: the host gradients, rows, counts and
+    objects go through gloo groups made beside it, so they never cross PCIe for a collective. A default group that
+    moves nothing stands in for nccl here: every collective still gives the right answer, on one node and two."""
+    out = str(tmp_path / "got")
+    torch.multiprocessing.start_processes(_host_collectives, args=(world, local_world, str(tmp_path / "store"), out),
+                                          nprocs=world, start_method="fork")
+    got = [torch.load(f"{out}.{r}") for r in range(world)]
+    grads = sum(g["grad"] for g in got)
+    for r, g in enumerate(got):
+        assert set(g["backends"]) == {"gloo"}
+        assert g["owner"] == (r % local_world == 1)
+        if g["owner"]:
+            torch.testing.assert_close(g["sum"], grads)
+        if r % local_world == 0:  # every rank's rows, in rank order
+            assert [len(p) for p in g["gathered"]] == [2] * world
+            for mine, theirs in zip(g["gathered"], got, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(mine, theirs["rows"], strict=True))
+        else:
+            assert g["gathered"] is None
+        assert g["all_reduce_sum"] == [sum(range(world)), 1.5 * world]
+        assert g["broadcast"] == "rank 0's" and g["agree"] is False
+        assert g["gather_to_main"] == ([10 * k for k in range(world)] if r == 0 else None)
+
+
 def _load_shared(rank: int, world: int, init: str, dtype: str, out: str) -> None:
     import torch.distributed as dist
 

@@ -320,7 +320,8 @@ class ParallelConfig:
     """Nodes the ranks run on (>= 1, divides world_size): `lazytrain plan` plans world_size / nodes ranks per
     node; `lazytrain train` takes the layout from torchrun (1 = whatever it started; another number must match)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: auto = nccl on CUDA devices, gloo on the emulated device."""
+    """torch.distributed backend of the default group: auto = nccl on CUDA devices, gloo on the emulated device.
+    The run's collectives (all on host tensors: gradients, token counts, objects) use gloo groups beside it."""
     collective_timeout_s: float = 300.0
     """Seconds any collective may wait for the other ranks before the run stops naming the missing rank (> 0)."""
 

@@ -5,6 +5,11 @@ MASTER_ADDR / MASTER_PORT in the environment; `init_ranks` joins them into one p
 gloo on the emulated device) with a timeout on every collective. Without those variables, or with
 WORLD_SIZE 1, it returns None and the run is exactly the single-process one.
 
+Every collective the run makes is on host tensors (the gradients land on the host before they are summed, the
+token counts, losses and objects are the host's), so every one goes through gloo groups made beside the default
+group (`joined_ranks`), whatever its backend: on CUDA the host tensors never cross PCIe for nccl and back, and a
+CUDA run's sums are the ones this machine tests. The default group (nccl on CUDA) is joined and carries nothing.
+
 Every collective goes through `Ranks._collective`: a failure (a peer that died closes its sockets at once; a
 peer that hangs trips the timeout) becomes one `RankLost` line naming the rank(s) that did not answer, found by
 asking the rendezvous store which ranks are still alive.
@@ -45,10 +50,11 @@ class Ranks:
     world_size: int
     local_rank: int
     local_world_size: int
-    backend: str
+    backend: str  # the default group's (nccl on CUDA); every collective here runs on the gloo groups below
     timeout_s: float
-    node_group: dist.ProcessGroup | None = None  # this node's ranks (None: one node, the whole world)
-    across_group: dist.ProcessGroup | None = None  # the same local rank on every node (None: one node)
+    host_group: dist.ProcessGroup | None = None  # gloo, every rank (None: the default group, gloo in tests)
+    node_group: dist.ProcessGroup | None = None  # gloo, this node's ranks (None: the host group)
+    across_group: dist.ProcessGroup | None = None  # gloo, the same local rank on every node (None: one node)
     node_weights: NodeWeights | None = None  # the node's shared host mapping, once the model is in it (share_model)
 
     @property
@@ -61,34 +67,29 @@ class Ranks:
         return Topology(world_size=self.world_size, nodes=self.world_size // self.local_world_size)
 
     @property
-    def comm_device(self) -> torch.device:
-        """Where collective buffers live: nccl reduces CUDA tensors only (named by index: the optimizer lane's
-        thread has its own current device)."""
-        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+    def _node(self) -> dist.ProcessGroup | None:
+        return self.node_group if self.node_group is not None else self.host_group
 
     # ---- collectives ------------------------------------------------------------------------------
     def all_reduce_sum(self, values: list[float], what: str) -> list[float]:
         """Sums of `values` over the ranks, in float64 (token counts and losses, exactly for ints < 2**53)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
-        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
+        t = torch.tensor(values, dtype=torch.float64)
+        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.host_group))
         return t.tolist()
 
     def sum_to_owners(self, what: str, t: torch.Tensor, owner_local: int) -> bool:
         """Sum `t` over every rank into the owners, local rank `owner_local` of each node: a reduce in the node,
         then an all-reduce among the nodes' owners. Returns whether this rank is an owner: only there is `t` the
         sum (elsewhere the reduce may have used it as scratch)."""
-        flat = t.to(self.comm_device)
         owner = self.rank - self.local_rank + owner_local
         if self.local_world_size > 1:
-            self._collective(f"reduce of {what}", lambda: dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM,
-                                                                     group=self.node_group))
+            self._collective(f"reduce of {what}", lambda: dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM,
+                                                                     group=self._node))
         if self.local_rank != owner_local:
             return False
         if self.across_group is not None:
             self._collective(f"all_reduce of {what} across nodes",
-                             lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.across_group))
-        if flat is not t:
-            t.copy_(flat)  # (back to the host with nccl)
+                             lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.across_group))
         return True
 
     def time_sums(self, numel: int, repeats: int = 5) -> tuple[float, float]:
@@ -97,17 +98,17 @@ class Ranks:
         rank 0 of each node; 0.0 elsewhere and on one node), each the median of `repeats` after a warm-up, every
         run started together after a barrier. Every rank calls it; rank 0's figures become the planner's link
         rates (runtime/calibrate.py `calibrate_links`)."""
-        t = torch.randn(numel, generator=torch.Generator().manual_seed(self.rank)).to(self.comm_device)
+        t = torch.randn(numel, generator=torch.Generator().manual_seed(self.rank))
         node = across = None
         if self.local_world_size > 1:
             owner = self.rank - self.local_rank  # local rank 0's groups, as sum_to_owners reduces them
-            node = lambda: dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM, group=self.node_group)  # noqa: E731
+            node = lambda: dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM, group=self._node)  # noqa: E731
         if self.across_group is not None and self.local_rank == 0:  # one owner's all-reduce at a time, as in a run
             across = lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.across_group)  # noqa: E731
-        return self._median_s(node, self.node_group, repeats), self._median_s(across, self.across_group, repeats)
+        return self._median_s(node, self._node, repeats), self._median_s(across, self.across_group, repeats)
 
     def _median_s(self, phase: Callable[[], object] | None, group: dist.ProcessGroup | None, repeats: int) -> float:
-        """Median seconds of `phase` among the ranks of `group` (None: all), each run after a barrier of them."""
+        """Median seconds of `phase` among the ranks of `group`, each run after a barrier of them."""
         if phase is None:
             return 0.0
         samples = []
@@ -115,8 +116,6 @@ class Ranks:
             self._collective("timing the gradients' sums", lambda: dist.barrier(group=group))
             t0 = time.perf_counter()
             self._collective("timing the gradients' sums", phase)
-            if self.backend == "nccl":
-                torch.cuda.synchronize(self.comm_device)
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples[1:])
 
@@ -129,28 +128,27 @@ class Ranks:
         nodes = self.world_size // self.local_world_size
         per_tensor = []
         for t in tensors:
-            t = t.to(self.comm_device)
             parts = [t]
             if self.local_world_size > 1:
                 parts = [torch.empty_like(t) for _ in range(self.local_world_size)] if mine else []
                 self._collective(f"gather of {what}", lambda t=t, parts=parts: dist.gather(
-                    t, parts if mine else None, dst=owner, group=self.node_group))
+                    t, parts if mine else None, dst=owner, group=self._node))
             if mine and self.across_group is not None:
                 node = torch.stack(parts)
                 every = [torch.empty_like(node) for _ in range(nodes)]
                 self._collective(f"all_gather of {what} across nodes",
                                  lambda every=every, node=node: dist.all_gather(every, node, group=self.across_group))
                 parts = [p for n in every for p in n.unbind(0)]
-            per_tensor.append([p.cpu() for p in parts])
+            per_tensor.append(parts)
         return [list(one_rank) for one_rank in zip(*per_tensor, strict=True)] if mine else None
 
     def barrier(self, what: str) -> None:
-        self._collective(what, lambda: dist.barrier())
+        self._collective(what, lambda: dist.barrier(group=self.host_group))
 
     def broadcast_object(self, obj: T, what: str) -> T:
         """Rank 0's `obj` on every rank."""
         box = [obj]
-        self._collective(what, lambda: dist.broadcast_object_list(box, src=0))
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=0, group=self.host_group))
         return box[0]
 
     def decided_by_main(self, decide: Callable[[], T], what: str) -> T:
@@ -171,21 +169,21 @@ class Ranks:
     def gather_to_main(self, obj: T, what: str) -> list[T] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
         box: list[T] | None = [obj] * self.world_size if self.is_main else None
-        self._collective(what, lambda: dist.gather_object(obj, box, dst=0))
+        self._collective(what, lambda: dist.gather_object(obj, box, dst=0, group=self.host_group))
         return box
 
     def send_object(self, obj: object, dst: int, what: str) -> None:
-        self._collective(what, lambda: dist.send_object_list([obj], dst=dst))
+        self._collective(what, lambda: dist.send_object_list([obj], dst=dst, group=self.host_group))
 
     def recv_object(self, src: int, what: str) -> object:
         box: list[object] = [None]
-        self._collective(what, lambda: dist.recv_object_list(box, src=src))
+        self._collective(what, lambda: dist.recv_object_list(box, src=src, group=self.host_group))
         return box[0]
 
     def agree(self, ok: bool, what: str) -> bool:
         """True when every rank says ok (a min over the ranks): one rank's refusal stops them all."""
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.comm_device)
-        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN))
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group))
         return bool(t.item())
 
     def close(self) -> None:
@@ -251,11 +249,24 @@ def init_ranks(*, backend: str, timeout_s: float, cuda: bool) -> Ranks | None:
     except (RuntimeError, ValueError) as err:
         raise LazyTrainError(f"rank {rank} could not join the {world} ranks of the run within {timeout_s:g} s "
                              f"({str(err).strip().splitlines()[0][:160]}); check the torchrun flags") from None
+    return joined_ranks(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                        backend=backend, timeout_s=timeout_s)
+
+
+def joined_ranks(*, rank: int, world_size: int, local_rank: int, local_world_size: int, backend: str,
+                timeout_s: float) -> Ranks:
+    """This rank's `Ranks` on the joined default group (any backend): gloo groups of every rank, of each node and
+    across the nodes, for every collective of the run (module docstring). Every rank makes every group
+    (`new_group` is a collective)."""
+    timeout = timedelta(seconds=timeout_s)
+    host = dist.new_group(backend="gloo", timeout=timeout)
     node_group = across_group = None
-    if world > local_world:  # several nodes: every rank makes every group (new_group is a collective)
-        nodes = [dist.new_group(list(range(n, n + local_world)), timeout=timeout)
-                 for n in range(0, world, local_world)]
-        across = [dist.new_group(list(range(r, world, local_world)), timeout=timeout) for r in range(local_world)]
-        node_group, across_group = nodes[rank // local_world], across[local_rank]
-    return Ranks(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                 backend=backend, timeout_s=timeout_s, node_group=node_group, across_group=across_group)
+    if world_size > local_world_size:
+        nodes = [dist.new_group(list(range(n, n + local_world_size)), timeout=timeout, backend="gloo")
+                 for n in range(0, world_size, local_world_size)]
+        across = [dist.new_group(list(range(r, world_size, local_world_size)), timeout=timeout, backend="gloo")
+                  for r in range(local_world_size)]
+        node_group, across_group = nodes[rank // local_world_size], across[local_rank]
+    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                 backend=backend, timeout_s=timeout_s, host_group=host, node_group=node_group,
+                 across_group=across_group)
