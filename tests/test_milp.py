@@ -135,6 +135,46 @@ def test_milp_optimum_equals_brute_force_with_the_sums_over_the_ranks(case: int)
     assert ev.step_s > alone.step_s + 1e-3  # the optimizer lane's queue of sums shows in the step
 
 
+def slow_and_tight(rng: random.Random, L: int, mode: str) -> PlanningInstance:
+    """Where the tightened rows bite (milp.py: the lifted windows, the backward rows' C[s]): a d2h link slower
+    than the forward (an offload's copy and a segment's gradient d2h show in their windows), working sets of two
+    to five boundaries (27B: 45 boundaries), the cap a few boundaries above the largest."""
+    inst = random_instance(rng, L, nvme=rng.random() < 0.5, optimizer_mode=mode)
+    A, rho = max(inst.boundary_bytes), sum(inst.forward_s) / L
+    working = [rng.uniform(2.0, 5.0) * A for _ in range(L)]
+    return replace(inst, d2h_bytes_per_s=A / (rng.uniform(1.2, 3.0) * rho), working_bytes=working,
+                   static_working_bytes=max(*working, inst.head_working_bytes),
+                   gpu_act_bytes=rng.uniform(1.5, 3.5) * A)
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_milp_optimum_equals_brute_force_on_slow_links_and_large_working_sets(case: int) -> None:
+    rng = random.Random(SEED + 500 + case)
+    L, K = rng.randrange(3, 7), rng.randrange(2, 4)
+    inst = slow_and_tight(rng, L, ("overlap", "serial")[case % 2])
+    best, best_tiers = brute_force(inst, K)
+    if best_tiers is None:
+        with pytest.raises(LazyTrainError):
+            solve_instance(inst, max_segment=K)
+        return
+    sol = solve_instance(inst, max_segment=K)
+    assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
+    ev = evaluate_tiers(sol.tiers, inst, max_segment=K, kept_layers=sol.kept_layers)
+    assert ev.feasible and sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
+
+
+def test_slow_and_tight_cases_recompute_and_offload() -> None:
+    """The cases above are worth something only if their optima mix recompute with materialized boundaries
+    (the backward rows' excess terms) and some offload despite the slow link (the lifted d2h rows)."""
+    seen: set[str] = set()
+    for case in range(10):
+        rng = random.Random(SEED + 500 + case)
+        L, K = rng.randrange(3, 7), rng.randrange(2, 4)
+        _, tiers = brute_force(slow_and_tight(rng, L, ("overlap", "serial")[case % 2]), K)
+        seen.update(tiers[1:-1] if tiers else ())
+    assert {"recompute", "gpu"} <= seen and seen & {"cpu", "nvme"}
+
+
 def test_brute_force_cases_exercise_every_tier() -> None:
     """The random cases above are only worth something if their optima use offload, nvme and recompute, and keep
     some layers' graphs in some cases and none in others."""

@@ -561,19 +561,25 @@ class _Formulation:
         # previous start (the same window as the first row when e = s+1; for s = L-1 the backward's first, which
         # holds the head's gradient slot h):
         #   sum_{i<s} A[i] g[i] + (A[s] + A[s+1] + w[s] + h [s = L-1]) z[s] + sum_{s'} A[s'] v[s',s] + T_B <= M_G + W
-        # (for s not materialized the rows hold: the segment that contains s holds more). Both add the kept layers
-        # whose backward has not run and layer s's own slot (kept(s); nonzero only when s is kept: a suffix).
+        # Both add the kept layers whose backward has not run and layer s's own slot (kept(s); nonzero only when s
+        # is kept: a suffix). Every B_s holds at least C[s] = A[s] + A[s+1] + w[s] above the gpu boundaries below s,
+        # s materialized or not (if not, the segment (s', e) that contains s holds s'..s+1 in B_s, and its rows
+        # count more), so both rows charge C[s] whatever z[s] and only the excess with the binaries:
+        #   sum_e x[s,e] segment_bytes(s, e) -> C[s] + sum_e x[s,e] (segment_bytes(s, e) - C[s]),  C[s] z[s] -> C[s]
+        # The same integer points, a much tighter LP relaxation: a fractional z[s] no longer hides most of the
+        # working set w[s] (tens of GB on the 27B) from the row.
         for s in range(L):
             below = {**{self.g[i]: A[i] for i in range(s)}, **kept_before(s)}
+            always = A[s] + A[s + 1] + inst.working_bytes[s]
             coefs = dict(below)
             for (s2, e), xv in self.x.items():
                 if s2 == s:
-                    coefs[xv] = inst.segment_bytes(s, e)
-            m.row(f"gpu_bwd[{s}]", coefs, hi=room - inst.bwd_transient_bytes)
+                    coefs[xv] = inst.segment_bytes(s, e) - always
+            m.row(f"gpu_bwd[{s}]", coefs, hi=room - inst.bwd_transient_bytes - always)
             buffers = {v: A[s0] for (s0, s1), v in self.v.items() if s1 == s}
             if buffers:
-                last = A[s] + A[s + 1] + inst.working_bytes[s] + inst.head_grad_bytes(s, s + 1)
-                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: last, **buffers}, hi=room - inst.bwd_transient_bytes)
+                m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: inst.head_grad_bytes(s, s + 1), **buffers},
+                      hi=room - inst.bwd_transient_bytes - always)
 
     def _add_windows(self) -> None:
         """The step program (plan/schedule.py) in time. Each window is fenced: it lasts the longest of its compute
@@ -591,6 +597,10 @@ class _Formulation:
         with kb[j] = max(0, beta[j] - rho[j]); v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in
         H when e = L), vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H).
         The last segment's start cannot be on nvme (its read would chain with its h2d in H): n[s] + x[s,L] <= 1.
+        Rows on binaries that exclude one another are lifted by the window's lower bound lb, T >= lb + sum
+        (load - lb)+ x (the convex hull of T >= max(lb, load x), the same integer points): F_j's d2h and nvme
+        write, R_j's gradient d2h over busy (1 - z[j+1]), B_j's gradient d2h; without it a fractional x hides
+        most of a slow link's seconds from the LP bound (27B with d2h 1.5 GB/s).
 
         The step: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
         Q[L] = start + sum_j T[F_j] + T[H], Q[k] = Q[k+1] + T[B_k] + T[R_k]. The optimizer lane is a FIFO queue:
@@ -633,15 +643,22 @@ class _Formulation:
                     m.lb[T] = const
             return T
 
+        def lifted(lb: float, loads: dict[int, float]) -> tuple[float, dict[int, float]]:
+            """T >= lb + sum (load - lb)+ x for binaries x of which at most one is 1 in any plan, each x = 1 meaning
+            T >= its load: the convex hull of T >= max(lb, load x) (T >= load x alone lets a fractional x hide
+            the window's compute in the LP relaxation)."""
+            return lb, {var: load - lb for var, load in loads.items() if load > lb}
+
         def reads(e: int) -> dict[int, float]:
             return {vn: aR * A[s] for (s, e2), vn in self.vn.items() if e2 == e}
 
         F, R, B = [], [], []
         for j in range(L):
-            loads = [(0.0, {self.c[j]: aD * A[j], self.n[j]: aD * A[j]})] if j > 0 else []
+            lb = max(inst.forward_s[j], aH * p[j + 1])
+            loads = [lifted(lb, {self.c[j]: aD * A[j], self.n[j]: aD * A[j]})] if j > 0 else []
             if j > 1:
-                loads.append((0.0, {self.n[j - 1]: aW * A[j - 1]}))
-            F.append(window(f"T[F{j}]", max(inst.forward_s[j], aH * p[j + 1]), loads))
+                loads.append(lifted(lb, {self.n[j - 1]: aW * A[j - 1]}))
+            F.append(window(f"T[F{j}]", lb, loads))
         head_h2d = {xv: aH * p[s] for (s, e), xv in x.items() if e == L}
         head_h2d.update({v: aH * A[s] for (s, e), v in self.v.items() if e == L})
         _add(head_h2d, self.y[L - 1], -aH * p[L - 1])  # B_{L-1} kept: no weights to stream
@@ -652,11 +669,18 @@ class _Formulation:
         for j in range(L - 1):  # R_j runs only when boundary j+1 is recomputed
             busy = max(inst.forward_s[j], aH * p[j + 1])
             grads = {xv: send[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
-            R.append(window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy}), (0.0, grads)],
+            # an edge (j, e >= j+2) recomputes j+1: T >= busy (1 - z[j+1]) + sum_e (d[e] - busy)+ x[j,e]
+            lift = {xv: d - busy for xv, d in grads.items() if d > busy}
+            R.append(window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy, **lift}), (0.0, grads)],
                             ub=max([busy, *grads.values()])))
         for j in range(L):
             g = send[j + 1]
-            loads = [(g, {self.z[j + 1]: -g, x[j, j + 1]: g})]
+            beta = inst.backward_s[j]
+            kb = max(0.0, beta - inst.forward_s[j])  # through the kept graph
+            lb = kb if m.ub[self.y[j]] > 0 else beta  # a layer that cannot be kept runs its whole backward
+            # layer j+1's gradients leave in B_j when w = 1 - z[j+1] + x[j,j+1] (a 0/1 value) is 1: lifted by lb
+            lift = max(0.0, g - lb)
+            loads = [(lb + lift, {self.z[j + 1]: -lift, x[j, j + 1]: lift})] if lift > 0 else []
             if j > 0:
                 h2d = {self.z[j]: -aH * p[j - 1]}
                 for (s, e), xv in x.items():
@@ -669,11 +693,9 @@ class _Formulation:
                 loads.append((aH * p[j - 1], h2d))
             if j > 1:
                 loads.append((0.0, reads(j - 1)))
-            beta = inst.backward_s[j]
-            kb = max(0.0, beta - inst.forward_s[j])  # through the kept graph
             if inst.graph_bytes and kb < beta:
                 loads.append((beta, {self.y[j]: -(beta - kb)}))
-            B.append(window(f"T[B{j}]", kb if inst.graph_bytes else beta, loads))
+            B.append(window(f"T[B{j}]", lb, loads))
 
         # overlap: the previous step's updates run from the step's start in forward order; the h2d of boundary 0
         # and of group j's forward weights start after update j ends (ends[j]), the FIFO h2d lane in order:
