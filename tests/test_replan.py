@@ -4,6 +4,7 @@ a run whose h2d link slows 4x mid-run re-plans and then steps faster than the sa
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,9 +44,9 @@ def test_switches_once_after_warmup_when_drift_and_gain_pass_their_thresholds() 
     L = cost.num_layers
     offload = Plan.from_tiers(cost.spec, ["gpu"] + ["cpu"] * (L - 1) + ["gpu"])
     recompute = Plan.from_tiers(cost.spec, ["gpu"] + ["recompute"] * (L - 1) + ["gpu"])
-    asked: list[tuple[float, tuple[str, ...]]] = []
+    asked: list[tuple[float, Plan]] = []
 
-    def solve(c: CostModel, start: tuple[str, ...]) -> Plan:
+    def solve(c: CostModel, start: Plan) -> Plan:
         asked.append((c.h2d_bytes_per_s, start))
         return recompute
 
@@ -56,7 +57,7 @@ def test_switches_once_after_warmup_when_drift_and_gain_pass_their_thresholds() 
     for _ in range(4):  # on the model: no drift, no re-solve
         assert rp.observe(_stats(cost, cost.h2d_bytes_per_s)) is None
     assert rp.observe(_stats(cost, slow)) is recompute
-    assert asked == [(pytest.approx(slow, rel=0.05), offload.tiers)]  # warm-started from the running plan
+    assert asked == [(pytest.approx(slow, rel=0.05), offload)]  # warm-started from the running plan
     assert [s.new_map for s in switches] == [recompute.placement_map()] and "re-plan at step 5" in switches[0].message()
     assert switches[0].new_predicted_s < switches[0].old_predicted_s
     for _ in range(3):  # the new model is the reference now: the same slow link is no drift
@@ -98,8 +99,8 @@ def test_emulated_run_replans_when_h2d_slows_4x_and_steps_faster_than_without() 
     cost = calibrate(rebuilt(base, base.hardware.with_overrides(h2d_gbps=h2d_gbps)), steps[1:])
     budgets = Budgets(gpu_mem_cap_bytes=cost.static_device_bytes() + 4 * act, cpu_act_bytes=10 * act, nvme_act_bytes=0)
 
-    def solve(c: CostModel, start: tuple[str, ...] | None) -> Plan:
-        return solve_milp(c, budgets, start_tiers=start)
+    def solve(c: CostModel, start: Plan | None) -> Plan:
+        return solve_milp(c, budgets, start_tiers=start and start.tiers, start_kept=start.kept_layers if start else 0)
 
     plan = solve(cost, None)
     assert "cpu" in plan.tiers  # the fast link hides reloads: the plan offloads
@@ -137,3 +138,19 @@ def test_train_with_replan_on_writes_the_measured_and_predicted_traces(tmp_path)
         lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
         assert {"compute", "h2d", "d2h"} <= lanes
         assert any(e["ph"] == "X" and e["cat"] == "compute" and e["name"] == "F0" for e in events)
+
+
+def test_the_trainers_replanner_warm_starts_from_the_running_plans_tiers_and_kept_layers(monkeypatch) -> None:
+    """`replan: true` re-solves from the running plan: its tiers and its kept layers K (not K = 0)."""
+    from lazytrain.config import load_job_config
+    from lazytrain.train import planning
+
+    cost = _cost()
+    L = cost.num_layers
+    running = replace(Plan.from_tiers(cost.spec, ["gpu"] * (L + 1)), kept_layers=2)
+    asked: list[dict[str, object]] = []
+    monkeypatch.setattr(planning, "solve_milp", lambda c, budgets, **options: asked.append(options) or running)
+    planned = planning.Planned(plan=running, cost=cost, how="milp", sim=simulate(running, cost))
+    replanner = planning.replanner_for(load_job_config({}), planned)
+    assert replanner.solve(cost, running) is running
+    assert asked[0]["start_tiers"] == running.tiers and asked[0]["start_kept"] == 2

@@ -1,6 +1,7 @@
 """Online re-planning: when measured op times drift from the cost model, re-solve and switch plans between steps.
 
-    replanner = Replanner(cost, plan, solve=lambda cost, start: solve_milp(cost, budgets, start_tiers=start))
+    replanner = Replanner(cost, plan, solve=lambda cost, start: solve_milp(cost, budgets, start_tiers=start.tiers,
+                                                                           start_kept=start.kept_layers))
     for step in ...:
         executor.forward_backward(...)
         new_plan = replanner.observe(executor.last_step)
@@ -40,8 +41,9 @@ LINK_RATES = {"h2d": ("h2d_gbps", "h2d_bytes_per_s"), "d2h": ("d2h_gbps", "d2h_b
               "nvme_read": ("nvme_read_gbps", "nvme_read_bytes_per_s"),
               "nvme_write": ("nvme_write_gbps", "nvme_write_bytes_per_s")}
 
-# solve(cost, start_tiers) -> Plan: the run's planner on a new cost model, warm-started from the current tiers.
-Solve = Callable[["CostModel", "tuple[str, ...]"], "Plan"]
+# solve(cost, start) -> Plan: the run's planner on a new cost model, warm-started from the running plan (its tiers
+# and its kept layers).
+Solve = Callable[["CostModel", "Plan"], "Plan"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class Replanner:
             return None
         measured, measured_s = self.measured_cost(), statistics.median(s.wall_s for s in self.recent)
         old_s = simulate(self.plan, measured, optimizer_mode=self.optimizer_mode, topology=self.topology).step_s
-        candidate = self.solve(measured, self.plan.tiers)
+        candidate = self.solve(measured, self.plan)
         new_s = simulate(candidate, measured, optimizer_mode=self.optimizer_mode, topology=self.topology).step_s
         self.cost, self.recent = measured, []  # the new reference: one drift, one re-solve
         if not new_s < old_s * (1 - self.min_gain):

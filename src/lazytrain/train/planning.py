@@ -268,10 +268,11 @@ def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
     when measured times drift."""
     options = job.plan
 
-    def solve(cost: CostModel, start: tuple[str, ...]) -> Plan:
+    def solve(cost: CostModel, start: Plan) -> Plan:
         return solve_milp(cost, Budgets(**planned.budgets), max_segment=options.max_segment,
                           time_limit_s=options.time_limit_s, mip_rel_gap=options.mip_rel_gap, solver=options.solver,
-                          start_tiers=start, optimizer_mode=job.optim.optimizer_mode, topology=planned.topology)
+                          start_tiers=start.tiers, start_kept=start.kept_layers,
+                          optimizer_mode=job.optim.optimizer_mode, topology=planned.topology)
 
     return Replanner(planned.cost, planned.plan, solve, optimizer_mode=job.optim.optimizer_mode,
                      topology=planned.topology)
