@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lazytrain import EmulatedDevice, Executor, Plan
+from lazytrain.config import load_job_config
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import build_program
-from lazytrain.train.optimizer import step_param_groups
+from lazytrain.train.optimizer import build_optimizer, optimizer_step, step_param_groups
 
 VOCAB = 61
 NUM_LAYERS = 6
@@ -443,3 +444,53 @@ def test_kept_layers_need_gpu_boundaries() -> None:
         Plan.from_tiers(model, KEPT[1], kept_layers=2)
     with pytest.raises(LazyTrainError, match="kept_layers must be"):
         Plan.from_tiers(model, KEPT[NUM_LAYERS], kept_layers=NUM_LAYERS + 1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a tied head (its group owns the embedding)
+@pytest.mark.parametrize("kept", [1, 3])
+def test_kept_layers_serial_optimizer_steps_like_adamw(kind: str, kept: int, tmp_path) -> None:
+    """Serial mode (the trainer's `optimizer_step` after the backward) with K kept layers, three steps of two
+    micro-batches: losses, clipped global norms and parameters as transformers + torch.optim.AdamW with
+    clip_grad_norm_, step by step (a kept layer's gradient or a stale kept graph would move them by ~lr)."""
+    model = make_model(kind)
+    ref = copy.deepcopy(model)
+    cfg = load_job_config({"optimizer": "adamw", "optimizer_mode": "serial", "learning_rate": 1e-2,
+                           "weight_decay": 0.1, "max_grad_norm": 1.0})
+    opt = build_optimizer(cfg, model)
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    params = dict(model.named_parameters())
+    ref_groups = [{"params": [q for n, q in ref.named_parameters() if (id(params[n]) in decay) == d],
+                   "weight_decay": 0.1 if d else 0.0} for d in (True, False)]
+    o = cfg.optim
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon)
+    ex = Executor(model, Plan.from_tiers(model, KEPT[kept], kept_layers=kept), EmulatedDevice(nvme_dir=tmp_path),
+                  head_chunk_tokens=7)
+    clipped = 0
+    for step in range(3):
+        micro = [make_batch(3, 11, seed=100 + 10 * step + m) for m in range(2)]
+        tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)  # shifted: the loss's targets
+        loss = sum(float(ex.forward_backward(ids, labels, num_tokens=tokens, last_micro_batch=m == 1))
+                   for m, (ids, labels) in enumerate(micro))
+        norm = optimizer_step(cfg, opt, ex, grad_norm=ex.last_step.grad_norm)
+
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = 0.0
+        for ids, labels in micro:  # the step's token mean, summed over its micro-batches
+            logits = ref(input_ids=ids).logits[:, :-1].flatten(0, 1)
+            part = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), reduction="sum") / tokens
+            part.backward()
+            ref_loss += float(part.detach())
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        ref_opt.step()
+
+        assert loss == pytest.approx(ref_loss, rel=1e-5), step
+        assert norm == pytest.approx(ref_norm, rel=1e-5), step
+        clipped += ref_norm > 1.0
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            if name.endswith("k_proj.bias"):  # its gradient is 0 up to rounding (softmax is shift-invariant), and
+                continue  # Adam normalizes rounding noise to steps of up to lr: both sides' are noise
+            err = float((p - q).detach().abs().max())
+            assert err <= 1e-5, f"step {step} {name}: max |param - AdamW's| {err:.2e}"  # lr 1e-2: 0.1% of a step
+        assert all(p.grad is None for p in model.parameters())  # dropped after the step
+    assert clipped > 0  # the clip is exercised
+    assert [op.kind for op in ex.program(3, 11).ops if op.name.startswith("B")][:kept] == ["backprop"] * kept
