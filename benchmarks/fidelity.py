@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import tempfile
 from collections import defaultdict
@@ -92,6 +93,12 @@ def by_kind(program: StepProgram, seconds_of: Callable[[Op], float]) -> dict[str
     return out
 
 
+def cpu_s() -> float:
+    """This process's CPU seconds (every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def load() -> str:
     return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -135,14 +142,19 @@ def part_default(args: argparse.Namespace) -> None:
               f"{job.optim.optimizer_mode} optimizer; predicted {planned.predicted_step_s(1):.3f} s/step; {load()}")
         runs: list[tuple[float, StepStats]] = []
         probes: list[StepStats] = []
+        cpu: dict[str, list[float]] = {"run": [], "probe": []}  # process CPU seconds per step: what load moves least
         for step in range(args.steps + 1):  # step 0 warms up
+            c0 = cpu_s()
             row = trainer.train_step(step)
+            c1 = cpu_s()
             stats = executor.last_step
             probe.forward_backward(*data.probe)
             twin.zero_grad(set_to_none=True)
             if step:
                 runs.append((float(row["step_s"]), stats))
                 probes.append(probe.last_step)
+                cpu["run"].append(c1 - c0)
+                cpu["probe"].append(cpu_s() - c1)
         print(f"after the steps: {load()}")
     finally:
         device.close()
@@ -159,6 +171,10 @@ def part_default(args: argparse.Namespace) -> None:
     probe_wall = statistics.median(st.wall_s for st in probes)
     print(f"probe step (all gpu, unthrottled, same rounds) {probe_wall:.3f} s; simulated on the calibration "
           f"{simulate(keep_all, cost, optimizer_mode='serial').forward_backward_s:.3f} s")
+    cpu_ratio = [r / p for r, p in zip(cpu["run"], cpu["probe"], strict=True)]
+    print(f"process CPU seconds per step: run {statistics.median(cpu['run']):.3f}, probe "
+          f"{statistics.median(cpu['probe']):.3f}; run / probe per round {statistics.median(cpu_ratio):.2f} "
+          f"({min(cpu_ratio):.2f}..{max(cpu_ratio):.2f})")
 
     run_kinds = [by_kind(program, measured_seconds(program, st)) for _, st in runs]
     model_kinds = by_kind(program, lambda op: op_seconds(op, cost))
