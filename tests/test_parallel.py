@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,19 +67,20 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _torchrun(config: Path, out: Path) -> subprocess.Popen:
+def _torchrun(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     """The ranks' report lines (stdout, whole lines) kept apart from their progress bars (stderr: `\r` updates with
     no newline, which one rank's line would otherwise be appended to while the other draws one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(WORLD), "-m", "lazytrain", "train", str(config), f"output_dir={out}"],
+                             str(WORLD), "-m", "lazytrain", "train", str(config), f"output_dir={out}", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple[Path, str]]:
     """The 2-rank runs the selected tests compare, launched together (each is mostly interpreter start-up):
-    (output dir, output). One node: torchrun; two: the ranks as torchrun would start them on two nodes."""
+    (output dir, output). One node: torchrun; two: the ranks as torchrun would start them on two nodes. Then each
+    run again from its checkpoint-2 alone, in `<output dir>-resumed`."""
     root = tmp_path_factory.mktemp("dp")
     shm_before = set(glob.glob("/dev/shm/lazytrain-*"))
     selected = {tuple(item.callspec.params[k] for k in ("model", "mode", "nodes")) for item in request.session.items
@@ -91,14 +93,48 @@ def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple
                                                                    save_steps=2, **RANK_JOB[model]))
         runs[model, mode, nodes] = ([_torchrun(config, out)] if nodes == 1 else _spawn_ranks(config, out, nodes=2), out)
     outputs = {}
-    for key, (procs, _) in runs.items():
-        outputs[key] = ""
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=600)
-            outputs[key] += stdout + (stderr or "")
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\n{outputs[key][-3000:]}"
+    for wave in ("", "-resumed"):
+        for key, (procs, _) in runs.items():
+            outputs[key + (wave,)] = ""
+            for proc in procs:
+                stdout, stderr = proc.communicate(timeout=600)
+                outputs[key + (wave,)] += stdout + (stderr or "")
+                assert proc.returncode == 0, f"{key}{wave}: exit {proc.returncode}\n{outputs[key + (wave,)][-3000:]}"
+        if not wave:
+            for (model, mode, nodes), (_, out) in runs.items():
+                resumed = out.with_name(out.name + "-resumed")
+                shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+                config = root / f"{model}-{mode}-{nodes}.yaml"
+                procs = ([_torchrun(config, resumed, "resume_from_checkpoint=auto")] if nodes == 1 else
+                         _spawn_ranks(config, resumed, "resume_from_checkpoint=auto", nodes=2))
+                runs[model, mode, nodes] = (procs, out)
     assert set(glob.glob("/dev/shm/lazytrain-*")) <= shm_before  # the shared weights' file is gone
-    return {key: (out, outputs[key]) for key, (_, out) in runs.items()}
+    return {key: (out, outputs[key + ("",)]) for key, (_, out) in runs.items()}
+
+
+@pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
+def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, model, mode, nodes):
+    """Each rank reads its own optimizer states' shard (and rank 0's trainer state) from checkpoint-2 and the run
+    goes on as if it had never stopped: the losses, every parameter and every optimizer state of checkpoint-5."""
+    out, _ = two_rank_runs[model, mode, nodes]
+    resumed = out.with_name(out.name + "-resumed")
+    rows, rows_resumed = _rows(out / "metrics.jsonl"), _rows(resumed / "metrics.jsonl")
+    assert [r["step"] for r in rows_resumed] == [2, 3, 4]
+    for a, b in zip(rows[2:], rows_resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"])
+    expected, got = _params(out / "checkpoint-5"), _params(resumed / "checkpoint-5")
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+    state_dir = out / "checkpoint-5" / "trainer_state"
+    for name in sorted(p.name for p in state_dir.glob("optimizer*.pt")):
+        saved = torch.load(state_dir / name, weights_only=False)
+        again = torch.load(resumed / "checkpoint-5" / "trainer_state" / name, weights_only=False)
+        for sd, sd_again in zip(saved, again, strict=True):
+            assert sd_again["state"].keys() == sd["state"].keys()
+            for pid, st in sd["state"].items():
+                for key, value in st.items():
+                    torch.testing.assert_close(sd_again["state"][pid][key], value, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
@@ -128,15 +164,23 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     summary_one, summary_two = (json.loads((d / "summary.json").read_text()) for d in (one.output_dir, two))
     for key in ("eval_loss_before", "eval_loss_after"):
         assert summary_two[key] == pytest.approx(summary_one[key], rel=1e-6)
-    # the optimizer states gathered from both shards are the single process's
+    # each owner wrote its own optimizer states (one node: a shard per rank, each parameter's in exactly one; one
+    # rank per node: the whole states, from node 0); together they are the single process's
     states_one = torch.load(one.output_dir / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)
-    states_two = torch.load(two / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)
-    for sd_one, sd_two in zip(states_one, states_two, strict=True):
-        assert sd_two["state"].keys() == sd_one["state"].keys() and sd_one["state"]
+    files = [f"optimizer-{r}-of-{g}.pt" for r in range(g)] if g > 1 else ["optimizer.pt"]
+    state_dir = two / "checkpoint-5" / "trainer_state"
+    assert sorted(p.name for p in state_dir.glob("optimizer*.pt")) == files
+    shards = [torch.load(state_dir / name, weights_only=False) for name in files]
+    for k, sd_one in enumerate(states_one):
+        assert sd_one["state"]
+        owners = {pid: [st for shard in shards if "exp_avg" in (st := shard[k]["state"].get(pid, {}))]
+                  for pid in sd_one["state"]}
         for pid, st in sd_one["state"].items():
+            assert len(owners[pid]) == 1, f"parameter {pid}: states in {len(owners[pid])} shards"
             for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(sd_two["state"][pid][key], st[key], rtol=1e-5, atol=1e-9)
-    # one checkpoint writer: rank 1 logs under rank-1/ and writes no checkpoint
+                torch.testing.assert_close(owners[pid][0][key], st[key], rtol=1e-5, atol=1e-9)
+        assert all(set(shard[k]["state"]) <= set(sd_one["state"]) for shard in shards)
+    # rank 0 writes the export and the trainer state: rank 1 logs under rank-1/ and makes no checkpoint of its own
     assert not list((two / "rank-1").glob("checkpoint-*"))
     assert _rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
 
@@ -241,16 +285,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_ranks(config: Path, out: Path, *extra: str, nodes: int = 1) -> list[subprocess.Popen]:
+def _spawn_ranks(config: Path, out: Path, *extra: str, nodes: int = 1, program: tuple[str, ...] = ("-m", "lazytrain")
+                 ) -> list[subprocess.Popen]:
     """The ranks as torchrun would start them (its environment) on `nodes` nodes, without the agent in between:
-    what a rank does about a lost peer is its own doing."""
+    what a rank does about a lost peer is its own doing. `program`: what python runs (`lazytrain`'s CLI)."""
     port = _free_port()
     procs = []
     g = WORLD // nodes
     for rank in range(WORLD):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "LOCAL_RANK": str(rank % g), "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(g)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "lazytrain", "train", str(config), f"output_dir={out}",
+        procs.append(subprocess.Popen([sys.executable, *program, "train", str(config), f"output_dir={out}",
                                        *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     return procs
 
@@ -298,6 +343,54 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes_exactly(tmp
     refused = subprocess.run([sys.executable, "-m", "lazytrain", "train", str(config), f"output_dir={out}",
                               "resume_from_checkpoint=auto", f"max_steps={last + 4}"], capture_output=True, text=True)
     assert refused.returncode == 2 and "resume with torchrun --nproc_per_node 2" in refused.stderr
+
+
+# Rank 1 dies (SIGKILL-like, half its shard written) or finds the disk full while it writes its optimizer states into
+# checkpoint 4; `lazytrain train` otherwise.
+FAULTY_RANK_1 = """
+import os, sys, torch
+real_save = torch.save
+def save(obj, path, *args, **kwargs):
+    if os.environ["RANK"] == "1" and "checkpoint-4" in str(path) and "optimizer-1-of-2" in str(path):
+        if os.environ["FAULT"] == "dies":
+            with open(path, "wb") as f:
+                f.write(b"half a shard")
+            os._exit(9)
+        raise OSError(28, "No space left on device")
+    return real_save(obj, path, *args, **kwargs)
+torch.save = save
+from lazytrain.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("fault", ["dies", pytest.param("disk full", marks=pytest.mark.slow)])
+def test_a_rank_failing_mid_checkpoint_leaves_no_checkpoint_that_auto_would_pick(tmp_path, fault):
+    """A checkpoint is complete only when every shard is in: rank 0 writes the manifest after all ranks said so."""
+    from lazytrain.train.checkpoint import incomplete_reason, resume_checkpoint
+
+    config = _yaml(tmp_path / "job.yaml", dict(JOB, model="tiny-llama", optimizer_mode="serial", max_steps=6,
+                                               save_steps=2, collective_timeout_s=30))
+    out = tmp_path / "run"
+    os.environ["FAULT"] = fault  # (inherited by the ranks)
+    try:
+        procs = _spawn_ranks(config, out, program=("-c", FAULTY_RANK_1))
+    finally:
+        del os.environ["FAULT"]
+    errors = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode != 0, err[-2000:]
+        errors.append([line for line in err.splitlines() if line.startswith("error:")])
+    if fault == "dies":
+        assert len(errors[0]) == 1 and "rank 1 lost during writing checkpoint 4" in errors[0][0], errors
+    else:  # every rank stops with one line; rank 1's says why
+        assert all(len(lines) == 1 for lines in errors), errors
+        assert "No space left on device" in errors[1][0] and "checkpoint-2 is intact" in errors[1][0]
+        assert "checkpoint 4 abandoned: another rank could not write its part" in errors[0][0]
+    assert not (out / "checkpoint-4").exists() and not list(out.glob(".tmp-*"))
+    assert incomplete_reason(out / "checkpoint-2") is None
+    assert resume_checkpoint("auto", out) == out / "checkpoint-2"
 
 
 # ---- the overlapped optimizer's fence across a node's ranks (distributed/shared.py GroupFence) ----------------
@@ -419,7 +512,6 @@ def _host_collectives(rank: int, world: int, local_world: int, path: str, out: s
     got["all_reduce_sum"] = ranks.all_reduce_sum([float(rank), 1.5], "tokens")
     got["broadcast"] = ranks.broadcast_object(f"rank {rank}'s", "an object")
     got["agree"] = ranks.agree(rank != world - 1, "stop?")
-    got["gather_to_main"] = ranks.gather_to_main(rank * 10, "objects")
     ranks.barrier("the end")
     torch.save(got, f"{out}.{rank}")
     dist.destroy_process_group()
@@ -448,7 +540,6 @@ def test_every_collective_runs_on_gloo_groups_beside_the_default_group(tmp_path,
             assert g["gathered"] is None
         assert g["all_reduce_sum"] == [sum(range(world)), 1.5 * world]
         assert g["broadcast"] == "rank 0's" and g["agree"] is False
-        assert g["gather_to_main"] == ([10 * k for k in range(world)] if r == 0 else None)
 
 
 def _load_shared(rank: int, world: int, init: str, dtype: str, out: str) -> None:

@@ -1,11 +1,8 @@
 """Data-parallel training on torch.distributed: one streaming executor per rank, one host copy of the weights per
 node with the optimizer sharded over its ranks, each layer group's gradient summed into its owners as it lands
-on the host, one checkpoint writer (docs/parallel.md)."""
+on the host, each owner writing its own optimizer states into a checkpoint (docs/parallel.md)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from pathlib import Path
 
 from lazytrain.distributed.batches import RankBatches, check_world_size
 from lazytrain.distributed.grads import OwnerGrads
@@ -15,7 +12,7 @@ from lazytrain.runtime.device import return_freed_host_memory
 from lazytrain.runtime.executor import Executor
 
 __all__ = ["OptimizerShard", "OwnerGrads", "RankBatches", "RankLost", "Ranks", "attach_executor", "check_world_size",
-           "init_ranks", "launched_local_world_size", "launched_world_size", "save_once", "share_model"]
+           "init_ranks", "launched_local_world_size", "launched_world_size", "share_model"]
 
 
 def attach_executor(ranks: Ranks, executor: Executor) -> OptimizerShard:
@@ -30,12 +27,3 @@ def attach_executor(ranks: Ranks, executor: Executor) -> OptimizerShard:
                             shard.owned_indices)
     return_freed_host_memory()  # what sharing freed (and the calibration's buffers) leaves this rank
     return shard
-
-
-def save_once(ranks: Ranks, step: int, write: Callable[[], Path]) -> Path:
-    """Rank 0 writes the checkpoint (it sees the whole state: the shared weights, the optimizer states gathered
-    from the shards), only once every rank has finished the step (a lost rank stops it before a byte is
-    written); the others wait and learn where it went."""
-    ranks.barrier(f"the start of checkpoint {step}")
-    path = write() if ranks.is_main else None
-    return Path(ranks.broadcast_object(str(path) if path is not None else None, f"the end of checkpoint {step}"))

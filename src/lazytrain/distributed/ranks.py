@@ -166,20 +166,6 @@ class Ranks:
             raise LazyTrainError(error)
         return result  # type: ignore[return-value]
 
-    def gather_to_main(self, obj: T, what: str) -> list[T] | None:
-        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
-        box: list[T] | None = [obj] * self.world_size if self.is_main else None
-        self._collective(what, lambda: dist.gather_object(obj, box, dst=0, group=self.host_group))
-        return box
-
-    def send_object(self, obj: object, dst: int, what: str) -> None:
-        self._collective(what, lambda: dist.send_object_list([obj], dst=dst, group=self.host_group))
-
-    def recv_object(self, src: int, what: str) -> object:
-        box: list[object] = [None]
-        self._collective(what, lambda: dist.recv_object_list(box, src=src, group=self.host_group))
-        return box[0]
-
     def agree(self, ok: bool, what: str) -> bool:
         """True when every rank says ok (a min over the ranks): one rank's refusal stops them all."""
         t = torch.tensor([1 if ok else 0], dtype=torch.int64)

@@ -29,9 +29,8 @@ updated it:
           number. The wait polls; it names the owner as lost at once when its process is gone, or after
           `collective_timeout_s`.
 
-Checkpoints: the other owners of node 0 lend rank 0 their optimizer states one parameter at a time, dropping their
-copies; rank 0 writes them as one state (the single process's layout) and hands them back. Resuming, every rank
-loads it and drops the states of the groups it does not own.
+Checkpoints (train/checkpoint.py): each rank of node 0 writes its own optimizer states into the checkpoint, beside
+rank 0's export and trainer state; resuming, each rank reads its own (no rank ever holds another's states).
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from numba.extending import intrinsic
 
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
-from lazytrain.runtime.device import return_freed_host_memory
 from lazytrain.runtime.hf import find_parts, head_named_params
 from lazytrain.runtime.weights import init_buffers
 
@@ -347,51 +345,3 @@ class OptimizerShard:
         for index in self.copies:
             self.refresh(index)
         self.ranks.barrier(what)
-
-    def lend_states(self, optimizers: list[torch.optim.Optimizer]) -> list[dict[str, object]] | None:
-        """Every optimizer's state_dict with each parameter's state from the rank that owns it, on rank 0 (None
-        on the others): the single process's states, for rank 0 to write. The other owners of node 0 lend them one
-        parameter at a time and drop their copies until `return_states`, so the node holds the states once while
-        rank 0 writes them, as one process does. A collective: every rank calls it."""
-        lends = 0 < self.ranks.rank < self.ranks.local_world_size  # node 0's other ranks: one owner per parameter
-        merged = []
-        for opt in optimizers:
-            sd = opt.state_dict()  # rank 0's: param groups, its own states, the optimizer's extras
-            params = [p for group in opt.param_groups for p in group["params"]]
-            ids = [pid for group in sd["param_groups"] for pid in group["params"]]
-            state = dict(sd["state"])
-            for pid, p in zip(ids, params, strict=True):
-                mine = opt.state.get(p) if lends and id(p) in self.owned else None
-                shards = self.ranks.gather_to_main(mine or None, "gathering the optimizer states")
-                if mine:  # lent: rank 0 has it now
-                    for key in [k for k in mine if k not in KEPT_STATE]:
-                        del mine[key]
-                owner = [s for s in shards or [] if s is not None]  # none before the parameter's first step
-                if owner and id(p) not in self.owned:
-                    state[pid] = owner[0]
-            merged.append({**sd, "state": state})
-        if lends:  # the lent states' pages back to the kernel: the node holds them once, on rank 0
-            return_freed_host_memory()
-        return merged if self.ranks.is_main else None
-
-    def return_states(self, optimizers: list[torch.optim.Optimizer], merged: list[dict[str, object]] | None) -> None:
-        """After rank 0 wrote the checkpoint: each lent state back to its owner, one parameter at a time, rank 0
-        dropping its copy as it goes (`merged`: what `lend_states` returned). A collective: every rank calls it."""
-        r = self.ranks
-        for k, opt in enumerate(optimizers):
-            params = [p for group in opt.param_groups for p in group["params"]]
-            for pid, p in enumerate(params):  # (torch numbers a state_dict's parameters in this order)
-                owner = self.owner_local[id(p)]
-                if owner == 0 or r.rank not in (0, owner):  # rank 0's own, another node's, or not this rank's
-                    continue
-                if r.is_main:
-                    assert merged is not None
-                    lent = merged[k]["state"].pop(pid, None)  # type: ignore[attr-defined]
-                    r.send_object({key: v for key, v in lent.items() if key not in KEPT_STATE} if lent else None,
-                                  owner, "returning the optimizer states")
-                else:
-                    back = r.recv_object(0, "returning the optimizer states")
-                    if back:
-                        opt.state[p].update(back)
-        if r.is_main:  # the copies it dropped, back to the kernel
-            return_freed_host_memory()

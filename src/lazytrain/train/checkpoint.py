@@ -6,7 +6,8 @@
         tokenizer files (with the chat template)    when the run has an HF tokenizer
         trainer_state/
             master.safetensors    fp32 master weights (only when they are not the compute dtype)
-            optimizer.pt          each optimizer's state_dict, as stored (8-bit codes and absmax scales)
+            optimizer.pt          each optimizer's state_dict, as stored (8-bit codes and absmax scales);
+                                  data parallel with g ranks per node: optimizer-<l>-of-<g>.pt, local rank l's
             state.pt              RNG states and the data loader's state
             trainer.json          step, schedule position, skip counters, losses so far (readable)
             plan.json             the plan the run executed
@@ -17,6 +18,12 @@ fsynced, and only then renamed into place, so a crash or a full disk never leave
 `checkpoint-<step>`, and the previous checkpoint stays intact. `resume_from_checkpoint: auto` takes the newest
 checkpoint whose manifest matches its files (a truncated one is skipped with a one-line note); a named
 checkpoint that does not match is a one-line error.
+
+Data parallel (`ranks`): rank 0 writes everything but the other ranks' optimizer states, and each rank of node 0
+writes its own states' shard into the same temporary directory at the same time, so no rank ever holds another's
+states (the ranks of other nodes hold the same states as node 0's). Rank 0 writes the manifest and renames only
+once every rank said its part is in: a rank lost or failing mid-write leaves no `checkpoint-<step>`. Resuming,
+each rank reads its own shard.
 """
 
 from __future__ import annotations
@@ -37,12 +44,16 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from lazytrain.distributed.batches import check_world_size
+from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.train.metrics import say
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from lazytrain.distributed.ranks import Ranks
 
 PREFIX = "checkpoint-"
 STATE_DIR = "trainer_state"
@@ -162,26 +173,73 @@ def resume_checkpoint(resume_from: str | None, out: Path) -> Path | None:
 def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
                     optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan,
                     tokenizer: PreTrainedTokenizerBase | None = None, save_total_limit: int | None = None,
-                    optimizer_states: list[dict[str, object]] | None = None) -> Path:
+                    ranks: Ranks | None = None) -> Path:
     """Write `checkpoint-<state.step>` whole (temporary name, fsync, rename) and keep the newest
     `save_total_limit`. A failure (a full disk, a read-only directory) removes the partial copy and leaves
-    every earlier checkpoint as it was. `optimizer_states`: the optimizers' state_dicts when they are not all
-    here (data parallelism gathers the shards' states on rank 0)."""
-    final = out / f"{PREFIX}{state.step}"
+    every earlier checkpoint as it was. With `ranks` a collective (module docstring): `out` is rank 0's, the
+    others learn the temporary directory from it; returns the checkpoint's path on every rank."""
+    main = ranks is None or ranks.is_main
     tmp = out / f".tmp-{PREFIX}{state.step}"
+    error: LazyTrainError | None = None
+    if ranks is not None:  # every rank finished the step (a lost rank stops it before a byte is written)
+        ranks.barrier(f"the start of checkpoint {state.step}")
+    if main:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / STATE_DIR).mkdir(parents=True)
+        except OSError as err:
+            error = _cannot_write(out, state.step, err)
+            shutil.rmtree(tmp, ignore_errors=True)
+    if ranks is not None:
+        where = ranks.broadcast_object(None if error else str(tmp), f"the start of checkpoint {state.step}")
+        if where is None:
+            raise error or LazyTrainError(f"rank 0 could not start checkpoint {state.step} (its line says why)")
+        tmp = Path(where)
+    elif error is not None:
+        raise error
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        _write_model(tmp, model, compute_dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype,
-                             optimizer_states=optimizer_states or [opt.state_dict() for opt in optimizers],
-                             data_state=data_state, plan=plan)
+        try:
+            if main:
+                _write_model(tmp, model, compute_dtype)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype,
+                                     data_state=data_state, plan=plan)
+            shard, shards = (0, 1) if ranks is None else (ranks.local_rank, ranks.local_world_size)
+            if ranks is None or ranks.rank < ranks.local_world_size:  # node 0's ranks: one owner per parameter
+                torch.save([opt.state_dict() for opt in optimizers], tmp / STATE_DIR / optimizer_file(shard, shards))
+        except OSError as err:
+            error = _cannot_write(tmp.parent, state.step, err)
+        if ranks is None:
+            if error is not None:
+                raise error
+            return _finish(out, tmp, state.step, save_total_limit)
+        if not ranks.agree(error is None, f"writing checkpoint {state.step}"):  # every shard is in, or none counts
+            raise error or LazyTrainError(f"checkpoint {state.step} abandoned: another rank could not write its part "
+                                          "(its line says why)")
+        return Path(ranks.decided_by_main(lambda: str(_finish(out, tmp, state.step, save_total_limit)),
+                                          f"the end of checkpoint {state.step}"))
+    except (LazyTrainError, RankLost):  # (RankLost: a rank died mid-write) nothing of this checkpoint stays
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def optimizer_file(shard: int, shards: int) -> str:
+    """The optimizer states' file in trainer_state/: one process's (or one rank per node's) whole states, or local
+    rank `shard`'s of `shards` (its own parameters' states; the others' only as the rank keeps them)."""
+    return "optimizer.pt" if shards == 1 else f"optimizer-{shard}-of-{shards}.pt"
+
+
+def _finish(out: Path, tmp: Path, step: int, save_total_limit: int | None) -> Path:
+    """Manifest (every file is in), fsync, rename into place; then keep the newest `save_total_limit`."""
+    final = out / f"{PREFIX}{step}"
+    try:
         _write_manifest(tmp)
         _fsync_tree(tmp)
         if final.exists():  # the same step again (a resumed run that saved it before): replace it whole
-            old = out / f".old-{PREFIX}{state.step}"
+            old = out / f".old-{PREFIX}{step}"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(tmp, final)
@@ -190,16 +248,20 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
             os.rename(tmp, final)
         _fsync_dir(out)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = [p.name for p in checkpoints(out) if p != final and incomplete_reason(p) is None]
-        kept = f"; {previous[-1]} is intact" if previous else ""
-        raise LazyTrainError(f"cannot write checkpoint {final} ({err.strerror or err}){kept}; free disk space or "
-                             "check the output_dir's permissions") from None
+        raise _cannot_write(out, step, err) from None
     if save_total_limit is not None:
         complete = [p for p in checkpoints(out) if incomplete_reason(p) is None]
         for old in complete[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _cannot_write(out: Path, step: int, err: OSError) -> LazyTrainError:
+    final = out / f"{PREFIX}{step}"
+    previous = [p.name for p in checkpoints(out) if p != final and incomplete_reason(p) is None]
+    kept = f"; {previous[-1]} is intact" if previous else ""
+    return LazyTrainError(f"cannot write checkpoint {final} ({err.strerror or err}){kept}; free disk space or check "
+                          "the output_dir's permissions")
 
 
 def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
@@ -224,13 +286,12 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
 
 
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
-                         optimizer_states: list[dict[str, object]], data_state: dict[str, object], plan: Plan) -> None:
-    path.mkdir(parents=True)
+                         data_state: dict[str, object], plan: Plan) -> None:
+    """Everything in trainer_state/ but the optimizer states (`optimizer_file`) and the manifest."""
     if any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
         # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
         masters = {k: v.detach().clone().contiguous() for k, v in _unique_state(model).items()}
         save_file(masters, str(path / "master.safetensors"))
-    torch.save(optimizer_states, path / "optimizer.pt")
     torch.save({"data": data_state, "rng": rng_states()}, path / "state.pt")
     (path / "trainer.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
     plan.save(path / "plan.json")
@@ -271,10 +332,15 @@ def _unique_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 # loading
 # =====================================================================================================
 def load_checkpoint(path: Path, *, model: PreTrainedModel, compute_dtype: torch.dtype,
-                    optimizers: list[torch.optim.Optimizer]) -> tuple[TrainerState, dict[str, object]]:
+                    optimizers: list[torch.optim.Optimizer], ranks: Ranks | None = None
+                    ) -> tuple[TrainerState, dict[str, object]]:
     """Put a checkpoint's master weights into `model` (in place: the executor's buffers stay the parameters)
-    and its states into `optimizers`; restore the RNG states. Returns the trainer state and the data state."""
+    and its states into `optimizers` (with `ranks`: this rank's shard); restore the RNG states. A checkpoint of
+    another world size is refused before anything is loaded. Returns the trainer state and the data state."""
     state_dir = path / STATE_DIR
+    extra = torch.load(state_dir / "state.pt", weights_only=False)
+    check_world_size(extra["data"], 1 if ranks is None else ranks.world_size)
+    saved = torch.load(state_dir / _optimizer_file_of(path, ranks), weights_only=False)
     params = _unique_state(model)
     master = state_dir / "master.safetensors"
     files = [master] if master.exists() else sorted(path.glob("*.safetensors"))
@@ -290,7 +356,6 @@ def load_checkpoint(path: Path, *, model: PreTrainedModel, compute_dtype: torch.
     if missing:
         raise LazyTrainError(f"checkpoint {path} has no weights for {missing[0]} (and {len(missing) - 1} more); it "
                              "was saved from another model: resume with the run's own model")
-    saved = torch.load(state_dir / "optimizer.pt", weights_only=False)
     if len(saved) != len(optimizers):
         raise LazyTrainError(f"checkpoint {path} holds {len(saved)} optimizer states but this run has "
                              f"{len(optimizers)}; resume with the same optimizer and optimizer_mode")
@@ -300,10 +365,25 @@ def load_checkpoint(path: Path, *, model: PreTrainedModel, compute_dtype: torch.
     except (ValueError, KeyError, RuntimeError) as err:
         raise LazyTrainError(f"checkpoint {path}: its optimizer states do not fit this run's optimizer ({err}); "
                              "resume with the same optimizer") from None
-    extra = torch.load(state_dir / "state.pt", weights_only=False)
     set_rng_states(extra["rng"])
     state = TrainerState(**json.loads((state_dir / "trainer.json").read_text()))
     return state, extra["data"]
+
+
+def _optimizer_file_of(path: Path, ranks: Ranks | None) -> str:
+    """This rank's optimizer file in checkpoint `path`: its shard, or the whole states (one process's, one rank per
+    node's: every rank then drops the states of parameters it does not step); refused in one line when the
+    checkpoint was sharded over another number of ranks per node."""
+    whole = optimizer_file(0, 1)
+    if ranks is None or (path / STATE_DIR / whole).exists():
+        return whole
+    mine = optimizer_file(ranks.local_rank, ranks.local_world_size)
+    if not (path / STATE_DIR / mine).exists():
+        shards = sorted(p.name for p in (path / STATE_DIR).glob("optimizer-*-of-*.pt"))
+        saved = shards[0].removesuffix(".pt").rsplit("-", 1)[1] if shards else "?"
+        raise LazyTrainError(f"checkpoint {path} holds the optimizer states of {saved} ranks per node and this run "
+                             f"has {ranks.local_world_size}; resume with torchrun --nproc_per_node {saved}")
+    return mine
 
 
 def rng_states() -> dict[str, object]:

@@ -27,11 +27,9 @@ from lazytrain.distributed import (
     RankBatches,
     Ranks,
     attach_executor,
-    check_world_size,
     init_ranks,
     launched_local_world_size,
     launched_world_size,
-    save_once,
 )
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
@@ -433,30 +431,19 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
+        """A checkpoint (with ranks: each rank of node 0 writes its own optimizer states, rank 0 the rest)."""
         self.executor.drain()  # the overlapped update of the last step first
-        states = None if self.shard is None else self.shard.lend_states(self.optimizers)  # on rank 0
-
-        def write() -> Path:
-            return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
-                                   optimizers=self.optimizers, data_state=self.batches.state_dict(),
-                                   plan=self.planned.plan, tokenizer=self.tokenizer,
-                                   save_total_limit=self.job.checkpoint.save_total_limit, optimizer_states=states)
-
-        if self.ranks is None:
-            return write()
-        assert self.shard is not None
-        path = save_once(self.ranks, self.state.step, write)
-        self.shard.return_states(self.optimizers, states)  # the lent optimizer states back to their owners
-        return path
+        return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
+                               optimizers=self.optimizers, data_state=self.batches.state_dict(),
+                               plan=self.planned.plan, tokenizer=self.tokenizer,
+                               save_total_limit=self.job.checkpoint.save_total_limit, ranks=self.ranks)
 
     def resume(self, path: Path) -> None:
         self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
-                                                 optimizers=self.optimizers)
-        if self.shard is not None:  # every rank loaded every state (and wrote the same weights)
-            self.shard.drop_foreign_states(self.optimizers)
+                                                 optimizers=self.optimizers, ranks=self.ranks)
+        if self.shard is not None:  # every rank loaded its states (and wrote the same weights)
+            self.shard.drop_foreign_states(self.optimizers)  # (a whole-states file: one rank per node's)
             self.shard.fence("loading the checkpoint")
-        if self.ranks is None:  # (RankBatches checks its own)
-            check_world_size(data_state, 1)
         self.batches.load_state_dict(data_state)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
         self.resumed = True
