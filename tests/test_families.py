@@ -41,8 +41,9 @@ def assert_exact(model: torch.nn.Module, loss: float, ref_loss: float, ref_grads
         assert err <= tol, f"{name}: relative error {err:.2e}"
 
 
-def run(model: torch.nn.Module, tiers: list[str], ids: torch.Tensor, labels: torch.Tensor, **inputs) -> Executor:
-    ex = Executor(model, Plan.from_tiers(model, tiers), EmulatedDevice(), head_chunk_tokens=6)
+def run(model: torch.nn.Module, tiers: list[str], ids: torch.Tensor, labels: torch.Tensor, head_chunk_tokens: int = 6,
+        **inputs) -> Executor:
+    ex = Executor(model, Plan.from_tiers(model, tiers), EmulatedDevice(), head_chunk_tokens=head_chunk_tokens)
     ex.last_loss = ex.forward_backward(ids, labels, **inputs)
     return ex
 
@@ -65,11 +66,16 @@ def test_family_matches_transformers_under_a_mixed_plan(kind: str) -> None:
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inner=INNER, kind=st.sampled_from(FAMILIES), batch=st.sampled_from([1, 2]), seq_len=st.sampled_from([7, 13]))
 def test_families_under_random_plans(inner, kind, batch, seq_len) -> None:
+    """With the loss head in one piece, as transformers computes it, every plan gives transformers' gradients to
+    the last bit (1e-7 leaves room for the tied embedding's two contributions, summed in another order). A
+    chunked head splits the head's sums and its rounding is amplified where a gradient cancels: a Gated DeltaNet
+    layer's dt_bias / A_log (norm 5e-4 from terms near 1e-2) come out 2e-5 apart; the mixed-plan test covers
+    the chunked head at 1e-5 on fixed inputs."""
     model = make_model(kind)
     ids, labels = make_batch(batch, seq_len, seed=seq_len)
     ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
-    ex = run(model, ["gpu", *inner, "gpu"], ids, labels)
-    assert_exact(model, ex.last_loss, ref_loss, ref_grads)
+    ex = run(model, ["gpu", *inner, "gpu"], ids, labels, head_chunk_tokens=batch * seq_len)
+    assert_exact(model, ex.last_loss, ref_loss, ref_grads, tol=1e-7)
 
 
 @pytest.mark.slow
