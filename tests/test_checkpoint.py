@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_models import make_model
 
 from lazytrain.cli import main
 from lazytrain.config import load_job_config
@@ -180,3 +181,27 @@ def test_resume_from_a_named_missing_checkpoint_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "no such directory" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a tied head (the export keeps one copy)
+def test_the_export_writes_packed_parameters_without_a_copy(tmp_path, kind, monkeypatch):
+    """The executor (and, with ranks, the node's shared mapping) packs a layer's parameters in one buffer, which
+    safetensors refuses to write as it is: the export aliases each parameter instead of cloning the model (a clone
+    held 4 B/param more on rank 0 while the checkpoint was written) and writes the parameters' values."""
+    model = make_model(kind, num_layers=2, seed=RNG.randrange(1000))
+    params = list(model.parameters())
+    packed = torch.empty(sum(p.numel() for p in params))
+    offset = 0
+    with torch.no_grad():
+        for p in params:  # every parameter a view of one buffer, as `WeightGroup` packs a layer's
+            p.data = packed[offset:offset + p.numel()].view_as(p).copy_(p)
+            offset += p.numel()
+    clones = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(t.shape) or real_clone(t, *a, **k))
+    checkpoint_module._write_model(tmp_path, model, torch.float32)
+    monkeypatch.undo()
+    assert clones == []
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0)

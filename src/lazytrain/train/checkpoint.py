@@ -266,9 +266,7 @@ def _cannot_write(out: Path, step: int, err: OSError) -> LazyTrainError:
 
 def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
     """The HF folder in the compute dtype, sharded with an index (config and generation config included)."""
-    # Clone: the executor re-points fp32 parameters at views of its packed per-layer buffers, and safetensors
-    # refuses tensors that share storage.
-    state = {k: v.detach().to(compute_dtype).clone().contiguous() for k, v in model.state_dict().items()}
+    state = {k: unshared(v.to(compute_dtype)) for k, v in model.state_dict().items()}
     total_bytes = sum(t.numel() * t.element_size() for t in state.values())
     shard_bytes = min(SHARD_BYTES, max(1, total_bytes // 2 + 1))  # at least two shards: always an index
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -290,11 +288,19 @@ def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedMo
     """Everything in trainer_state/ but the optimizer states (`optimizer_file`) and the manifest."""
     if any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
         # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
-        masters = {k: v.detach().clone().contiguous() for k, v in _unique_state(model).items()}
+        masters = {k: unshared(v) for k, v in _unique_state(model).items()}
         save_file(masters, str(path / "master.safetensors"))
     torch.save({"data": data_state, "rng": rng_states()}, path / "state.pt")
     (path / "trainer.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
     plan.save(path / "plan.json")
+
+
+def unshared(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, not copied, as a tensor with a storage of its own (through DLPack). The executor packs each
+    layer's parameters in one buffer (with ranks, the node's shared mapping), and safetensors and save_pretrained
+    refuse tensors that share a storage; a clone of every tensor would hold the model's size once more while the
+    checkpoint is written (4 B/param on rank 0 in fp32)."""
+    return torch.from_dlpack(t.detach().contiguous())
 
 
 def _write_manifest(path: Path) -> None:
