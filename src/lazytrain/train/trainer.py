@@ -199,7 +199,8 @@ def train(job: JobConfig) -> TrainResult:
                               total_run_s=time.perf_counter() - t_start)
     summary.update(exact_match_before=exact_before, exact_match_after=exact_after)
     write_json(out / "summary.json", summary)
-    plotted = plot_losses(out / "metrics.jsonl", out / "loss.png")
+    # with ranks, rank 0's alone (the losses are the global batch's on every rank; matplotlib costs a rank ~20 MiB)
+    plotted = (ranks is None or ranks.is_main) and plot_losses(out / "metrics.jsonl", out / "loss.png")
     say(f"loss     first {_fmt(summary['first_loss'])} -> last {_fmt(summary['last_loss'])}"
         + (f"; held-out {eval_before:.4f} -> {eval_after:.4f}" if data.eval_set else "")
         + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
