@@ -3,6 +3,7 @@
     python benchmarks/dp_memory.py                       # debug (the runtime overhead), small, medium; both modes
     python benchmarks/dp_memory.py --runs 3 --models debug medium --modes overlap --pythonpath /path/to/other/src
     python benchmarks/dp_memory.py --models debug medium --dtypes fp32 bf16   # bf16 compute, fp32 masters too
+    python benchmarks/dp_memory.py --models medium --modes serial --trace /tmp/trace   # where each rank's Pss goes
 
 Starts `python -m lazytrain train` once as one process (global batch 4) and once as 2 ranks (2 rows each; the
 environment torchrun would set, gloo, the emulated device), and samples every process's proportional set size
@@ -13,11 +14,18 @@ minus its 1-process figure; the target of issue 12 is total(2 ranks) <= 1.15 x (
 Models: the built-in `debug` (0.2 M parameters) and `small` (12.8 M), and `medium` (51 M: a Llama config.json
 written here, random init), each in every `--modes` optimizer mode (overlap: the default) and `--dtypes` compute
 dtype (fp32: the emulated device's default; bf16: with fp32 master weights, the GPU default).
+
+`--trace DIR`: each run also writes DIR/<model>-<mode>-<dtype>-<ranks>-run<k>.json (every process's Pss every 20 ms and
+the times of its report lines and metrics rows) and prints, per process, its highest Pss in each phase -- load (to
+the "model" line), calibrate (to "predict": calibration and planning), set-up (to "shared", one process: "device"),
+steps (to the last step's metrics row), checkpoint (to "loss": the last update, the final checkpoint, the summary),
+close -- and the phase where the summed peak falls.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -25,10 +33,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-JOB = ["dataset=zen", "cutoff_len=64", "gradient_accumulation_steps=1", "max_steps=3", "planner=megatrain",
+STEPS = 3
+JOB = ["dataset=zen", "cutoff_len=64", "gradient_accumulation_steps=1", f"max_steps={STEPS}", "planner=megatrain",
        "eval_batches=0", "progress=false"]
 MiB = 2**20
 MEDIUM = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -45,8 +55,38 @@ def pss_bytes(pid: int) -> int:
     return next((int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:")), 0)
 
 
-def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str) -> int:
-    """Peak summed Pss of one run of `ranks` processes (1 = a single process with the whole global batch)."""
+PHASES = ("load", "calibrate", "set-up", "steps", "checkpoint", "close")
+
+
+def phase_of(marks: dict[str, float], t: float) -> str:
+    """The phase a process was in at time `t`, from when it printed its report lines and its last metrics row."""
+    ends = [marks.get("model"), marks.get("predict"), marks.get("shared", marks.get("device")),
+            marks.get("steps"), marks.get("loss")]
+    return next((name for name, end in zip(PHASES, ends, strict=False) if end is None or t < end), PHASES[-1])
+
+
+def read_marks(proc: subprocess.Popen, start: float, marks: dict[str, float]) -> None:
+    """The time of each report line's tag ("model", "predict", ...) as the process prints it (a thread)."""
+    for line in proc.stdout:
+        if line[:9].strip():
+            marks.setdefault(line[:9].strip(), time.monotonic() - start)
+
+
+def report_trace(path: Path, label: str, samples: list[list[float]], marks: list[dict[str, float]]) -> None:
+    """Each process's highest Pss per phase, and where the summed peak falls; the samples to `path`."""
+    path.write_text(json.dumps({"samples": samples, "marks": marks}))
+    t_peak, *at_peak = max(samples, key=lambda s: sum(s[1:]))
+    for r, m in enumerate(marks):
+        highest = {ph: max((s[1 + r] for s in samples if phase_of(m, s[0]) == ph), default=0.0) for ph in PHASES}
+        print(f"{label} process {r}: " + ", ".join(f"{ph} {b / MiB:.0f}" for ph, b in highest.items()) + " MiB")
+    print(f"{label} summed peak {sum(at_peak) / MiB:.0f} MiB at {t_peak:.1f} s ("
+          + " + ".join(f"{b / MiB:.0f} in {phase_of(m, t_peak)}" for b, m in zip(at_peak, marks, strict=True))
+          + f"); samples in {path}", flush=True)
+
+
+def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str, trace: Path | None = None) -> int:
+    """Peak summed Pss of one run of `ranks` processes (1 = a single process with the whole global batch);
+    with `trace`, each process's Pss over time by phase (module docstring)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -63,14 +103,35 @@ def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str) -> int:
             args = [sys.executable, "-m", "lazytrain", "train", f"model={name}", f"optimizer_mode={mode}",
                     f"dtype={dtype}", *JOB,
                     f"per_device_train_batch_size={4 // ranks}", f"output_dir={out}/run"]
-            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        peak = 0
+            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE if trace else subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+        start = time.monotonic()
+        marks: list[dict[str, float]] = [{} for _ in procs]
+        readers = [threading.Thread(target=read_marks, args=(p, start, m), daemon=True)
+                   for p, m in zip(procs, marks, strict=True)] if trace else []
+        for t in readers:
+            t.start()
+        rows = [Path(out) / "run" / ("" if r == 0 else f"rank-{r}") / "metrics.jsonl" for r in range(ranks)]
+        peak, samples = 0, []
         while any(p.poll() is None for p in procs):
-            peak = max(peak, sum(pss_bytes(p.pid) for p in procs))
+            now = [pss_bytes(p.pid) for p in procs]
+            peak = max(peak, sum(now))
+            if trace:
+                t = time.monotonic() - start
+                samples.append([t, *now])
+                for m, f in zip(marks, rows, strict=True):  # the steps end with the last step's row
+                    if "steps" not in m and f.exists() and f.read_text().count("\n") >= STEPS:
+                        m["steps"] = t
             time.sleep(0.02)
+        for t in readers:
+            t.join()
         for p in procs:
             if p.returncode != 0:
                 raise SystemExit(f"{model} {mode} {dtype} x {ranks}: exit {p.returncode}\n{p.stderr.read()[-2000:]}")
+    if trace:
+        name = f"{model}-{mode}-{dtype}-{ranks}"
+        path = next(p for k in itertools.count(1) if not (p := trace / f"{name}-run{k}.json").exists())
+        report_trace(path, f"{mode:<7} {dtype} {model:<6} {ranks}:", samples, marks)
     return peak
 
 
@@ -82,13 +143,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--pythonpath", default=str(Path(__file__).resolve().parent.parent / "src"),
                         help="the lazytrain source to measure (default: this checkout's)")
+    parser.add_argument("--trace", type=Path, help="a folder for each run's Pss samples; prints Pss by phase")
     args = parser.parse_args()
+    if args.trace:
+        args.trace.mkdir(parents=True, exist_ok=True)
     for mode, dtype in [(m, d) for d in args.dtypes for m in args.modes]:
         label = f"{mode:<7} {dtype}"
         medians: dict[tuple[str, int], float] = {}
         for model in args.models:
             for ranks in (1, 2):
-                peaks = [run(model, mode, dtype, ranks, args.pythonpath) / MiB for _ in range(args.runs)]
+                peaks = [run(model, mode, dtype, ranks, args.pythonpath, args.trace) / MiB for _ in range(args.runs)]
                 medians[model, ranks] = statistics.median(peaks)
                 listed = ", ".join(f"{p:.0f}" for p in peaks)
                 print(f"{label} {model:<6} {ranks} process(es): peak summed Pss {listed} MiB "
