@@ -44,13 +44,16 @@ Variables
     vn[s,e] >= 0      = x[s,e] n[s]: s is read from NVMe in window B_{e+1} (H when e = L-1)
     T[w] >= 0         seconds of window w
     Q[k], S >= 0      the end of B_k (less the recompute windows of its own segment that run before it), the step
+    N_g, N_c, N_n, N_z, N_long  integer counts of the binaries (boundaries per home, materialized, segments that
+                      recompute), bounded by what the rows admit: for the branch-and-bound only (`_add_counts`)
 
 Constraints (one `_add_<family>` each; equations repeated there)
     path, placement, capacity (cpu, nvme), kept (the suffix), gpu_memory (the forward windows, the loss head and
     every backward segment, each with its own working set and the kept layers' graphs and slots: the transient
     memory of recompute blocks, reload buffers and working sets, the paper's weak spot 3), windows (each T[w] at
     least its compute and each lane's load: weights, activations, gradients; the step S at least the sum of the windows
-    and at least each optimizer-lane release plus the host work queued behind it).
+    and at least each optimizer-lane release plus the host work queued behind it; a release's row is left out where
+    the step's end row implies it), counts (cardinality: at most as many boundaries per home as its rows admit).
 
 Objective (seconds)
     min S + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i] (+ the whole optimizer step in serial mode)
@@ -333,6 +336,7 @@ class _Model:
         self.integer: list[bool] = []
         self.rows: list[tuple[str, dict[int, float], float, float]] = []
         self.offset = 0.0
+        self.stats: dict[str, int] = {}  # the solver's search: branch-and-bound nodes, LP iterations
 
     def var(self, name: str, lb: float = 0.0, ub: float = INF, cost: float = 0.0, integer: bool = False) -> int:
         self.names.append(name)
@@ -384,7 +388,7 @@ class _Formulation:
         self.fixed_kept = fixed_kept
         self.build_s: dict[str, float] = {}
         for family in (self._add_variables, self._add_path, self._add_placement, self._add_kept, self._add_capacity,
-                       self._add_gpu_memory, self._add_windows):
+                       self._add_gpu_memory, self._add_windows, self._add_counts):
             t0 = time.perf_counter()
             family()
             self.build_s[family.__name__.removeprefix("_add_")] = time.perf_counter() - t0
@@ -407,6 +411,8 @@ class _Formulation:
                 values[var] = float(on)
         for j, y in enumerate(self.y):
             values[y] = float(j >= self.L - kept_layers)
+        for count, members in self.counts.items():
+            values[count] = sum(values[v] for v in members)
         return values
 
     def _inverse(self, rate: float) -> float:
@@ -723,7 +729,16 @@ class _Formulation:
         emb = inst.gather_s + inst.embedding_s  # (ranks: every rank's rows gathered) the embedding backward
         m.row("S_end", {S: 1.0, Q[0]: -1.0}, lo=grad0 + emb)
         queued = [sum(land[:k + 1]) + emb for k in range(L + 1)]  # work queued from group k on (k = L: all)
+        # Q[0] >= Q[k] + sum_{j<k} (T[B_j] + T[R_j]), so S_end implies group k's rows whenever the backward windows
+        # below k cannot be shorter than its queue: sum_{j<k} lb(T[B_j]) + d0 >= d[k] + sum_{k' <= k} land[k']
+        # (the same integer points and LP relaxation, ~480 big-M rows fewer on 64 layers)
+        below = 0.0
         for k in range(L + 1):
+            implied = below + grad0 + emb >= send[k] + queued[k]
+            if k < L:
+                below += m.lb[B[k]]
+            if implied:
+                continue
             m.row(f"S_land[{k}]", {S: 1.0, Q[k]: -1.0}, lo=send[k] + queued[k])
             if k == L:
                 continue
@@ -737,6 +752,55 @@ class _Formulation:
                     coefs[xv] = -M
                 m.row(f"S_land[{k},{s}]", coefs, lo=send[k] + queued[k] - M)
         m.offset = inst.optimizer_step_s if inst.optimizer_mode == "serial" else 0.0
+
+    def _add_counts(self) -> None:
+        """Integer counts of the binaries with the cardinality bounds the capacity and memory rows imply:
+            N_c = sum_i c[i] <= floor(M_C / a)      N_n = sum_i n[i] <= floor(M_N / a)
+            N_g = sum_i g[i] <= min over the head row and each B_s row of the gpu boundaries it admits
+            N_z = sum_i z[i] = N_g + N_c + N_n      N_long = sum_{e - s >= 2} x[s,e] <= floor(L / 2)
+        over the interior boundaries (0 and L are gpu), with a the smallest of them: every boundary a count admits
+        takes at least a bytes of its row. The same integer points (an overstated bound fails the brute-force
+        tests). The LP relaxation materializes 43.5 boundaries where 41 fit (27B, 50 GB cap) or spreads a long
+        segment over fractional edges (27B, d2h 1.5 GB/s); a count is one integer the solver can branch on (at
+        most 41 boundaries, or at least 42) and cut on (19 cpu boundaries of 0.75 GB fill 15 GB), which no
+        single binary gives it. The bounds are below what each count's own row implies, so presolve keeps the
+        counts (HiGHS substitutes an integer column that only sums others and is bounded by them)."""
+        m, L, inst, A = self.m, self.L, self.inst, self.inst.boundary_bytes
+        self.counts: dict[int, list[int]] = {}  # count column -> the binaries it sums (start_values)
+        free = [i for i in range(1, L) if m.ub[self.z[i]] > m.lb[self.z[i]]]  # 0 and L are gpu; fixed tiers: none
+        if not free:
+            return
+        a = min(A[i] for i in free)
+
+        def fits(budget: float) -> float:
+            return math.floor(budget / a + 1e-6) if math.isfinite(budget) else INF
+
+        room = inst.gpu_act_bytes + inst.static_working_bytes - inst.bwd_transient_bytes
+        gpu = fits(room - inst.head_bytes() - A[0])  # gpu_head: boundary 0 and the free ones, other terms >= 0
+        for s in range(1, L):  # gpu_bwd[s]: 0 and the free gpu boundaries below s, at most one each from s up
+            gpu = min(gpu, fits(room - (A[s] + A[s + 1] + inst.working_bytes[s]) - A[0])
+                      + sum(1 for i in free if i >= s))
+        bounds = {"N_g": (self.g, gpu), "N_c": (self.c, fits(inst.cpu_act_bytes)),
+                  "N_n": (self.n, fits(inst.nvme_act_bytes))}
+        total: dict[int, float] = {}
+        for name, (family, bound) in bounds.items():
+            members = [family[i] for i in free if m.ub[family[i]] > 0]
+            if members:
+                count = self._count(name, members, bound)
+                total[count] = 1.0
+        if total:
+            self._count("N_z", [self.z[i] for i in free], sum(m.ub[v] for v in total), total)
+        self._count("N_long", [xv for (s, e), xv in self.x.items() if e - s >= 2 and m.ub[xv] > 0], L // 2)
+
+    def _count(self, name: str, members: list[int], bound: float, parts: dict[int, float] | None = None) -> int:
+        """N = sum members (integer, 0 <= N <= bound); with parts also N = sum parts."""
+        m = self.m
+        count = m.var(name, 0, min(float(len(members)), bound), 0.0, True)
+        m.row(name, {count: 1.0, **{v: -1.0 for v in members}}, 0, 0)
+        if parts:
+            m.row(f"{name}_parts", {count: 1.0, **{v: -c for v, c in parts.items()}}, 0, 0)
+        self.counts[count] = members
+        return count
 
 
 # ---- solvers ----------------------------------------------------------------------------------------
@@ -799,6 +863,7 @@ def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float,
         return name, None, math.nan, math.nan
     objective = float(info.objective_function_value)
     bound = float(info.mip_dual_bound) if any(m.integer) else objective
+    m.stats = {"bb_nodes": int(info.mip_node_count), "lp_iterations": int(info.simplex_iteration_count)}
     return name, list(h.getSolution().col_value), objective, _gap(objective, bound)
 
 
@@ -901,9 +966,9 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
         planner="milp", solver=solver, status=status, objective=objective, gap=gap, seconds=seconds,
         num_variables=len(m.names), num_constraints=len(m.rows),
         options={"max_segment": max_segment, "time_limit_s": time_limit_s, "mip_rel_gap": mip_rel_gap,
-                 "num_binaries": sum(m.integer), "fixed_tiers": fixed_tiers is not None,
+                 "num_binaries": sum(m.integer) - len(form.counts), "fixed_tiers": fixed_tiers is not None,
                  "build_s": round(sum(form.build_s.values()), 4), "step_s": step_s,
-                 "optimizer_mode": inst.optimizer_mode, "kept_layers": kept,
+                 "optimizer_mode": inst.optimizer_mode, "kept_layers": kept, **m.stats,
                  **({"world_size": inst.topology.world_size, "nodes": inst.topology.nodes}
                     if inst.topology.parallel else {})},
     )
