@@ -24,7 +24,7 @@ from lazytrain.config import load_job_config
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
-from lazytrain.plan.plan import TIERS
+from lazytrain.plan.plan import TIERS, SolveReport
 from lazytrain.plan.planner import admitted, largest_feasible_batch
 from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.plan.sim import simulate
@@ -45,6 +45,12 @@ def tier_counts(tiers: tuple[str, ...]) -> str:
     return "/".join(str(tiers.count(t)) for t in TIERS)
 
 
+def search(report: SolveReport) -> str:
+    """HiGHS's branch-and-bound nodes / LP iterations (one thread: deterministic, whatever the load)."""
+    o = report.options
+    return f"{o['bb_nodes']} / {o['lp_iterations']}" if "bb_nodes" in o else "-"
+
+
 def qwen36_with_layers(num_layers: int) -> ModelSpec:
     cfg = json.loads((PRESET_DIR / "qwen3.6-27b.json").read_text())["text_config"]
     cfg = {**cfg, "num_hidden_layers": num_layers}
@@ -55,9 +61,9 @@ def qwen36_with_layers(num_layers: int) -> ModelSpec:
 def bench_solve(time_limit_s: float = 120.0) -> None:
     print(f"## MILP solve time, 27B/H800 paper instance, layers varied (max segment 8, time limit {time_limit_s:g} s, "
           "serial optimizer)")
-    print("| layers | solver | binaries | variables | constraints | seconds (median of 3) | status | gap | step s | "
-          "simulated s | tiers G/C/N/R | kept layers |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| layers | solver | binaries | variables | constraints | seconds (median of 3) | B&B nodes / LP "
+          "iterations | status | gap | step s | simulated s | tiers G/C/N/R | kept layers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     hw = HardwareSpec.load("h800")
     for L in (32, 64, 80, 128):
         cost = CostModel(qwen36_with_layers(L), hw, Workload(72, 1024))
@@ -71,8 +77,8 @@ def bench_solve(time_limit_s: float = 120.0) -> None:
             seconds = statistics.median(x.report.seconds for x in runs)
             sim_s = evaluate_tiers(best.tiers, inst, kept_layers=best.kept_layers).step_s
             print(f"| {L} | {solver} | {r.options['num_binaries']} | {r.num_variables} | {r.num_constraints} | "
-                  f"{seconds:.2f}{'' if repeats == 3 else ' (1 run)'} | {r.status} | {r.gap:.2g} | {best.step_s:.3f} | "
-                  f"{sim_s:.3f} | {counts} | {best.kept_layers} |")
+                  f"{seconds:.2f}{'' if repeats == 3 else ' (1 run)'} | {search(r)} | {r.status} | {r.gap:.2g} | "
+                  f"{best.step_s:.3f} | {sim_s:.3f} | {counts} | {best.kept_layers} |")
             sys.stdout.flush()
 
 
@@ -105,8 +111,8 @@ INSTANCES = (("qwen3.6-27b", "h800", 72, 1024, 70, 15, 32, {}), ("qwen3.6-27b", 
 def bench_instances() -> None:
     print("## MILP plan, MILP step and simulated step of named instances (gpu cap / cpu act / nvme act in GB)")
     print("| model | hardware | batch x seq | budgets | optimizer | tiers G/C/N/R | kept layers | MILP step s | "
-          "simulated s | solve s | peak GiB | step s with no kept layer |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "simulated s | solve s | B&B nodes / LP iterations | peak GiB | step s with no kept layer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for preset, hardware, batch, seq, cap, cpu, nvme, overrides in INSTANCES:
         cost = CostModel(ModelSpec.load(preset), HardwareSpec.load(hardware, **overrides), Workload(batch, seq))
         budgets = Budgets(gpu_mem_cap_bytes=cap * GB, cpu_act_bytes=cpu * GB, nvme_act_bytes=nvme * GB)
@@ -118,7 +124,8 @@ def bench_instances() -> None:
             print(f"| {preset} | {name} | {batch} x {seq} | {cap}/{cpu}/{nvme} | {mode} | {tier_counts(plan.tiers)} | "
                   f"{plan.kept_layers} | {plan.report.options['step_s']:.3f} | {sim.step_s:.3f} | "
                   f"{plan.report.seconds:.2f} ({plan.report.status}, gap {plan.report.gap:.2g}) | "
-                  f"{sim.peak_bytes['gpu'] / 2**30:.1f} | {none_kept.report.options['step_s']:.3f} |")
+                  f"{search(plan.report)} | {sim.peak_bytes['gpu'] / 2**30:.1f} | "
+                  f"{none_kept.report.options['step_s']:.3f} |")
             sys.stdout.flush()
 
 
