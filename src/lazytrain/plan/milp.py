@@ -773,7 +773,7 @@ class _Formulation:
         a = min(A[i] for i in free)
 
         def fits(budget: float) -> float:
-            return math.floor(budget / a + 1e-6) if math.isfinite(budget) else INF
+            return math.floor(budget / a + 1e-6) if math.isfinite(budget) and a > 0 else INF
 
         room = inst.gpu_act_bytes + inst.static_working_bytes - inst.bwd_transient_bytes
         gpu = fits(room - inst.head_bytes() - A[0])  # gpu_head: boundary 0 and the free ones, other terms >= 0
