@@ -170,3 +170,53 @@ def test_from_profile_times_a_real_tiny_model(path: str, monkeypatch) -> None:
     assert cost.forward_s[0] == cost.forward_s[1]  # same shape: measured once
     assert cost.backward_s[0] == cost.backward_s[1] != cost.forward_s[0]
     assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients behind
+
+
+def test_windows_attention_and_expert_widths_are_read_from_the_config() -> None:
+    """What the working sets depend on, read as `transformers` configs set it: Mistral's window (4096 when the key
+    is absent, none when null), Qwen2's only with use_sliding_window from max_window_layers on; the attention
+    implementation (eager: seq^2 scores; not a shape, so not in the fingerprint); the experts' own width."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 100,
+            "intermediate_size": 160}
+    mistral = ModelSpec.from_config({**base, "model_type": "mistral"})
+    assert (mistral.sliding_window, set(mistral.layer_types)) == (4096, {"sliding_attention"})
+    unwindowed = ModelSpec.from_config({**base, "model_type": "mistral", "sliding_window": None})
+    assert (unwindowed.sliding_window, set(unwindowed.layer_types)) == (None, {"full_attention"})
+    qwen2 = {**base, "model_type": "qwen2", "sliding_window": 64, "max_window_layers": 2}
+    assert set(ModelSpec.from_config(qwen2).layer_types) == {"full_attention"}
+    assert ModelSpec.from_config({**qwen2, "use_sliding_window": True}).layer_types == (
+        "full_attention", "full_attention", "sliding_attention", "sliding_attention")
+    eager = ModelSpec.from_config({**base, "model_type": "llama", "attn_implementation": "eager"})
+    sdpa = ModelSpec.from_config({**base, "model_type": "llama"})
+    assert eager.eager_attention and not sdpa.eager_attention and eager.fingerprint() == sdpa.fingerprint()
+    moe = ModelSpec.from_config({**base, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 24, "mlp_only_layers": [1]})
+    assert (moe.expert_intermediate_size, moe.moe_layers) == (24, (True, False, True, True))
+
+
+def test_working_sets_grow_with_the_window_mask_eager_scores_and_the_experts() -> None:
+    """Mistral's SDPA holds a batch x seq^2 mask in the compute dtype only from the window on; eager attention
+    holds seq^2 scores at any length; an MoE layer's working set follows the experts' width and top-k, not the
+    dense intermediate_size."""
+    base = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 160, "sliding_window": 32}
+    hw = HardwareSpec.load("emulated")
+    windowed, full = ModelSpec.from_config(base), ModelSpec.from_config({**base, "sliding_window": None})
+    for seq, masked in ((31, False), (32, True), (100, True)):
+        wl = Workload(3, seq, "bf16")
+        extra = CostModel(windowed, hw, wl).working_bytes[0] - CostModel(full, hw, wl).working_bytes[0]
+        # the additive mask, and k and v repeated to the 4 query heads in place of the 2 key/value heads
+        assert extra == (3 * seq * seq * 2 + wl.tokens * 2 * 32 * 2 if masked else 0), seq
+    eager = ModelSpec.from_config({**base, "sliding_window": None, "attn_implementation": "eager"})
+    for seq in (8, 100):
+        assert CostModel(eager, hw, Workload(3, seq)).working_bytes[0] >= CostModel(
+            full, hw, Workload(3, seq)).working_bytes[0] + 4 * 3 * 4 * seq * seq
+    moe = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "vocab_size": 100, "intermediate_size": 4096, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32}
+    wide = {**moe, "moe_intermediate_size": 64}
+    wl = Workload(2, 50)
+    narrow_bytes = CostModel(ModelSpec.from_config(moe), hw, wl).working_bytes[0]
+    wide_bytes = CostModel(ModelSpec.from_config(wide), hw, wl).working_bytes[0]
+    dense_bytes = CostModel(ModelSpec.from_config({**moe, "mlp_only_layers": [0]}), hw, wl).working_bytes[0]
+    assert narrow_bytes < wide_bytes < dense_bytes  # intermediate_size (4096) is the dense layer's, not an expert's

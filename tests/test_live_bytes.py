@@ -84,12 +84,16 @@ def test_true_peak_equals_the_programs_to_the_byte(kind, attn, dtype, inner, bat
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(128, 344, 2, 3000, 3, 100, 64), (64, 172, 4, 500, 2, 9, 5)])
-def test_working_set_formulas_are_never_below_the_measured(kind, dtype, shape) -> None:
-    """The CostModel's working sets (SDPA, what the planner counts) >= the measured ones, and not by much."""
+@pytest.mark.parametrize("shape", [(128, 344, 2, 3000, 3, 100, 64), (64, 172, 4, 500, 2, 9, 5),
+                                   (64, 172, 4, 500, 3, 4, 5)])
+def test_working_set_formulas_are_never_below_the_measured(kind, attn, dtype, shape) -> None:
+    """The CostModel's working sets (what the planner counts) >= the measured ones, and not by much: unmasked SDPA
+    within 1.2x; eager attention (batch x heads x seq^2 scores) and Mistral's window (sliding_window 5: seq 4 runs
+    SDPA unmasked, 9 and 100 with the window's mask) within 1.3x."""
     hidden, inter, heads, vocab, batch, seq_len, chunk = shape
-    model = tiny_models.make_model(kind, num_layers=2, attn="sdpa")
+    model = tiny_models.make_model(kind, num_layers=2, attn=attn)
     config = model.config
     for key, value in dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                            num_key_value_heads=heads // 2, head_dim=hidden // heads).items():
@@ -102,8 +106,10 @@ def test_working_set_formulas_are_never_below_the_measured(kind, dtype, shape) -
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name),
                      head_chunk_tokens=chunk)
-    for formula, measured in [*zip(cost.working_bytes, working, strict=True), (cost.head_working_bytes, head)]:
-        assert measured <= formula <= 1.2 * measured, (formula, measured)
+    band = 1.2 if attn == "sdpa" and not (kind == "mistral" and seq_len >= config.sliding_window) else 1.3
+    for formula, measured in zip(cost.working_bytes, working, strict=True):
+        assert measured <= formula <= band * measured, (formula, measured)
+    assert head <= cost.head_working_bytes <= 1.2 * head, (cost.head_working_bytes, head)
     graphs = ex.memory_sizes(batch, seq_len).graph_bytes  # a kept layer's graph (Plan.kept_layers), measured
     for formula, measured in zip(cost.graph_bytes, graphs, strict=True):
         assert measured <= formula <= 1.3 * measured, (formula, measured)
@@ -114,15 +120,70 @@ def test_working_set_formulas_are_never_below_the_measured(kind, dtype, shape) -
 @pytest.mark.parametrize("batch, seq_len", [(1, 11), (2, 200)])
 def test_working_set_formulas_bound_the_hybrid_and_gpt_oss_families(kind, dtype, batch, seq_len) -> None:
     """Gated DeltaNet (the torch fallback: sequences padded to whole chunks), gated attention, GPT-OSS's eager
-    attention with sinks, and their heads: the CostModel's working sets are never below the measured and within
-    1.35x of them; MoE layers (every expert's gradient counted at once) within 3x."""
+    attention with sinks, MoE layers, and their heads: the CostModel's working sets are never below the measured
+    and within 1.45x of them (MoE layers of the drawn shapes: test_moe_working_sets_bound_the_measured)."""
     model = tiny_models.make_model(kind, num_layers=3, attn="eager" if kind == "gpt_oss" else "sdpa")
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
     working, head = ex.measured_working_bytes(batch, seq_len)
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name))
-    moe = [cost.spec.layer_active_params[j] != cost.spec.layer_params[j] for j in range(3)]
     for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
-        band = 3.0 if moe[j] else 1.35
-        assert measured <= formula <= band * measured, (j, cost.spec.layer_types[j], formula, measured)
+        assert measured <= formula <= 1.45 * measured, (j, cost.spec.layer_types[j], formula, measured)
     assert head <= cost.head_working_bytes <= 1.35 * head, (cost.head_working_bytes, head)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["qwen3_moe", "gpt_oss", "qwen3_5_moe"]), hidden=st.sampled_from([32, 64]),
+       top_k=st.integers(1, 4), more_experts=st.integers(1, 8), expert_width=st.integers(1, 12),
+       shared_width=st.integers(1, 12), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       batch=st.integers(1, 3), seq_len=st.integers(3, 130), seed=st.integers(0, 2**16))
+def test_moe_working_sets_bound_the_measured(kind, hidden, top_k, more_experts, expert_width, shared_width, dtype,
+                                             batch, seq_len, seed) -> None:
+    """MoE layers of drawn widths (experts, top-k, expert and shared-expert widths; multiples of 8: grouped_mm's
+    16-byte strides), fresh random weights: the formula (transformers' grouped_mm experts: top-k rows per token at
+    the experts' own width, every expert's gate_up gradient at once) is never below the measured working set and
+    within 1.6x of it (the most at few tokens, where the largest weight gradient and Gated DeltaNet's chunk padding
+    outweigh them); the dense layers beside them (Qwen3-MoE's mlp_only_layers) too."""
+    experts = top_k + more_experts
+    over = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=top_k)
+    if kind == "gpt_oss":
+        over.update(head_dim=hidden // 4, num_local_experts=experts, intermediate_size=8 * expert_width)
+    else:
+        over.update(num_experts=experts, moe_intermediate_size=8 * expert_width, intermediate_size=4 * hidden)
+    if kind == "qwen3_moe":
+        over.update(head_dim=hidden // 4)
+    elif kind == "qwen3_5_moe":
+        over.update(shared_expert_intermediate_size=8 * shared_width)
+    model = tiny_models.make_model(kind, num_layers=3, attn="eager" if kind == "gpt_oss" else "sdpa", seed=seed)
+    for key, value in over.items():
+        setattr(model.config, key, value)
+    torch.manual_seed(seed)
+    model = type(model)(model.config)
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
+    working, _ = ex.measured_working_bytes(batch, seq_len)
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name))
+    assert any(cost.spec.moe_layers)
+    for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
+        assert measured <= formula <= 1.6 * measured, (j, cost.spec.moe_layers[j], formula, measured)
+
+
+@pytest.mark.parametrize("kind", tiny_models.FAMILIES)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("seq_len", [4, 5, 17])
+def test_constant_bytes_are_the_executors(kind, attn, seq_len) -> None:
+    """The CostModel's per-step constants (positions, rotary, loss, masks) equal what the executor allocates
+    (`Rotary.constant_bytes`, checked against the tensors it makes) when the rotary covers the head; above it
+    where it covers part (Qwen3.5, GPT-OSS's YaRN): eager masks per kind, SDPA's window mask from the window on."""
+    if kind == "gpt_oss" and attn == "sdpa":
+        pytest.skip("GPT-OSS has no SDPA")
+    model = tiny_models.make_model(kind, num_layers=3, attn=attn)
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(), compute_dtype=torch.bfloat16)
+    executor_bytes = ex.rotary.constant_bytes(3, seq_len, 2, False)
+    cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(3, seq_len, "bf16"))
+    spec = cost.spec
+    assert spec.eager_attention == (attn == "eager")
+    if ex.rotary.rotary_dim == spec.head_dim:
+        assert cost.constant_device_bytes == executor_bytes
+    else:
+        assert executor_bytes < cost.constant_device_bytes <= executor_bytes + 2 * seq_len * spec.head_dim * 2

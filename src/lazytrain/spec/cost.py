@@ -60,6 +60,17 @@ LINEAR_ATTN_KERNELS = ("auto", "fla", "torch")
 # The torch fallback's device bytes per padded token and value head, by compute dtype bytes: per position of a
 # chunk (C x C blocks), per key and per value head dim (fitted on the emulated device: _layer_working_bytes).
 LINEAR_ATTN_TORCH_BYTES = {4: (33, 73, 37), 2: (36, 40, 20)}
+# Per routed row of an MoE layer (_mlp_bytes_per_token), in the compute dtype: hidden- and intermediate-wide tensors
+# of transformers' grouped_mm experts (Qwen3-MoE, Qwen3.5-MoE), and of GPT-OSS's (biases gathered per row, a clamped
+# SwiGLU of seven I-wide steps); the router's fp32 and int64 bytes. Fitted on the emulated device over drawn shapes
+# (docs/cost_model.md).
+MOE_ROW_HIDDEN, MOE_ROW_INTERMEDIATE = 5, 5
+GPT_OSS_ROW_HIDDEN, GPT_OSS_ROW_INTERMEDIATE = 4, 8
+ROUTER_ROW_BYTES = 56  # per routed row: top-k value and index, sort, gather and inverse permutation indices
+# Eager attention's bytes per batch x heads x seq^2 score (_layer_working_bytes): transformers' eager_attention_forward
+# takes its softmax in fp32 whatever the compute dtype (GPT-OSS's, with the sinks, runs in the compute dtype: 3 c).
+EAGER_SCORE_BYTES = 12
+EAGER_SAVED_BYTES = {4: 4, 2: 6}  # of which saved through the layer's backward: the fp32 probabilities (and bf16 copy)
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
 MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
@@ -123,7 +134,7 @@ class CostModel:
         # output -- the working set without the largest weight gradient and the backward's I-wide gradients, plus
         # one h-wide tensor per token (SDPA's and the norms' small saved statistics); bounds the measured graph of
         # dense layers (SDPA)
-        self.graph_bytes = [min(w, w - self._largest_weight_bytes(j) - tokens * self._mlp_width() * dtype_bytes)
+        self.graph_bytes = [min(w, w - self._largest_weight_bytes(j) - tokens * self._mlp_width(j) * dtype_bytes)
                             for j, w in enumerate(self.working_bytes)]
         # per chunk row: the logits (compute dtype) and three fp32 rows (log-softmax, its gradient, the logits'
         # gradient), the final norm's fp32 input and output (8 h), the row's loss; the chunk's fp32 loss scalars;
@@ -146,8 +157,7 @@ class CostModel:
         self.accumulate_s = [b / acc_rate for b in self.grad_bytes]
         self.head_accumulate_s = self.head_grad_bytes / acc_rate
         self.embedding_accumulate_s = spec.embedding_params * dtype_bytes / acc_rate
-        # per-step device constants: rotary cos/sin tables and positions (SDPA builds no mask tensor), the fp32 loss
-        self.constant_device_bytes = 2 * workload.seq_len * spec.head_dim * dtype_bytes + 8 * workload.seq_len + 4
+        self.constant_device_bytes = self._constant_bytes()
 
         # ---- link rates -------------------------------------------------------------------------
         self.h2d_bytes_per_s = _rate(hardware.h2d_gbps)
@@ -169,9 +179,34 @@ class CostModel:
             mixing = 4.0 * d_q * tokens * mean_keys_per_query(seq, window)
         return linear + mixing
 
-    def _mlp_width(self) -> int:
+    def _mlp_width(self, j: int) -> int:
+        """Intermediate elements per token of layer j's MLP: the top-k routed experts and the shared one, or the
+        dense MLP's."""
         spec = self.spec
-        return spec.intermediate_size * max(1, spec.num_experts_per_tok)
+        if spec.moe_layers[j]:
+            return spec.num_experts_per_tok * spec.expert_intermediate_size + spec.shared_expert_intermediate_size
+        return spec.intermediate_size
+
+    def _masked_attention(self, j: int) -> bool:
+        """Whether layer j's SDPA gets a mask tensor: a sliding window the sequence reaches (transformers skips
+        the mask, for SDPA's is_causal, only while the keys stay below the window; masking_utils.sdpa_mask)."""
+        window = self.spec.sliding_window
+        return (self.spec.layer_types[j] == "sliding_attention" and window is not None
+                and self.workload.seq_len >= window)
+
+    def _constant_bytes(self) -> int:
+        """Per-step device constants (runtime/hf.py Rotary.constant_bytes, unpadded batches): positions, rotary
+        cos/sin, the fp32 loss, and one mask per attention kind: eager attention's batch x seq^2 in the compute
+        dtype; SDPA's only for a window the sequence reaches, one seq^2 bool broadcast over the batch."""
+        spec, workload, c = self.spec, self.workload, self.dtype_bytes
+        batch, seq = workload.batch_size, workload.seq_len
+        total = 2 * seq * spec.head_dim * c + 8 * seq + 4
+        for kind in set(spec.layer_types) - {"linear_attention"}:
+            if spec.eager_attention:
+                total += batch * seq * seq * c
+            elif kind == "sliding_attention" and spec.sliding_window is not None and seq >= spec.sliding_window:
+                total += seq * seq
+        return total
 
     def _elementwise_bytes(self, j: int) -> float:
         """Forward bytes moved by the memory-bound ops of one layer, as `transformers` runs them eagerly.
@@ -186,7 +221,7 @@ class CostModel:
         if spec.layer_types[j] == "linear_attention":
             q, kv = 2 * q, 0  # gated conv + norm over the value heads instead of rotary; about as much traffic
         per_token = 2 * 36 * spec.hidden_size + 2 * 6 * spec.hidden_size + 20 * (q + kv) + 4 * q
-        per_token += 10 * self._mlp_width()
+        per_token += 10 * self._mlp_width(j)
         return per_token * self.dtype_bytes / 2 * self.workload.tokens
 
     def _layer_working_bytes(self, j: int) -> int:
@@ -195,9 +230,18 @@ class CostModel:
         whole chunks of C = 64 and holds, per padded token and value head, fp32 C x C blocks (the decay, UT system,
         intra-chunk attention and their gradients), d_k- and d_v-wide copies (repeated, normalized, padded, chunked
         q/k/v, the solves' outputs), and a d_k x d_v state per chunk with its gradient: LINEAR_ATTN_TORCH_BYTES,
-        fitted on the emulated device (tests/test_live_bytes.py, docs/cost_model.md). GPT-OSS's attention is eager
-        (transformers has no SDPA for its sinks): 3 batch x heads x seq^2 scores (the probabilities, their
-        gradient and the scores' gradient) in the compute dtype, on sliding-window layers too."""
+        fitted on the emulated device (tests/test_live_bytes.py, docs/cost_model.md).
+
+        Attention's seq^2 terms (X = batch x heads x seq^2 scores). Eager attention (transformers'
+        eager_attention_forward, on sliding-window layers too): its softmax runs in fp32 whatever the compute dtype;
+        the layer peaks either in the MLP's backward, beside the saved fp32 probabilities (and their bf16 copy:
+        EAGER_SAVED_BYTES per score), or in the softmax's backward once the MLP's tensors are gone (the
+        probabilities, their gradient and the softmax's: EAGER_SCORE_BYTES = 12 per score). GPT-OSS's (no SDPA for
+        its sinks) runs its softmax in the compute dtype: 3 X in the compute dtype. SDPA gets a mask tensor only on a
+        sliding-window layer whose sequence reaches the window (below it transformers passes none and SDPA runs
+        is_causal); the step's bool mask is shared by every layer (a constant: _constant_bytes), but each SDPA call
+        converts it to an additive mask in the compute dtype, batch x seq^2 (the bool's broadcast over the batch is
+        materialized), and saves it for its backward."""
         spec, workload = self.spec, self.workload
         batch, seq, c = workload.batch_size, workload.seq_len, self.dtype_bytes
         working = workload.tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
@@ -208,54 +252,86 @@ class CostModel:
             states = 2 * 4 * d_k * d_v / LINEAR_ATTN_CHUNK
             working += int(padded * spec.linear_num_value_heads
                            * (per_chunk * LINEAR_ATTN_CHUNK + per_key * d_k + per_value * d_v + states))
-        if spec.model_type == "gpt_oss":
-            working += 3 * batch * spec.num_attention_heads * seq * seq * c
+        if spec.layer_types[j] == "linear_attention":
+            return working
+        scores = batch * spec.num_attention_heads * seq * seq
+        if spec.eager_attention:  # the larger of two moments: the MLP's backward beside the saved probabilities,
+            # the softmax's backward once the MLP's tensors are gone
+            saved, peak = ((2 * c, 3 * c) if spec.model_type == "gpt_oss"  # GPT-OSS's softmax in the compute dtype
+                           else (EAGER_SAVED_BYTES[c], EAGER_SCORE_BYTES))
+            mlp = workload.tokens * self._mlp_bytes_per_token(j)
+            working = max(working + saved * scores, working - mlp + peak * scores)
+        elif self._masked_attention(j):  # SDPA's float copy of the bool mask, made per call and saved for its backward
+            working += batch * seq * seq * c
         return working
 
     def _working_bytes_per_token(self, j: int) -> int:
         """Autograd-saved tensors of one layer plus the largest transient of its backward, bytes per token.
 
         Saved: layer input, norm outputs, residual and one more hidden-wide row (5 h; the fifth measured at
-        hidden 32 in bf16), q and attention output (2 d_q), k, v (2 d_kv), gate, up, SiLU(gate), their product
-        (4 I); the backward adds about two I-wide gradients (2 I). MoE adds the gathered token copies for the top-k
-        experts (2 k h). Gated attention (the hybrid families' full-attention layers) adds the gate, its sigmoid and
-        the gated output (5 d_q). All in the compute dtype. Every layer adds the fp32 copies its RMSNorms save
-        (8 h; q/k norms 8 (d_q + d_kv)). A linear-attention (Gated DeltaNet) layer with the torch fallback: 24 B
-        per key-dim and 12 B per hidden element, 4 I in the compute dtype, and the chunked part per padded token
-        (_layer_working_bytes); with the fused `fla` kernel 5 h + 4 I + the conv's input and output (2 conv_dim)
-        + 6 value_dim in the compute dtype and per value head C + 2 fp32 (the UT inverse, decay, beta) and the chunk
-        states and their gradients its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured
-        here. With the layer's largest weight gradient (`_largest_weight_bytes`) these bound the working sets
+        hidden 32 in bf16), q and attention output (2 d_q), k, v (2 d_kv), and the MLP (_mlp_bytes_per_token).
+        Gated attention (the hybrid families' full-attention layers) adds the gate, its sigmoid and the gated output
+        (5 d_q). SDPA with a mask tensor, and eager attention, save k and v repeated to every query head in
+        place of k and v (2 (d_q - d_kv) more: `repeat_kv`; unmasked SDPA runs grouped). All in the compute dtype.
+        Every layer adds the fp32 copies its RMSNorms save (8 h; q/k norms 8 (d_q + d_kv)).
+        A linear-attention (Gated DeltaNet) layer with the torch fallback: 24 B per key-dim and 12 B per hidden
+        element, its MLP less the backward's 2 I, and the chunked part per padded token (_layer_working_bytes);
+        with the fused `fla` kernel 5 h + the MLP + the conv's input and output (2 conv_dim) + 6 value_dim in the
+        compute dtype and per value head C + 2 fp32 (the UT inverse, decay, beta) and the chunk states and their
+        gradients its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured here. With the
+        layer's largest weight gradient and its seq^2 terms (`_layer_working_bytes`) these bound the working sets
         measured on the emulated device (runtime/live_bytes.py) for every family (tests/test_live_bytes.py,
-        docs/cost_model.md); not bounded: a sliding-window SDPA layer (its batch x seq^2 mask) and eager attention
-        outside GPT-OSS.
+        docs/cost_model.md).
         """
-        spec = self.spec
-        moe = 2 * spec.num_experts_per_tok * spec.hidden_size if spec.is_moe else 0
-        h, width = spec.hidden_size, self._mlp_width()
+        spec, c = self.spec, self.dtype_bytes
+        h = spec.hidden_size
         q_width, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
         norms = 8 * h  # the two RMSNorms' fp32 upcasts autograd saves (measured, as the q/k norms' below)
+        mlp = self._mlp_bytes_per_token(j)
         if spec.layer_types[j] == "linear_attention":
+            mlp -= 2 * self._mlp_width(j) * c  # its backward peaks elsewhere than in the MLP's gradients
             heads, d_k, d_v = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
             key_dim = spec.linear_num_key_heads * d_k
             value_dim = heads * d_v
             if self.linear_attention_kernel == "torch":  # the chunked part per padded token: _layer_working_bytes
-                return (4 * width + moe) * self.dtype_bytes + 24 * key_dim + 12 * h
-            compute = 5 * h + 4 * width + 2 * (2 * key_dim + value_dim) + 6 * value_dim + moe
+                return mlp + 24 * key_dim + 12 * h
+            compute = 5 * h + 2 * (2 * key_dim + value_dim) + 6 * value_dim
             states = heads * d_k * d_v // LINEAR_ATTN_CHUNK
             fp32 = heads * (LINEAR_ATTN_CHUNK + 2) + 2 * states
-            return compute * self.dtype_bytes + 4 * fp32 + norms
+            return compute * c + mlp + 4 * fp32 + norms
         qk_norms = 8 * (q_width + kv) if spec.qk_norm else 0
         gate = 5 * q_width if spec.model_type in HYBRID_TYPES else 0  # gated attention: the gate, its sigmoid, the
         # gated output (measured: tests/test_live_bytes.py)
-        return (5 * h + 2 * q_width + 2 * kv + 6 * width + moe + gate) * self.dtype_bytes + norms + qk_norms
+        repeated = 2 * (q_width - kv) if spec.eager_attention or self._masked_attention(j) else 0
+        return (5 * h + 2 * q_width + 2 * kv + gate + repeated) * c + mlp + norms + qk_norms
+
+    def _mlp_bytes_per_token(self, j: int) -> int:
+        """Layer j's MLP, bytes per token. Dense: gate, up, SiLU(gate), their product (4 I) saved, about two I-wide
+        gradients (2 I) in the backward. MoE, as transformers' grouped_mm experts run it (each token's top-k rows
+        gathered, sorted by expert, one grouped matmul per projection over all of them): per routed row
+        MOE_ROW_HIDDEN hidden-wide tensors (the gathered input, the expert output, its weighted and reordered
+        copies, the backward's gradients of them) and MOE_ROW_INTERMEDIATE I_e-wide ones (the gate_up output, SiLU,
+        product and their gradients), GPT-OSS's with its clamped SwiGLU and per-row biases; per expert the router's
+        logits and fp32 softmax, per routed row its int64 indices (ROUTER_ROW_BYTES); a shared expert as a dense MLP
+        of its width, with its sigmoid gate's output (h). The compute dtype but for the router."""
+        spec, c = self.spec, self.dtype_bytes
+        if not spec.moe_layers[j]:
+            return 6 * spec.intermediate_size * c
+        k, h = spec.num_experts_per_tok, spec.hidden_size
+        row_h, row_i = ((GPT_OSS_ROW_HIDDEN, GPT_OSS_ROW_INTERMEDIATE) if spec.model_type == "gpt_oss"
+                        else (MOE_ROW_HIDDEN, MOE_ROW_INTERMEDIATE))
+        routed = k * (row_h * h + row_i * spec.expert_intermediate_size) * c
+        shared = (6 * spec.shared_expert_intermediate_size + h) * c if spec.shared_expert_intermediate_size else 0
+        router = spec.num_experts * (c + 8) + k * ROUTER_ROW_BYTES
+        return routed + shared + router
 
     def _largest_weight_bytes(self, j: int) -> int:
         """The largest single weight gradient of layer j: autograd makes it before adding it into the gradient
         slot (runtime/hf.py layer_backward), so it exists beside the slot for a moment."""
         spec = self.spec
         h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
-        mlp = h * spec.intermediate_size * (2 * spec.num_experts if spec.is_moe else 1)  # fused experts' gate_up
+        mlp = h * (2 * spec.num_experts * spec.expert_intermediate_size if spec.moe_layers[j]  # every expert's
+                   else spec.intermediate_size)  # gate_up at once: grouped_mm's weight gradient
         if spec.layer_types[j] == "linear_attention":
             key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
             value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim

@@ -50,6 +50,15 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _FAMILY_DEFAULTS["qwen3_5_moe_text"] = _FAMILY_DEFAULTS["qwen3_5_moe"]
 
+# Keys added after plans were first written: left out of the fingerprint while at their default (0, all False).
+_NEWER_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "expert_intermediate_size", "shared_expert_intermediate_size", "moe_layers")
+
+
+def _flat(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, list | tuple) else (value,)
+
+
 # Bounds of validate_model_config: far above any real model (the largest have ~130 layers, 32 Ki hidden,
 # ~260 Ki vocabulary), low enough that every count and byte figure stays exact in a float.
 MAX_LAYERS = 512
@@ -127,6 +136,16 @@ class ModelSpec:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # MoE widths (0 when dense): one routed expert's intermediate size (moe_intermediate_size; GPT-OSS's
+    # intermediate_size) and the shared expert's; per layer, whether its MLP is the routed experts (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step keep some dense, of `intermediate_size`). The working-set formulas
+    # count the routed experts at their own width.
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = field(default=())
+    # Attention that materializes batch x heads x seq^2 scores: attn_implementation "eager" (GPT-OSS always,
+    # transformers has no SDPA for its sinks). How the model runs, not a shape: not in the fingerprint.
+    eager_attention: bool = False
 
     def __post_init__(self) -> None:
         for knob in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -143,12 +162,15 @@ class ModelSpec:
         object.__setattr__(self, "layer_params", tuple(self.layer_params))
         object.__setattr__(self, "layer_active_params", tuple(self.layer_active_params))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers) or (self.is_moe,) * self.num_layers)
         if len(self.layer_params) != self.num_layers or len(self.layer_active_params) != self.num_layers:
             raise LazyTrainError(f"model {self.name!r}: per-layer parameter counts do not match num_layers")
         if len(self.layer_types) != self.num_layers:
             raise LazyTrainError(
                 f"model {self.name!r}: {len(self.layer_types)} layer_types for {self.num_layers} layers"
             )
+        if len(self.moe_layers) != self.num_layers:
+            raise LazyTrainError(f"model {self.name!r}: {len(self.moe_layers)} moe_layers for {self.num_layers} layers")
 
     # ---- parameter counts -------------------------------------------------------------------
     def _dense_layer_params(self) -> int:
@@ -190,8 +212,8 @@ class ModelSpec:
     # ---- identity ---------------------------------------------------------------------------
     def fingerprint(self) -> str:
         """Stable hash of the shapes (not the name): two specs with equal shapes are the same model."""
-        shapes = {k: v for k, v in asdict(self).items()
-                  if k != "name" and not (k.startswith("linear_") and v == 0)}  # absent: older hashes stand
+        shapes = {k: v for k, v in asdict(self).items()  # keys at their default absent: older hashes stand
+                  if k not in ("name", "eager_attention") and not (k in _NEWER_KEYS and not any(_flat(v)))}
         return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- construction -----------------------------------------------------------------------
@@ -199,11 +221,13 @@ class ModelSpec:
     def from_config(cls, config: dict[str, Any] | Any, name: str | None = None) -> ModelSpec:
         """From a config dict or a `transformers.PretrainedConfig` (anything with `to_dict()`)."""
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        attention = getattr(config, "_attn_implementation", None) or cfg.get("attn_implementation")
         if "text_config" in cfg and "num_hidden_layers" not in cfg:  # multimodal wrapper: plan the LM
             cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
         model_type = cfg.get("model_type")
         name = name or cfg.get("_name_or_path") or model_type or "model"
         validate_model_config(cfg, name)
+        window = _dense_window(cfg, model_type)  # before the defaults: a null sliding_window means none
         cfg = {**_FAMILY_DEFAULTS.get(str(model_type), {}), **{k: v for k, v in cfg.items() if v is not None}}
         if model_type not in SUPPORTED_TYPES:
             raise LazyTrainError(
@@ -215,8 +239,12 @@ class ModelSpec:
             hidden = int(cfg["hidden_size"])
             num_layers = int(cfg["num_hidden_layers"])
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            extra: dict[str, Any] = {}
-            if model_type not in DENSE_TYPES:
+            if model_type in DENSE_TYPES:
+                types = cfg.get("layer_types") or ["sliding_attention" if window and i >= window[1] else
+                                                   "full_attention" for i in range(num_layers)]
+                extra: dict[str, Any] = {"layer_types": tuple(types)[:num_layers],
+                                         "sliding_window": window[0] if window else None}
+            else:
                 extra = _hybrid_moe_layers(cfg, model_type, num_layers, hidden, heads, head_dim)
             spec = cls(
                 name=str(name),
@@ -233,6 +261,7 @@ class ModelSpec:
                 attention_out_bias=model_type in ("llama", "gpt_oss") and bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in DENSE_TYPES,
                 qk_norm=model_type in ("qwen3", "qwen3_moe") or model_type in HYBRID_TYPES,
+                eager_attention=attention == "eager" or model_type == "gpt_oss",
                 **extra,
             )
         except KeyError as missing:
@@ -263,6 +292,18 @@ class ModelSpec:
         if not isinstance(config, dict):
             raise LazyTrainError(f"model config {path}: expected a JSON object, got {type(config).__name__}")
         return cls.from_config(config, name=name)
+
+
+def _dense_window(cfg: dict[str, Any], model_type: str) -> tuple[int, int] | None:
+    """A dense family's sliding window and its first windowed layer, as `transformers` configs set them (the
+    runtime's masks follow the same keys, runtime/hf.py): Mistral windows every layer (4096 when the key is
+    absent, none when null); Qwen2/Qwen3 only with use_sliding_window, from layer max_window_layers on."""
+    if model_type == "mistral":
+        window = cfg.get("sliding_window", 4096)
+        return (int(window), 0) if window else None
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        return int(cfg["sliding_window"]), int(cfg.get("max_window_layers") or 0)
+    return None
 
 
 def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hidden: int, heads: int,
@@ -309,6 +350,7 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if model_type in MOE_TYPES else 0
     top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0) if experts else 0
     dense_mlp = 3 * h * int(cfg.get("intermediate_size") or 0)
+    inter = shared_inter = 0  # one routed expert's and the shared expert's widths
     if model_type == "gpt_oss":
         inter = int(cfg["intermediate_size"])
         expert = 3 * h * inter + 2 * inter + h  # gate_up (+bias 2I) and down (+bias h)
@@ -322,10 +364,11 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
     sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
     mlp_only = set(cfg.get("mlp_only_layers") or [])
 
-    stored, active = [], []
+    stored, active, moe_layers = [], [], []
     for i, kind in enumerate(layer_types):
         attn = linear_attn if kind == "linear_attention" else full_attn
-        if experts and i not in mlp_only and (i + 1) % sparse_step == 0:
+        moe_layers.append(bool(experts) and i not in mlp_only and (i + 1) % sparse_step == 0)
+        if moe_layers[-1]:
             mlp_stored = router + experts * expert + shared
             mlp_active = router + top_k * expert + shared
         else:
@@ -339,6 +382,9 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
         "sliding_window": int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
         "num_experts": experts,
         "num_experts_per_tok": top_k,
+        "expert_intermediate_size": inter,
+        "shared_expert_intermediate_size": shared_inter,
+        "moe_layers": tuple(moe_layers),
         **({"linear_num_key_heads": int(cfg.get("linear_num_key_heads", 16)), "linear_num_value_heads": v_heads,
             "linear_key_head_dim": int(cfg.get("linear_key_head_dim", 128)), "linear_value_head_dim": v_head_dim}
            if "linear_attention" in layer_types else {}),
