@@ -200,13 +200,10 @@ class CostModel:
         dtype; SDPA's only for a window the sequence reaches, one seq^2 bool broadcast over the batch."""
         spec, workload, c = self.spec, self.workload, self.dtype_bytes
         batch, seq = workload.batch_size, workload.seq_len
-        total = 2 * seq * spec.head_dim * c + 8 * seq + 4
-        for kind in set(spec.layer_types) - {"linear_attention"}:
-            if spec.eager_attention:
-                total += batch * seq * seq * c
-            elif kind == "sliding_attention" and spec.sliding_window is not None and seq >= spec.sliding_window:
-                total += seq * seq
-        return total
+        masks = {kind for j, kind in enumerate(spec.layer_types)
+                 if kind != "linear_attention" and (spec.eager_attention or self._masked_attention(j))}
+        mask_bytes = batch * seq * seq * c if spec.eager_attention else seq * seq
+        return 2 * seq * spec.head_dim * c + 8 * seq + 4 + len(masks) * mask_bytes
 
     def _elementwise_bytes(self, j: int) -> float:
         """Forward bytes moved by the memory-bound ops of one layer, as `transformers` runs them eagerly.
@@ -237,11 +234,11 @@ class CostModel:
         the layer peaks either in the MLP's backward, beside the saved fp32 probabilities (and their bf16 copy:
         EAGER_SAVED_BYTES per score), or in the softmax's backward once the MLP's tensors are gone (the
         probabilities, their gradient and the softmax's: EAGER_SCORE_BYTES = 12 per score). GPT-OSS's (no SDPA for
-        its sinks) runs its softmax in the compute dtype: 3 X in the compute dtype. SDPA gets a mask tensor only on a
-        sliding-window layer whose sequence reaches the window (below it transformers passes none and SDPA runs
-        is_causal); the step's bool mask is shared by every layer (a constant: _constant_bytes), but each SDPA call
-        converts it to an additive mask in the compute dtype, batch x seq^2 (the bool's broadcast over the batch is
-        materialized), and saves it for its backward."""
+        its sinks) runs its softmax in the compute dtype: max(+ 2 X, - MLP + 3 X) in the compute dtype. SDPA gets a
+        mask tensor only on a sliding-window layer whose sequence reaches the window (below it transformers passes
+        none and SDPA runs is_causal); the step's bool mask is shared by every layer (a constant: _constant_bytes),
+        but each SDPA call converts it to an additive mask in the compute dtype, batch x seq^2 (the bool's
+        broadcast over the batch is materialized), and saves it for its backward."""
         spec, workload = self.spec, self.workload
         batch, seq, c = workload.batch_size, workload.seq_len, self.dtype_bytes
         working = workload.tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
@@ -276,7 +273,7 @@ class CostModel:
         Every layer adds the fp32 copies its RMSNorms save (8 h; q/k norms 8 (d_q + d_kv)).
         A linear-attention (Gated DeltaNet) layer with the torch fallback: 24 B per key-dim and 12 B per hidden
         element, its MLP less the backward's 2 I, and the chunked part per padded token (_layer_working_bytes);
-        with the fused `fla` kernel 5 h + the MLP + the conv's input and output (2 conv_dim) + 6 value_dim in the
+        with the fused `fla` kernel 5 h + the same MLP + the conv's input and output (2 conv_dim) + 6 value_dim in the
         compute dtype and per value head C + 2 fp32 (the UT inverse, decay, beta) and the chunk states and their
         gradients its backward recomputes (2 d_k d_v / C): from its saved tensors, not measured here. With the
         layer's largest weight gradient and its seq^2 terms (`_layer_working_bytes`) these bound the working sets
@@ -477,7 +474,7 @@ class CostModel:
 
     def with_device_constants(self, num_bytes: int) -> CostModel:
         """A copy whose per-step device constants are the executor's own count (`Shapes.constant_bytes`:
-        eager attention adds its batch x seq^2 masks, which the shapes alone do not tell)."""
+        padded or packed batches make positions and every mask per row, which the shapes alone do not tell)."""
         out = copy.copy(self)
         out.constant_device_bytes = int(num_bytes)
         return out
