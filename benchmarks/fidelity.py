@@ -18,7 +18,8 @@ the same machine. Reported:
 `why`: scaled-down versions of the issue's instances on a 6-layer Llama -- NVMe reloads on a slow NVMe link, a
 slow d2h link, a tight cap -- each planned by the MILP on this machine's calibration (the executor's own
 per-layer seconds) and run on the throttled emulated device: measured step against the simulated one (sim(cal):
-the calibration; sim(run): the step's own op seconds) and the arena's peak against the simulated peak.
+the calibration; sim(run): the step's own op seconds) and the arena's peak against the simulated peak; then each
+instance's seconds per op kind, measured against the calibrated cost model (where sim(cal) misses).
 
 The machine is shared: state the load (printed) beside any figure; the sim(run) columns are the ones load
 moves least. `--threads 1` pins torch to one thread (steadier on a loaded machine).
@@ -290,6 +291,13 @@ def part_why(args: argparse.Namespace) -> None:
               f"{min(errors):+6.1%}..{max(errors):+.1%} {'/'.join(map(str, sorted(peaks))):>10} "
               f"{sim.peak_bytes['gpu']:>10} {exposed or 'none':>26}")
         device.close()
+    print("\nseconds per step by op kind, ms: measured (median of the rounds) / cost model (the calibration)")
+    for name, (_, cost, ex, _) in entries.items():
+        program = ex.program(B, T)
+        measured = [by_kind(program, measured_seconds(program, s)) for s in runs[name]]
+        model = by_kind(program, lambda op, cost=cost: op_seconds(op, cost))
+        print(f"{name:<24} " + "  ".join(f"{k} {statistics.median(m[k] for m in measured) * 1e3:.0f}/"
+                                         f"{model[k] * 1e3:.0f}" for k in KINDS if model[k] or measured[0][k]))
     print(f"{load()}; {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.repeats} rounds")
 
