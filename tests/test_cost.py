@@ -220,3 +220,33 @@ def test_working_sets_grow_with_the_window_mask_eager_scores_and_the_experts() -
     wide_bytes = CostModel(ModelSpec.from_config(wide), hw, wl).working_bytes[0]
     dense_bytes = CostModel(ModelSpec.from_config({**moe, "mlp_only_layers": [0]}), hw, wl).working_bytes[0]
     assert narrow_bytes < wide_bytes < dense_bytes  # intermediate_size (4096) is the dense layer's, not an expert's
+
+
+def test_a_masked_workload_counts_each_sdpa_layers_mask_and_repeated_kv() -> None:
+    """Padding or packing gives every SDPA layer a batch x seq^2 additive mask and k/v repeated to every query head
+    (2 (d_q - d_kv) per token): exactly that much more per attention layer, none on a linear-attention layer; the
+    positions and cos/sin become per row and each kind's mask a batch x seq^2 bool (runtime/hf.py Rotary)."""
+    spec = _dense(num_key_value_heads=1)
+    batch, seq = RNG.randrange(1, 5), RNG.randrange(16, 300)
+    for dtype, c in (("fp32", 4), ("bf16", 2)):
+        plain = CostModel(spec, FLOP_ONLY, Workload(batch, seq, dtype))
+        masked = CostModel(spec, FLOP_ONLY, Workload(batch, seq, dtype, masked=True))
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.head_dim
+        for a, b in zip(plain.working_bytes, masked.working_bytes, strict=True):
+            assert b - a == batch * seq * (seq + 2 * (q - kv)) * c
+        assert (masked.constant_device_bytes - plain.constant_device_bytes
+                == (batch - 1) * seq * (8 + 2 * spec.head_dim * c) + batch * seq * seq)
+    hybrid = ModelSpec.load("qwen3.6-27b")
+    plain, masked = (CostModel(hybrid, FLOP_ONLY, Workload(2, 128, masked=m)) for m in (False, True))
+    for kind, a, b in zip(hybrid.layer_types, plain.working_bytes, masked.working_bytes, strict=True):
+        assert (b > a) == (kind != "linear_attention"), kind
+
+
+def test_plan_and_train_count_masks_for_sft_data_not_for_a_corpus() -> None:
+    """`lazytrain plan` sizes the job `lazytrain train` runs: an SFT dataset's batches are masked (padding or
+    packing), a byte-level corpus's are not (train/data.py)."""
+    from lazytrain.config import DataConfig
+    from lazytrain.train.data import CORPORA
+
+    assert DataConfig().masked and DataConfig(dataset="sft.jsonl").masked
+    assert not any(DataConfig(dataset=name).masked for name in (*CORPORA, "book.txt"))

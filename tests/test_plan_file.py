@@ -54,6 +54,22 @@ def test_foreign_plan_is_refused(tmp_path, milp_plan) -> None:
         Plan.load(path, spec=ModelSpec.load("qwen2.5-7b"), workload=Workload(8, 1024))
 
 
+def test_a_plan_file_without_masked_loads_for_masked_and_unmasked_runs(tmp_path, milp_plan) -> None:
+    """Plan files written before Workload.masked (no such key) still load, and a plan serves its shape's batches
+    padded or not (the executor counts the step's own masks); another shape is still refused."""
+    plan, spec, workload = milp_plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["workload"].pop("masked") is False
+    path.write_text(json.dumps(data))
+    masked = Workload(workload.batch_size, workload.seq_len, workload.dtype, masked=True)
+    assert Plan.load(path, spec=spec, workload=masked).tiers == plan.tiers
+    assert Plan.load(path, spec=spec, workload=workload) == plan
+    with pytest.raises(LazyTrainError, match="batch"):
+        Plan.load(path, spec=spec, workload=Workload(8, 1024, masked=True))
+
+
 def test_rule_plan_round_trips(tmp_path) -> None:
     spec = ModelSpec.load("tiny-qwen3")
     plan = make_rule_plan("offload-all", spec)

@@ -75,6 +75,9 @@ class ModelConfig:
         _need(bool(self.model.strip()), "model", self.model, "a preset name or a path")
 
 
+CORPORA = ("stdlib", "zen")  # built-in byte-level corpora (data/corpus.py); anything else .txt is a text file
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     """What the model is trained on, and the shape of every batch."""
@@ -112,6 +115,12 @@ class DataConfig:
         batch = self.per_device_train_batch_size
         _need(batch == "auto" or 1 <= batch <= MAX_DIM, "per_device_train_batch_size", batch,
               f"an integer in 1..{MAX_DIM} or auto")
+
+    @property
+    def masked(self) -> bool:
+        """Whether the batches carry an attention mask or position ids (the CostModel's masked workload): an SFT
+        dataset's do (right padding, or packing's positions), a byte-level corpus's (its rows full) do not."""
+        return self.dataset not in CORPORA and not self.dataset.endswith(".txt")
 
 
 @dataclass(kw_only=True, frozen=True)

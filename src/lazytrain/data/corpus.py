@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from lazytrain.config import CORPORA
 from lazytrain.errors import LazyTrainError
 
-CORPORA = ("stdlib", "zen")  # built-in corpus names; anything else is a text-file path
 MIN_DOCSTRING_CHARS = 80  # shorter docstrings ("Return x.") are mostly noise for a language model
 
 

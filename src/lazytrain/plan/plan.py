@@ -153,7 +153,9 @@ class Plan:
             )
         if self.num_layers != spec.num_layers:  # unreachable with an honest fingerprint; cheap to keep
             raise LazyTrainError(f"plan has {self.num_layers} layers but the model has {spec.num_layers}")
-        if workload is not None and self.workload is not None and self.workload != workload:
+        # masked or not, the tiers serve batches of the plan's shape (the executor counts the step's own masks)
+        if (workload is not None and self.workload is not None
+                and replace(self.workload, masked=workload.masked) != workload):
             raise LazyTrainError(
                 f"plan was made for {self.workload} but the run uses {workload}; "
                 "make a new plan with the run's --batch-size / --seq-len"

@@ -118,7 +118,7 @@ def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_si
     """The hardware's estimate of every time and byte for one step of `batch_size` x cutoff_len, with the host
     layout the executor allocates (the one admission rule of both commands)."""
     dtype = resolve_dtype(job.runtime.dtype, emulated=hardware.name.startswith("emulated"))
-    workload = Workload(batch_size=batch_size, seq_len=job.data.cutoff_len, dtype=dtype)
+    workload = Workload(batch_size=batch_size, seq_len=job.data.cutoff_len, dtype=dtype, masked=job.data.masked)
     return CostModel(spec, hardware, workload, optimizer=COST_OPTIMIZER[job.optim.optimizer], **host_layout(job))
 
 

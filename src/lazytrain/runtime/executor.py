@@ -208,7 +208,7 @@ class Executor:
         self.store = ActivationStore(self.device.nvme_dir, host_empty)
         self.rotary = Rotary(self.parts, self.device.torch_device)
         self.last_step: StepStats | None = None
-        self._default_costs: dict[tuple[int, int], Any] = {}
+        self._default_costs: dict[tuple[int, int, bool], Any] = {}
         self._measured_working: dict[tuple[int, int, bool], tuple[tuple[int, ...], int]] = {}
         # the same keys: (graph, graph forward, graph backward) bytes per layer (Shapes.graph_*)
         self._measured_graphs: dict[tuple[int, int, bool], tuple[tuple[int, ...], ...]] = {}
@@ -331,8 +331,9 @@ class Executor:
         config = self.model.config
         cost = self.cost
         workload = getattr(cost, "workload", None)
-        if cost is None or (workload is not None and (workload.batch_size, workload.seq_len) != (batch, seq_len)):
-            cost = self._default_cost(batch, seq_len)  # e.g. a last, shorter batch than the plan's workload
+        if cost is None or (workload is not None
+                            and (workload.batch_size, workload.seq_len, workload.masked) != (batch, seq_len, masked)):
+            cost = self._default_cost(batch, seq_len, masked)  # e.g. a last, shorter batch than the plan's workload
         L = self.parts.num_layers
         boundary_bytes = batch * seq_len * config.hidden_size * dtype_bytes
         graph = (0,) * L
@@ -427,9 +428,9 @@ class Executor:
         return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=updates,
                              forward_only=forward_only, topology=topology, kept_layers=self.plan.kept_layers)
 
-    def _default_cost(self, batch: int, seq_len: int) -> Any:
+    def _default_cost(self, batch: int, seq_len: int, masked: bool = False) -> Any:
         """The shared CostModel's byte sizes (working sets), so the planner, simulator and arena agree."""
-        key = (batch, seq_len)
+        key = (batch, seq_len, masked)
         if key not in self._default_costs:
             try:
                 from lazytrain.spec.cost import CostModel
@@ -437,8 +438,9 @@ class Executor:
             except ImportError:  # the cost model is optional for the executor
                 self._default_costs[key] = None
             else:
-                workload = Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype])
-                self._default_costs[key] = CostModel(self.spec, HardwareSpec.load("emulated"), workload,
+                workload = Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype], masked)
+                hardware = getattr(self.cost, "hardware", None) or HardwareSpec.load("emulated")  # its kernels
+                self._default_costs[key] = CostModel(self.spec, hardware, workload,
                                                      head_chunk_tokens=self.head_chunk_tokens)
         return self._default_costs[key]
 

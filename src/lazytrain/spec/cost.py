@@ -188,22 +188,35 @@ class CostModel:
         return spec.intermediate_size
 
     def _masked_attention(self, j: int) -> bool:
-        """Whether layer j's SDPA gets a mask tensor: a sliding window the sequence reaches (transformers skips
-        the mask, for SDPA's is_causal, only while the keys stay below the window; masking_utils.sdpa_mask)."""
-        window = self.spec.sliding_window
-        return (self.spec.layer_types[j] == "sliding_attention" and window is not None
-                and self.workload.seq_len >= window)
+        """Whether layer j's SDPA gets a mask tensor: every attention layer of a masked workload (padding or packing:
+        transformers passes the mask, and runs SDPA's grouped k/v only without one: `use_gqa_in_sdpa`), else a
+        sliding window the sequence reaches (transformers skips the mask, for SDPA's is_causal, only while the keys
+        stay below the window; masking_utils.sdpa_mask)."""
+        kind, window = self.spec.layer_types[j], self.spec.sliding_window
+        if kind == "linear_attention":
+            return False
+        return self.workload.masked or (kind == "sliding_attention" and window is not None
+                                        and self.workload.seq_len >= window)
 
     def _constant_bytes(self) -> int:
-        """Per-step device constants (runtime/hf.py Rotary.constant_bytes, unpadded batches): positions, rotary
-        cos/sin, the fp32 loss, and one mask per attention kind: eager attention's batch x seq^2 in the compute
-        dtype; SDPA's only for a window the sequence reaches, one seq^2 bool broadcast over the batch."""
+        """Per-step device constants (runtime/hf.py Rotary.constant_bytes; cos/sin as wide as the head, which bounds
+        a partial rotary): positions, rotary cos/sin (per row when masked), the fp32 loss, and one mask per layer
+        kind: eager attention's batch x seq^2 in the compute dtype; SDPA's batch x seq^2 bool when masked, else only
+        for a window the sequence reaches, one seq^2 bool broadcast over the batch; linear attention's batch x seq
+        bool padding mask when masked."""
         spec, workload, c = self.spec, self.workload, self.dtype_bytes
-        batch, seq = workload.batch_size, workload.seq_len
-        masks = {kind for j, kind in enumerate(spec.layer_types)
-                 if kind != "linear_attention" and (spec.eager_attention or self._masked_attention(j))}
-        mask_bytes = batch * seq * seq * c if spec.eager_attention else seq * seq
-        return 2 * seq * spec.head_dim * c + 8 * seq + 4 + len(masks) * mask_bytes
+        batch, seq, masked = workload.batch_size, workload.seq_len, workload.masked
+        total = (batch if masked else 1) * seq * (8 + 2 * spec.head_dim * c) + 4
+        for kind in set(spec.layer_types):
+            if kind == "linear_attention":
+                total += batch * seq if masked else 0
+            elif spec.eager_attention:
+                total += batch * seq * seq * c
+            elif masked:
+                total += batch * seq * seq
+            elif self._masked_attention(spec.layer_types.index(kind)):
+                total += seq * seq
+        return total
 
     def _elementwise_bytes(self, j: int) -> float:
         """Forward bytes moved by the memory-bound ops of one layer, as `transformers` runs them eagerly.
@@ -235,8 +248,9 @@ class CostModel:
         EAGER_SAVED_BYTES per score), or in the softmax's backward once the MLP's tensors are gone (the
         probabilities, their gradient and the softmax's: EAGER_SCORE_BYTES = 12 per score). GPT-OSS's (no SDPA for
         its sinks) runs its softmax in the compute dtype: max(+ 2 X, - MLP + 3 X) in the compute dtype. SDPA gets a
-        mask tensor only on a sliding-window layer whose sequence reaches the window (below it transformers passes
-        none and SDPA runs is_causal); the step's bool mask is shared by every layer (a constant: _constant_bytes),
+        mask tensor on every layer of a masked workload (padding, packing), else only on a sliding-window layer whose
+        sequence reaches the window (below it transformers passes none and SDPA runs is_causal; `_masked_attention`);
+        the step's bool mask is shared by every layer of its kind (a constant: _constant_bytes),
         but each SDPA call converts it to an additive mask in the compute dtype, batch x seq^2 (the bool's
         broadcast over the batch is materialized), and saves it for its backward."""
         spec, workload = self.spec, self.workload

@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 
 Device = CudaDevice | EmulatedDevice
 
-def workload_of(job: JobConfig) -> Workload:
-    """The shape of every micro-batch the plan and the device arena are sized for."""
+def workload_of(job: JobConfig, masked: bool = False) -> Workload:
+    """The shape of every micro-batch the plan and the device arena are sized for; `masked`: the batches carry an
+    attention mask or position ids (train/data.py `masked`)."""
     return Workload(batch_size=job.data.per_device_train_batch_size, seq_len=job.data.cutoff_len,
-                    dtype=job.runtime.dtype)
+                    dtype=job.runtime.dtype, masked=masked)
 
 
 # =====================================================================================================

@@ -52,7 +52,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     dataset, seed = job.data.dataset, job.runtime.seed
     batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
     check_data_files(job)  # the root cause first: a file that is not there, before what it would be read with
-    if dataset in CORPORA or dataset.endswith(".txt"):
+    if not job.data.masked:  # a byte-level corpus: full rows, no mask
         return _corpus_data(job, world_size)
     math_eval: list[Row] = []
     if dataset == MATH:
@@ -84,7 +84,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     probe = Loader(sft.examples, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
                    pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
     return RunData(job=job, batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
-                   tokenizer=tokenizer, vocab_size=len(tokenizer), masked=True,
+                   tokenizer=tokenizer, vocab_size=len(tokenizer), masked=job.data.masked,
                    summary=f"dataset  {dataset} ({sft.summary()})", math_eval=math_eval)
 
 
@@ -110,7 +110,7 @@ def _corpus_data(job: JobConfig, world_size: int) -> RunData:
         eval_set = [_batch(*b) for b in fixed]
     probe = data.fixed_batches(1, batch_size, seq_len, seed=seed + 2, split="train")[0]
     return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=seed), eval_set=eval_set,
-                   probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size, masked=False,
+                   probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size, masked=job.data.masked,
                    summary=f"corpus   {job.data.dataset}: {len(data.train):,} train / {len(data.val):,} held-out "
                            "tokens (bytes)", math_eval=[])
 

@@ -83,17 +83,16 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
     `collective_timeout_s`): a calibration holds a whole model's gradients and optimizer states, which on every
     rank at once made the node's start-up peak grow with its ranks."""
     if ranks is None:
-        return _decide(job, model, kind, calibrated_cost(job, model, kind, workload_of(job), probe_batch,
-                                                         masked=masked), masked)
+        return _decide(job, model, kind, calibrated_cost(job, model, kind, workload_of(job, masked), probe_batch))
     spec = spec_of(model)  # the largest streamed group (CostModel.streamed_group_params)
     numel = max(*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0))
     sums_s = ranks.time_sums(numel)
 
     def decide() -> Planned:
-        cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch, masked=masked)
+        cost = calibrated_cost(job, model, kind, workload_of(job, masked), probe_batch)
         cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *sums_s)
         hw = cost.hardware  # rank 0's measured rates go with its plan
-        planned = _decide(job, model, kind, cost, masked)
+        planned = _decide(job, model, kind, cost)
         return replace(planned, how=f"{planned.how}; rank 0's plan for the {ranks.world_size} ranks, their "
                        f"gradients' sums measured at {hw.intra_node_gbps:.3g} GB/s in a node, "
                        f"{hw.inter_node_gbps:.3g} between nodes")
@@ -101,7 +100,7 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
     return ranks.decided_by_main(decide, "the plan")
 
 
-def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, masked: bool) -> Planned:
+def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) -> Planned:
     """The plan of this job on `cost`: budgets from the config, then the plan file, the MILP or a rule."""
     spec = spec_of(model)
     workload = cost.workload
@@ -126,7 +125,7 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, 
         how = planner.describe(plan)
         if plan.report.planner == "milp":
             plan, how = keep_or_replace(plan, how, cost, budgets, job.optim.optimizer_mode,
-                                        remembered_plan_path(job, cost, budgets, kind, masked), topology)
+                                        remembered_plan_path(job, cost, budgets, kind), topology)
     sim = _simulate(plan, cost, job.optim.optimizer_mode, topology)
     milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets),
                                                         optimizer_mode=job.optim.optimizer_mode, topology=topology),
@@ -137,7 +136,7 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel, 
 
 
 def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: Workload,
-                    probe_batch: tuple[torch.Tensor, torch.Tensor], *, masked: bool = False) -> CostModel:
+                    probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
     """A CostModel whose compute and optimizer seconds are measured on the device the run uses.
 
     Four steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
@@ -146,8 +145,8 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     work; the weights do not move, so no copy of them is needed); `lazytrain.runtime.calibrate` turns them
     into the CostModel. On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
     estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
-    `masked`: the run's batches carry an attention mask or position ids, whose device bytes the cost model then
-    counts.
+    `workload.masked`: the run's batches carry an attention mask or position ids, whose device bytes (per-row
+    constants, every SDPA layer's mask copy and repeated k/v) the cost model then counts.
     """
     hardware = build_hardware(job, kind)
     dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
@@ -156,13 +155,14 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     try:
         executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
         if kind == "cpu":
-            _check_probe_fits(executor, workload, masked)
+            _check_probe_fits(executor, workload)
         steps = []
         for _ in range(4):  # the first step warms up; the calibration takes medians of the next three
             executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
             steps.append(executor.last_step)
         # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
-        constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len, masked=masked).constant_bytes
+        constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len,
+                                               masked=workload.masked).constant_bytes
 
         # Timed while the probe device's link threads live, as the run's own do while it trains: each link thread
         # that ran torch ops owns an OpenMP team, and libgomp spins long at a barrier only while the process has
@@ -190,10 +190,10 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     return calibrate(cost, steps[1:], optimizer_s=min(samples[1:]), scale_flops=kind == "cuda")
 
 
-def _check_probe_fits(executor: Executor, workload: Workload, masked: bool) -> None:
+def _check_probe_fits(executor: Executor, workload: Workload) -> None:
     """The emulated device's memory is this host's: refuse a calibration step (all boundaries kept, the largest
     device footprint of the run) that would not fit in what the host has available, before allocating it."""
-    need = executor.predicted_peak_bytes(workload.batch_size, workload.seq_len, masked=masked)
+    need = executor.predicted_peak_bytes(workload.batch_size, workload.seq_len, masked=workload.masked)
     available = available_host_memory_bytes()
     if available is not None and need > available:
         raise LazyTrainError(
@@ -202,13 +202,13 @@ def _check_probe_fits(executor: Executor, workload: Workload, masked: bool) -> N
             f"memory gives {format_bytes(available)}; lower per_device_train_batch_size or cutoff_len")
 
 
-def remembered_plan_path(job: JobConfig, cost: CostModel, budgets: dict[str, int], kind: str, masked: bool) -> Path:
+def remembered_plan_path(job: JobConfig, cost: CostModel, budgets: dict[str, int], kind: str) -> Path:
     """Where the plan of this job on this machine is remembered: `<cache>/plans/<hash>.json`, the hash over what
     decides the plan except the measured seconds (those are what `keep_or_replace` judges)."""
     hardware = cost.hardware
     key = dict(
         spec=cost.spec.fingerprint(), workload=[cost.workload.batch_size, cost.workload.seq_len, cost.workload.dtype],
-        masked=masked, budgets=budgets, device=kind, hardware=hardware.name,
+        masked=cost.workload.masked, budgets=budgets, device=kind, hardware=hardware.name,
         links=[hardware.h2d_gbps, hardware.d2h_gbps, hardware.nvme_read_gbps, hardware.nvme_write_gbps],
         optimizer=[job.optim.optimizer, job.optim.optimizer_mode], constant_bytes=cost.constant_device_bytes,
         plan={k: v for k, v in asdict(job.plan).items() if k != "time_limit_s"},
