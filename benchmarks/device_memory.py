@@ -40,10 +40,10 @@ def plans(num_layers: int) -> dict[str, list[str]]:
             "mix": mix}
 
 
-def family_table() -> None:
+def family_table(masked: bool = False) -> None:
     """Per family, attention, dtype and batch shape: each layer kind's and the head's CostModel working set over the
     measured. Seq 4 is below the Mistral and GPT-OSS windows (5): SDPA runs unmasked there, above them with the
-    window's mask."""
+    window's mask. `masked`: padded batches (an attention mask: every SDPA layer gets a mask tensor)."""
     print("| family | attention | dtype | batch x seq | formula / measured per layer kind and head |")
     print("|---|---|---|---|---|")
     for kind in tiny_models.FAMILIES:
@@ -53,10 +53,10 @@ def family_table() -> None:
                     model = tiny_models.make_model(kind, num_layers=3, attn=attn)
                     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True),
                                   compute_dtype=dtype)
-                    working, head = ex.measured_working_bytes(batch, seq)
+                    working, head = ex.measured_working_bytes(batch, seq, masked=masked)
                     name = "fp32" if dtype == torch.float32 else "bf16"
                     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"),
-                                     Workload(batch, seq, name))
+                                     Workload(batch, seq, name, masked=masked))
                     spec, ratios = cost.spec, {}
                     for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
                         moe = " moe" if spec.layer_active_params[j] != spec.layer_params[j] else ""
@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--families", action="store_true", help="the working-set formulas of every family instead")
+    p.add_argument("--masked", action="store_true", help="with --families: padded batches (an attention mask)")
     args = p.parse_args(argv)
     if args.families:
-        family_table()
+        family_table(args.masked)
         return
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=1024, intermediate_size=2816, num_hidden_layers=args.layers,

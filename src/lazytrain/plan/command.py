@@ -177,7 +177,8 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
                 ) -> tuple[SimResult, float | None]:
     spec, hw, wl = cost.spec, cost.hardware, cost.workload
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
-          f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}), optimizer {job.optim.optimizer}")
+          f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}"
+          f"{'; masks of padded or packed batches counted' if wl.masked else ''}), optimizer {job.optim.optimizer}")
     need, detail = host_need(cost)  # the rule `lazytrain train` checks against the machine's available memory
     limit = admission.host_limit_bytes
     print(f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
