@@ -18,7 +18,9 @@ the same machine. Reported:
 `why`: scaled-down versions of the issue's instances on a 6-layer Llama -- NVMe reloads on a slow NVMe link, a
 slow d2h link, a tight cap -- each planned by the MILP on this machine's calibration (the executor's own
 per-layer seconds) and run on the throttled emulated device: measured step against the simulated one (sim(cal):
-the calibration; sim(run): the step's own op seconds) and the arena's peak against the simulated peak; then each
+the calibration, timed once before the runs; sim(probe): the same calibration of the probe's steps taken in the
+same rounds as the runs, so apart from when the calibration ran; sim(run): the step's own op seconds) and the
+arena's peak against the simulated peak; then each
 instance's seconds per op kind, measured against the calibrated cost model (where sim(cal) misses).
 
 The machine is shared: state the load (printed) beside any figure; the sim(run) columns are the ones load
@@ -268,26 +270,30 @@ def part_why(args: argparse.Namespace) -> None:
         device = EmulatedDevice(capacity_bytes=budgets.gpu_mem_cap_bytes, **rates)
         entries[name] = (plan, cost, Executor(model, plan, device, cost=cost), device)
     runs: dict[str, list[StepStats]] = {name: [] for name in entries}
+    probe_rounds: list[StepStats] = []  # the calibration's keep-all probe again, in the same rounds as the runs
     for r in range(args.repeats + 1):  # round-robin, so every instance sees the same machine; round 0 warms up
-        for name, (_, _, ex, _) in entries.items():
+        for name, ex in [*((name, entry[2]) for name, entry in entries.items()), ("probe", probe)]:
             ex.forward_backward(ids, ids)
             model.zero_grad(set_to_none=True)
             if r:
-                runs[name].append(ex.last_step)
-    print(f"\n{'instance':<24} {'plan':>9} {'K':>2} {'measured':>8} {'sim(cal)':>8} {'err':>6} {'sim(run) err':>12} "
-          f"{'range':>13} {'peak B':>10} {'sim peak B':>10} {'exposed ms (measured/sim)':>26}")
+                (probe_rounds if name == "probe" else runs[name]).append(ex.last_step)
+    print(f"\n{'instance':<24} {'plan':>9} {'K':>2} {'measured':>8} {'sim(cal)':>8} {'err':>6} {'sim(probe) err':>14} "
+          f"{'sim(run) err':>12} {'range':>13} {'peak B':>10} {'sim peak B':>10} {'exposed ms (measured/sim)':>26}")
     for name, (plan, cost, ex, device) in entries.items():
         steps = runs[name]
         program = ex.program(B, T)
         wall = statistics.median(s.wall_s for s in steps)
         sim = simulate(plan, cost, optimizer_mode="serial")
+        beside = simulate(plan, calibrate(rebuilt(base, cost.hardware), probe_rounds),
+                          optimizer_mode="serial").forward_backward_s
         errors = [s.wall_s / step_seconds(program, measured_seconds(program, s))[0] - 1 for s in steps]
         peaks = {s.peak_device_bytes for s in steps}
         exposed = ", ".join(f"{lane} {statistics.median(s.stall_s[lane] for s in steps) * 1e3:.0f}/"
                             f"{sim.exposed_s[lane] * 1e3:.0f}" for lane in ("h2d", "d2h", "nvme_read", "nvme_write")
                             if sim.exposed_s[lane] > 0 or statistics.median(s.stall_s[lane] for s in steps) > 1e-3)
         print(f"{name:<24} {plan.placement_map():>9} {plan.kept_layers:>2} {wall:8.3f} {sim.forward_backward_s:8.3f} "
-              f"{wall / sim.forward_backward_s - 1:+6.1%} {statistics.median(errors):+12.1%} "
+              f"{wall / sim.forward_backward_s - 1:+6.1%} {wall / beside - 1:+14.1%} "
+              f"{statistics.median(errors):+12.1%} "
               f"{min(errors):+6.1%}..{max(errors):+.1%} {'/'.join(map(str, sorted(peaks))):>10} "
               f"{sim.peak_bytes['gpu']:>10} {exposed or 'none':>26}")
         device.close()
@@ -295,9 +301,9 @@ def part_why(args: argparse.Namespace) -> None:
     for name, (_, cost, ex, _) in entries.items():
         program = ex.program(B, T)
         measured = [by_kind(program, measured_seconds(program, s)) for s in runs[name]]
-        model = by_kind(program, lambda op, cost=cost: op_seconds(op, cost))
+        modelled = by_kind(program, lambda op, cost=cost: op_seconds(op, cost))
         print(f"{name:<24} " + "  ".join(f"{k} {statistics.median(m[k] for m in measured) * 1e3:.0f}/"
-                                         f"{model[k] * 1e3:.0f}" for k in KINDS if model[k] or measured[0][k]))
+                                         f"{modelled[k] * 1e3:.0f}" for k in KINDS if modelled[k] or measured[0][k]))
     print(f"{load()}; {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.repeats} rounds")
 
