@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.plan.milp import PlanningInstance, solve_instance
-from lazytrain.plan.rules import evaluate_objective, evaluate_tiers, rule_tiers
+from lazytrain.plan.milp import MilpSolution, PlanningInstance, solve_instance
+from lazytrain.plan.rules import Evaluation, evaluate_objective, evaluate_tiers, rule_tiers
 from lazytrain.spec.topology import Topology
 
 SEED = 20261202
@@ -100,17 +100,23 @@ def test_milp_optimum_equals_brute_force(case: int, mode: str) -> None:
     L = rng.randrange(2, 7)
     K = rng.randrange(2, 4)
     inst = random_instance(rng, L, nvme=case % 2 == 0, optimizer_mode=mode)
+    assert_brute_force_optimum(inst, K)
+
+
+def assert_brute_force_optimum(inst: PlanningInstance, K: int) -> tuple[MilpSolution, Evaluation] | None:
+    """The MILP proves the brute force's optimum (or refuses when nothing fits), and its step of its own tiers and
+    kept layers is their simulated step. Returns the solution and its evaluation (None when nothing fits)."""
     best, best_tiers = brute_force(inst, K)
     if best_tiers is None:
         with pytest.raises(LazyTrainError):
             solve_instance(inst, max_segment=K)
-        return
+        return None
     sol = solve_instance(inst, max_segment=K)
     assert sol.report.status == "optimal" and sol.report.gap == pytest.approx(0, abs=1e-9)
     assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
-    # the MILP's step of its own tiers and kept layers is their simulated step
     ev = evaluate_tiers(sol.tiers, inst, max_segment=K, kept_layers=sol.kept_layers)
     assert ev.feasible and sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
+    return sol, ev
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -121,17 +127,12 @@ def test_milp_optimum_equals_brute_force_with_the_sums_over_the_ranks(case: int)
     L, K = rng.randrange(3, 7), rng.randrange(2, 4)
     inst = with_ranks(rng, random_instance(rng, L, nvme=case % 2 == 0, tight=0.75,
                                            optimizer_mode=("overlap", "serial")[case % 2]))
-    best, best_tiers = brute_force(inst, K)
-    if best_tiers is None:
-        with pytest.raises(LazyTrainError):
-            solve_instance(inst, max_segment=K)
+    solved = assert_brute_force_optimum(inst, K)
+    if solved is None:
         return
-    sol = solve_instance(inst, max_segment=K)
-    assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
-    ev = evaluate_tiers(sol.tiers, inst, max_segment=K, kept_layers=sol.kept_layers)
+    sol, ev = solved
     alone = evaluate_tiers(sol.tiers, replace(inst, topology=Topology(), reduce_s=(), gather_s=0.0), max_segment=K,
                            kept_layers=sol.kept_layers)
-    assert sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
     assert ev.step_s > alone.step_s + 1e-3  # the optimizer lane's queue of sums shows in the step
 
 
@@ -151,16 +152,7 @@ def slow_and_tight(rng: random.Random, L: int, mode: str) -> PlanningInstance:
 def test_milp_optimum_equals_brute_force_on_slow_links_and_large_working_sets(case: int) -> None:
     rng = random.Random(SEED + 500 + case)
     L, K = rng.randrange(3, 7), rng.randrange(2, 4)
-    inst = slow_and_tight(rng, L, ("overlap", "serial")[case % 2])
-    best, best_tiers = brute_force(inst, K)
-    if best_tiers is None:
-        with pytest.raises(LazyTrainError):
-            solve_instance(inst, max_segment=K)
-        return
-    sol = solve_instance(inst, max_segment=K)
-    assert sol.report.objective == pytest.approx(best, rel=1e-6, abs=1e-9), (sol.tiers, best_tiers)
-    ev = evaluate_tiers(sol.tiers, inst, max_segment=K, kept_layers=sol.kept_layers)
-    assert ev.feasible and sol.step_s == pytest.approx(ev.step_s, rel=1e-6, abs=1e-9)
+    assert_brute_force_optimum(slow_and_tight(rng, L, ("overlap", "serial")[case % 2]), K)
 
 
 def test_slow_and_tight_cases_recompute_and_offload() -> None:
