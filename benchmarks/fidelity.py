@@ -48,7 +48,7 @@ from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.schedule import Op, StepProgram
 from lazytrain.plan.sim import op_seconds, simulate, step_seconds
-from lazytrain.runtime.calibrate import calibrate, rebuilt
+from lazytrain.runtime.calibrate import calibrate, probe_steps, rebuilt
 from lazytrain.runtime.executor import StepStats
 from lazytrain.spec.hardware import resolve_dtype
 from lazytrain.train.build import build_device, build_executor, build_model, fit_device_cap, model_source
@@ -237,12 +237,14 @@ def part_why(args: argparse.Namespace) -> None:
                      nvme_read_gbps=1.0, nvme_write_gbps=1.0), Workload(B, T, "fp32"), executor_layout=True)
     keep_all = Plan.from_tiers(model, ["gpu"] * (L + 1))
     probe = Executor(model, keep_all, EmulatedDevice(), cost=base)
-    probe_steps = []
-    for _ in range(4):  # the first warms up; the calibration takes medians of the rest (runtime/calibrate.py)
+
+    def probe_step() -> StepStats:
         probe.forward_backward(ids, ids)
-        probe_steps.append(probe.last_step)
         model.zero_grad(set_to_none=True)
-    cost0 = calibrate(base, probe_steps[1:])
+        return probe.last_step
+
+    calibration = probe_steps(probe_step)  # as calibrated_cost takes them (runtime/calibrate.py)
+    cost0 = calibrate(base, calibration)
     A = max(base.boundary_bytes)
     ffwd = statistics.median(cost0.forward_s)
     print(f"Llama {L} layers, hidden {args.hidden}, {base.spec.num_params / 1e6:.1f} M params, batch {B} x {T} fp32; "
@@ -265,7 +267,7 @@ def part_why(args: argparse.Namespace) -> None:
     }
     entries = {}
     for name, (rates, budgets) in instances.items():
-        cost = calibrate(rebuilt(base, base.hardware.with_overrides(**rates)), probe_steps[1:])
+        cost = calibrate(rebuilt(base, base.hardware.with_overrides(**rates)), calibration)
         plan = solve_milp(cost, budgets, time_limit_s=60, optimizer_mode="serial")
         device = EmulatedDevice(capacity_bytes=budgets.gpu_mem_cap_bytes, **rates)
         entries[name] = (plan, cost, Executor(model, plan, device, cost=cost), device)

@@ -10,7 +10,8 @@ import pytest
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
-from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, quantize_s
+from lazytrain.runtime import calibrate as calibration
+from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, probe_steps, quantize_s
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import HardwareSpec
 from lazytrain.spec.model import ModelSpec
@@ -103,3 +104,22 @@ def test_measured_sums_become_the_link_rates_the_simulator_times_them_at() -> No
         assert topology.collective_s(S, out.hardware) == pytest.approx(node_s * (expect[0] is not None) + across_s
                                                                        * (expect[1] is not None), rel=QUANTUM)
         assert (out.forward_s, out.backward_s, out.head_s) == (cost.forward_s, cost.backward_s, cost.head_s)
+
+
+@pytest.mark.parametrize(("step_s", "expected"), [(60.0, 3), (2.0, 3), (1.1, 5), (0.7, 8), (0.01, 12)])
+def test_probe_steps_take_a_floor_of_seconds_after_a_warm_up(monkeypatch, step_s: float, expected: int) -> None:
+    """At least 3 measured steps and 5 s of them (a shared machine's slow and fast phases last seconds), at most 12
+    (a tiny model's steps of milliseconds); the warm-up step is run and dropped."""
+    clock = [1000.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    ran: list[int] = []
+
+    def step() -> int:
+        clock[0] += step_s
+        ran.append(len(ran))
+        return ran[-1]
+
+    steps = probe_steps(step)  # type: ignore[arg-type]
+    assert steps == list(range(1, expected + 1))  # step 0, the warm-up, is not among them
+    assert expected == max(calibration.PROBE_MIN_STEPS,
+                           min(calibration.PROBE_MAX_STEPS, -(-calibration.PROBE_MIN_S // step_s)))

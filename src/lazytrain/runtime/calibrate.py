@@ -1,10 +1,12 @@
 """One calibration path: measured executor steps -> a CostModel (what the planner, simulator and re-planner use).
 
-A measured step (`Executor.last_step`) times every compute op of the step program. `calibrate` takes the
-median of each layer's seconds over the steps given, pools layers of the same kind and size (they run the
-same kernels: pooling cuts the noise of a shared machine), and rounds every figure to a geometric grid of
-`QUANTUM` (4 %) steps. Plans are solved from these numbers, so the same command on the same machine gives
-the same plan, while a real change of more than a few percent still moves the model.
+A measured step (`Executor.last_step`) times every compute op of the step program. `probe_steps` takes the
+probe's steps for a floor of seconds, not a count: a shared machine runs slow and fast for seconds at a time, and
+3 steps of ~0.3 s put a layer's seconds anywhere in +-15% between processes (docs/benchmarks.md, the idle re-run
+on Zen 4). `calibrate` takes the median of each layer's seconds over the steps given, pools layers of the same
+kind and size (they run the same kernels: pooling cuts the noise of a shared machine), and rounds every figure
+to a geometric grid of `QUANTUM` (4 %) steps. Plans are solved from these numbers, so the same command on the
+same machine gives the same plan, while a real change of more than a few percent still moves the model.
 
 On CUDA the per-op times are CUDA-event times of the compute stream; until those are in, a device whose
 per-layer timers see asynchronous launches passes `scale_flops=True`: the FLOP estimate scaled by the
@@ -16,7 +18,8 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from lazytrain.errors import LazyTrainError
@@ -30,6 +33,21 @@ if TYPE_CHECKING:
     from lazytrain.spec.topology import Topology
 
 QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
+PROBE_MIN_STEPS = 3  # measured probe steps at the least (after one warm-up step)
+PROBE_MIN_S = 5.0  # and at least this many seconds of them ...
+PROBE_MAX_STEPS = 12  # ... unless this many steps came first (a tiny model's steps take milliseconds)
+
+
+def probe_steps(step: Callable[[], StepStats]) -> list[StepStats]:
+    """The measured steps a calibration takes: `step()` runs one probe step and returns its stats; one warm-up step
+    (dropped), then steps until PROBE_MIN_STEPS and PROBE_MIN_S have both passed, or PROBE_MAX_STEPS came first
+    (a GPU's 27B steps of a minute: 3; the default job's steps of ~1 s: 5)."""
+    step()  # the first step allocates and first-touches what the others reuse
+    steps: list[StepStats] = []
+    t0 = time.perf_counter()
+    while len(steps) < PROBE_MIN_STEPS or (time.perf_counter() - t0 < PROBE_MIN_S and len(steps) < PROBE_MAX_STEPS):
+        steps.append(step())
+    return steps
 
 
 def quantize_s(seconds: float, quantum: float = QUANTUM) -> float:

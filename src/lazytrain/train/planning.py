@@ -31,8 +31,8 @@ from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.ranks import topology_of
 from lazytrain.plan.rules import evaluate_tiers
 from lazytrain.plan.sim import SimResult, simulate
-from lazytrain.runtime.calibrate import calibrate, calibrate_links
-from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.calibrate import calibrate, calibrate_links, probe_steps
+from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.replan import Replanner
 from lazytrain.spec.cost import CostModel
 from lazytrain.spec.hardware import available_host_memory_bytes
@@ -139,8 +139,9 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
                     probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
     """A CostModel whose compute and optimizer seconds are measured on the device the run uses.
 
-    Four steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
-    forward and backward and the loss head exactly as the executor runs them (the first step warms up);
+    Steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
+    forward and backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps
+    and 5 s of them: `probe_steps`);
     five steps of a throwaway optimizer of the run's kind at learning rate 0 time the host update (the same
     work; the weights do not move, so no copy of them is needed); `lazytrain.runtime.calibrate` turns them
     into the CostModel. On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
@@ -156,10 +157,11 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
         if kind == "cpu":
             _check_probe_fits(executor, workload)
-        steps = []
-        for _ in range(4):  # the first step warms up; the calibration takes medians of the next three
+        def probe() -> StepStats:
             executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
-            steps.append(executor.last_step)
+            return executor.last_step
+
+        steps = probe_steps(probe)  # a warm-up, then seconds of steps (runtime/calibrate.py)
         # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
         constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len,
                                                masked=workload.masked).constant_bytes
@@ -187,7 +189,7 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
     # the fastest of the later samples: a shared machine's interference only ever adds time (their medians moved
     # 60x run to run under load; docs/reliability.md)
-    return calibrate(cost, steps[1:], optimizer_s=min(samples[1:]), scale_flops=kind == "cuda")
+    return calibrate(cost, steps, optimizer_s=min(samples[1:]), scale_flops=kind == "cuda")
 
 
 def _check_probe_fits(executor: Executor, workload: Workload) -> None:
