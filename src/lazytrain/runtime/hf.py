@@ -18,9 +18,9 @@ from torch.func import functional_call
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, find_packed_sequence_indices
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.spec.cost import step_constant_bytes
 
 IGNORE_INDEX = -100
-LOSS_BYTES = 4  # the step's fp32 loss (StepConstants.loss)
 
 
 ATTENTION = ("eager", "sdpa")  # attention implementations whose masks `Rotary` builds (and counts)
@@ -181,20 +181,9 @@ class Rotary:
         masked: the step has an attention_mask or position_ids (padding, packing): positions and cos/sin per
         row, and every attention mask materialized per row (B x S x S; bool for SDPA, the dtype for eager).
         """
-        rows = batch if masked else 1
-        total = rows * seq_len * (8 + 2 * self.rotary_dim * dtype_bytes) + LOSS_BYTES
-        eager = self.config._attn_implementation == "eager"
-        window = getattr(self.config, "sliding_window", None)
-        for kind in self.kinds:
-            if kind == "linear_attention":
-                total += batch * seq_len if masked else 0  # the bool padding mask
-            elif eager:
-                total += batch * seq_len * seq_len * dtype_bytes
-            elif masked:
-                total += batch * seq_len * seq_len
-            elif kind == "sliding_attention" and window is not None and seq_len >= window:
-                total += seq_len * seq_len  # SDPA cannot use is_causal past the window: one broadcast row
-        return total
+        return step_constant_bytes(self.kinds, batch, seq_len, dtype_bytes, self.rotary_dim,
+                                   eager=self.config._attn_implementation == "eager",
+                                   window=getattr(self.config, "sliding_window", None), masked=masked)
 
     def constants(self, boundary0: torch.Tensor, attention_mask: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None) -> StepConstants:

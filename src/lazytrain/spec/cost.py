@@ -42,7 +42,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lazytrain.errors import LazyTrainError
@@ -72,6 +72,39 @@ ROUTER_ROW_BYTES = 56  # per routed row: top-k value and index, sort, gather and
 EAGER_SCORE_BYTES = 12
 EAGER_SAVED_BYTES = {4: 4, 2: 6}  # of which saved through the layer's backward: the fp32 probabilities (and bf16 copy)
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
+
+
+def sdpa_gets_mask(kind: str, seq_len: int, window: int | None, masked: bool) -> bool:
+    """Whether an SDPA layer of this kind gets a mask tensor: every attention layer of a masked step (padding or
+    packing: transformers passes the mask, and runs SDPA's grouped k/v only without one: `use_gqa_in_sdpa`), else
+    a sliding window the sequence reaches (transformers skips the mask, for SDPA's is_causal, only while the keys
+    stay below the window; masking_utils.sdpa_mask). Linear attention has none."""
+    if kind == "linear_attention":
+        return False
+    return masked or (kind == "sliding_attention" and window is not None and seq_len >= window)
+
+
+LOSS_BYTES = 4  # the step's fp32 loss (runtime/hf.py StepConstants.loss)
+
+
+def step_constant_bytes(kinds: Iterable[str], batch: int, seq_len: int, dtype_bytes: int, rotary_dim: int, *,
+                        eager: bool, window: int | None, masked: bool) -> int:
+    """The device bytes of one step's constants (runtime/hf.py `Rotary.constants`, counted by the executor and the
+    CostModel alike): positions and rotary cos/sin (per row when masked), the fp32 loss, and one mask per layer kind:
+    eager attention's batch x seq^2 in the compute dtype; SDPA's batch x seq^2 bool when masked, else one seq^2
+    bool broadcast over the batch for a window the sequence reaches; linear attention's batch x seq bool padding
+    mask when masked. `kinds`: the step's distinct layer kinds."""
+    total = (batch if masked else 1) * seq_len * (8 + 2 * rotary_dim * dtype_bytes) + LOSS_BYTES
+    for kind in kinds:
+        if kind == "linear_attention":
+            total += batch * seq_len if masked else 0
+        elif eager:
+            total += batch * seq_len * seq_len * dtype_bytes
+        elif masked:
+            total += batch * seq_len * seq_len
+        elif sdpa_gets_mask(kind, seq_len, window, masked):
+            total += seq_len * seq_len
+    return total
 MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
 
@@ -188,35 +221,17 @@ class CostModel:
         return spec.intermediate_size
 
     def _masked_attention(self, j: int) -> bool:
-        """Whether layer j's SDPA gets a mask tensor: every attention layer of a masked workload (padding or packing:
-        transformers passes the mask, and runs SDPA's grouped k/v only without one: `use_gqa_in_sdpa`), else a
-        sliding window the sequence reaches (transformers skips the mask, for SDPA's is_causal, only while the keys
-        stay below the window; masking_utils.sdpa_mask)."""
-        kind, window = self.spec.layer_types[j], self.spec.sliding_window
-        if kind == "linear_attention":
-            return False
-        return self.workload.masked or (kind == "sliding_attention" and window is not None
-                                        and self.workload.seq_len >= window)
+        """Whether layer j's SDPA gets a mask tensor (`sdpa_gets_mask`)."""
+        return sdpa_gets_mask(self.spec.layer_types[j], self.workload.seq_len, self.spec.sliding_window,
+                              self.workload.masked)
 
     def _constant_bytes(self) -> int:
-        """Per-step device constants (runtime/hf.py Rotary.constant_bytes; cos/sin as wide as the head, which bounds
-        a partial rotary): positions, rotary cos/sin (per row when masked), the fp32 loss, and one mask per layer
-        kind: eager attention's batch x seq^2 in the compute dtype; SDPA's batch x seq^2 bool when masked, else only
-        for a window the sequence reaches, one seq^2 bool broadcast over the batch; linear attention's batch x seq
-        bool padding mask when masked."""
-        spec, workload, c = self.spec, self.workload, self.dtype_bytes
-        batch, seq, masked = workload.batch_size, workload.seq_len, workload.masked
-        total = (batch if masked else 1) * seq * (8 + 2 * spec.head_dim * c) + 4
-        for kind in set(spec.layer_types):
-            if kind == "linear_attention":
-                total += batch * seq if masked else 0
-            elif spec.eager_attention:
-                total += batch * seq * seq * c
-            elif masked:
-                total += batch * seq * seq
-            elif self._masked_attention(spec.layer_types.index(kind)):
-                total += seq * seq
-        return total
+        """Per-step device constants (`step_constant_bytes`; cos/sin as wide as the head, which bounds a partial
+        rotary)."""
+        spec, workload = self.spec, self.workload
+        return step_constant_bytes(set(spec.layer_types), workload.batch_size, workload.seq_len, self.dtype_bytes,
+                                   spec.head_dim, eager=spec.eager_attention, window=spec.sliding_window,
+                                   masked=workload.masked)
 
     def _elementwise_bytes(self, j: int) -> float:
         """Forward bytes moved by the memory-bound ops of one layer, as `transformers` runs them eagerly.
