@@ -126,14 +126,14 @@ def part_default(args: argparse.Namespace) -> None:
     data = load_data(job)
     job = data.job
     model = build_model(job, model_source(job, data.vocab_size))
-    planned = make_plan(job, model, "cpu", data.probe, masked=data.masked)
+    planned = make_plan(job, model, "cpu", data.probe)
     plan, cost = planned.plan, planned.cost
     device = build_device(job, "cpu", planned.budgets["gpu_mem_cap_bytes"])
     probe_device = build_device(job, "cpu", None, throttled=False)
     B, T = job.data.per_device_train_batch_size, job.data.cutoff_len
     try:
         executor = build_executor(model, planned, device, job)
-        fit_device_cap(job, plan, executor, device, masked=data.masked)
+        fit_device_cap(job, plan, executor, device)
         (out / "run").mkdir(parents=True)
         trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=data.batches,
                           eval_set=[], out=out / "run", tokenizer=data.tokenizer)
@@ -163,7 +163,7 @@ def part_default(args: argparse.Namespace) -> None:
         device.close()
         probe_device.close()
 
-    program = executor.program(B, T, masked=data.masked, updates=job.optim.optimizer_mode == "overlap")
+    program = executor.program(B, T, masked=job.data.masked, updates=job.optim.optimizer_mode == "overlap")
     step_s = statistics.median(s for s, _ in runs)
     wall_s = statistics.median(st.wall_s for _, st in runs)
     replay_err = [st.wall_s / step_seconds(program, measured_seconds(program, st))[0] - 1 for _, st in runs]

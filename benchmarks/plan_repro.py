@@ -35,7 +35,7 @@ def once(overrides: list[str]) -> dict[str, object]:
     data = load_data(job)
     job = data.job
     model = build_model(job, model_source(job, data.vocab_size))
-    planned = make_plan(job, model, "cpu", data.probe, masked=data.masked)
+    planned = make_plan(job, model, "cpu", data.probe)
     cost = planned.cost
     return dict(plan=planned.plan.placement_map(), how=planned.how, step_s=planned.sim.step_s,
                 forward_s=sum(cost.forward_s), backward_s=sum(cost.backward_s), head_s=cost.head_s,

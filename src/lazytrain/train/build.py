@@ -31,11 +31,11 @@ if TYPE_CHECKING:
 
 Device = CudaDevice | EmulatedDevice
 
-def workload_of(job: JobConfig, masked: bool = False) -> Workload:
-    """The shape of every micro-batch the plan and the device arena are sized for; `masked`: the batches carry an
-    attention mask or position ids (train/data.py `masked`)."""
+def workload_of(job: JobConfig) -> Workload:
+    """The shape of every micro-batch the plan and the device arena are sized for (masked: the dataset's batches
+    carry an attention mask or position ids, `DataConfig.masked`)."""
     return Workload(batch_size=job.data.per_device_train_batch_size, seq_len=job.data.cutoff_len,
-                    dtype=job.runtime.dtype, masked=masked)
+                    dtype=job.runtime.dtype, masked=job.data.masked)
 
 
 # =====================================================================================================
@@ -149,11 +149,12 @@ def build_executor(model: PreTrainedModel, planned: Planned, device: Device, job
     return Executor(model, planned.plan, device, compute_dtype=dtype, cost=planned.cost)
 
 
-def fit_device_cap(job: JobConfig, plan: Plan, executor: Executor, device: Device, *, masked: bool = False) -> None:
+def fit_device_cap(job: JobConfig, plan: Plan, executor: Executor, device: Device) -> None:
     """Check the plan's device peak (the executor's own replay of its allocations) against the cap, before any
     step. A user's --gpu-mem-cap is a hard limit; the default cap is ours, so a plan that does not fit it (a
     rule, a loaded plan) gets an arena of its own peak instead, with a note."""
-    need = executor.predicted_peak_bytes(job.data.per_device_train_batch_size, job.data.cutoff_len, masked=masked)
+    need = executor.predicted_peak_bytes(job.data.per_device_train_batch_size, job.data.cutoff_len,
+                                         masked=job.data.masked)
     if need <= device.capacity_bytes:
         return
     if job.plan.gpu_mem_cap_bytes is not None:

@@ -41,7 +41,6 @@ class RunData:
     probe: tuple[torch.Tensor, torch.Tensor]  # one (input_ids, labels) of the run's shape, for calibration
     tokenizer: PreTrainedTokenizerBase | None  # None: the byte tokenizer of the built-in corpora
     vocab_size: int
-    masked: bool  # batches carry an attention_mask or position_ids
     summary: str
     math_eval: list[Row]  # held-out problems for exact match (empty unless dataset is math)
 
@@ -84,7 +83,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     probe = Loader(sft.examples, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
                    pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
     return RunData(job=job, batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
-                   tokenizer=tokenizer, vocab_size=len(tokenizer), masked=job.data.masked,
+                   tokenizer=tokenizer, vocab_size=len(tokenizer),
                    summary=f"dataset  {dataset} ({sft.summary()})", math_eval=math_eval)
 
 
@@ -110,7 +109,7 @@ def _corpus_data(job: JobConfig, world_size: int) -> RunData:
         eval_set = [_batch(*b) for b in fixed]
     probe = data.fixed_batches(1, batch_size, seq_len, seed=seed + 2, split="train")[0]
     return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=seed), eval_set=eval_set,
-                   probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size, masked=job.data.masked,
+                   probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size,
                    summary=f"corpus   {job.data.dataset}: {len(data.train):,} train / {len(data.val):,} held-out "
                            "tokens (bytes)", math_eval=[])
 

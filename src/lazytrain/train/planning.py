@@ -73,7 +73,7 @@ class Planned:
 
 
 def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tuple[torch.Tensor, torch.Tensor],
-              *, masked: bool = False, ranks: Ranks | None = None) -> Planned:
+              *, ranks: Ranks | None = None) -> Planned:
     """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule).
 
     With ranks (torchrun; `job.parallel` holds the launched layout) the ranks first time their gradients' sums
@@ -83,13 +83,13 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
     `collective_timeout_s`): a calibration holds a whole model's gradients and optimizer states, which on every
     rank at once made the node's start-up peak grow with its ranks."""
     if ranks is None:
-        return _decide(job, model, kind, calibrated_cost(job, model, kind, workload_of(job, masked), probe_batch))
+        return _decide(job, model, kind, calibrated_cost(job, model, kind, workload_of(job), probe_batch))
     spec = spec_of(model)  # the largest streamed group (CostModel.streamed_group_params)
     numel = max(*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0))
     sums_s = ranks.time_sums(numel)
 
     def decide() -> Planned:
-        cost = calibrated_cost(job, model, kind, workload_of(job, masked), probe_batch)
+        cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch)
         cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *sums_s)
         hw = cost.hardware  # rank 0's measured rates go with its plan
         planned = _decide(job, model, kind, cost)

@@ -154,7 +154,7 @@ def train(job: JobConfig) -> TrainResult:
         if resume_from is not None and job.plan.plan_file is None:  # the plan the run was executing
             job = replace(job, plan=replace(job.plan, plan_file=str(resume_from / "trainer_state" / "plan.json")))
         kind = pick_device_kind(job.runtime.device)
-        planned = make_plan(job, model, kind, data.probe, masked=data.masked, ranks=ranks)
+        planned = make_plan(job, model, kind, data.probe, ranks=ranks)
         plan = planned.plan
         say(f"budgets  gpu cap {format_bytes(planned.budgets['gpu_mem_cap_bytes'])}, cpu act "
             f"{format_bytes(planned.budgets['cpu_act_bytes'])}, nvme act "
@@ -171,7 +171,7 @@ def train(job: JobConfig) -> TrainResult:
         device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
         try:
             executor = build_executor(model, planned, device, job)
-            fit_device_cap(job, plan, executor, device, masked=data.masked)
+            fit_device_cap(job, plan, executor, device)
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
                               eval_set=data.eval_set, out=out, tokenizer=data.tokenizer, ranks=ranks)
