@@ -45,7 +45,8 @@ Variables
     T[w] >= 0         seconds of window w
     Q[k], S >= 0      the end of B_k (less the recompute windows of its own segment that run before it), the step
     N_g, N_c, N_n, N_z, N_long  integer counts of the binaries (boundaries per home, materialized, segments that
-                      recompute), bounded by what the rows admit: for the branch-and-bound only (`_add_counts`)
+                      recompute with their end's gradient d2h longer than the recompute window), bounded by what
+                      the rows admit: for the branch-and-bound only (`_add_counts`)
 
 Constraints (one `_add_<family>` each; equations repeated there)
     path, placement, capacity (cpu, nvme), kept (the suffix), gpu_memory (the forward windows, the loss head and
@@ -659,6 +660,7 @@ class _Formulation:
             return {vn: aR * A[s] for (s, e2), vn in self.vn.items() if e2 == e}
 
         F, R, B = [], [], []
+        self.lifted_long: list[int] = []  # long edges whose gradients' d2h outlasts R_s's compute (_add_counts)
         for j in range(L):
             lb = max(inst.forward_s[j], aH * p[j + 1])
             loads = [lifted(lb, {self.c[j]: aD * A[j], self.n[j]: aD * A[j]})] if j > 0 else []
@@ -677,6 +679,7 @@ class _Formulation:
             grads = {xv: send[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
             # an edge (j, e >= j+2) recomputes j+1: T >= busy (1 - z[j+1]) + sum_e (d[e] - busy)+ x[j,e]
             lift = {xv: d - busy for xv, d in grads.items() if d > busy}
+            self.lifted_long.extend(lift)
             R.append(window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy, **lift}), (0.0, grads)],
                             ub=max([busy, *grads.values()])))
         for j in range(L):
@@ -757,14 +760,19 @@ class _Formulation:
         """Integer counts of the binaries with the cardinality bounds the capacity and memory rows imply:
             N_c = sum_i c[i] <= floor(M_C / a)      N_n = sum_i n[i] <= floor(M_N / a)
             N_g = sum_i g[i] <= min over the head row and each B_s row of the gpu boundaries it admits
-            N_z = sum_i z[i] = N_g + N_c + N_n      N_long = sum_{e - s >= 2} x[s,e] <= floor(L / 2)
+            N_z = sum_i z[i] = N_g + N_c + N_n      N_long = sum_{lifted} x[s,e] <= floor(L / 2)
         over the interior boundaries (0 and L are gpu), with a the smallest of them: every boundary a count admits
         takes at least a bytes of its row. The same integer points (an overstated bound fails the brute-force
         tests). The LP relaxation materializes 43.5 boundaries where 41 fit (27B, 50 GB cap) or spreads a long
         segment over fractional edges (27B, d2h 1.5 GB/s); a count is one integer the solver can branch on (at
         most 41 boundaries, or at least 42) and cut on (19 cpu boundaries of 0.75 GB fill 15 GB), which no
         single binary gives it. The bounds are below what each count's own row implies, so presolve keeps the
-        counts (HiGHS substitutes an integer column that only sums others and is bounded by them)."""
+        counts (HiGHS substitutes an integer column that only sums others and is bounded by them).
+        N_long counts only the lifted long edges: (s, e >= s+2) whose end's gradient d2h outlasts R_s's compute
+        (`_add_windows`), the rows where a fractional spread hides seconds. Elsewhere a segment's length costs
+        nothing a count can cut on, and counting every long edge cost the root cut loop 3-10x the LP iterations
+        (27B at 128 layers: 42 nodes / 56349 iterations, 1 / 4667 without); at any length a subset of a path's
+        long edges has at most floor(L / 2) of them."""
         m, L, inst, A = self.m, self.L, self.inst, self.inst.boundary_bytes
         self.counts: dict[int, list[int]] = {}  # count column -> the binaries it sums (start_values)
         free = [i for i in range(1, L) if m.ub[self.z[i]] > m.lb[self.z[i]]]  # 0 and L are gpu; fixed tiers: none
@@ -790,7 +798,9 @@ class _Formulation:
                 total[count] = 1.0
         if total:
             self._count("N_z", [self.z[i] for i in free], sum(m.ub[v] for v in total), total)
-        self._count("N_long", [xv for (s, e), xv in self.x.items() if e - s >= 2 and m.ub[xv] > 0], L // 2)
+        lifted = [xv for xv in self.lifted_long if m.ub[xv] > 0]
+        if lifted:
+            self._count("N_long", lifted, L // 2)
 
     def _count(self, name: str, members: list[int], bound: float, parts: dict[int, float] | None = None) -> int:
         """N = sum members (integer, 0 <= N <= bound); with parts also N = sum parts."""
