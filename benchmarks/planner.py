@@ -7,6 +7,7 @@
     python benchmarks/planner.py tflops     # simulated TFLOPS, MILP vs rule, at the paper's batch sizes (H800)
     python benchmarks/planner.py maxbatch   # largest feasible batch on the rtx3090 preset, MILP vs rules
     python benchmarks/planner.py ranks      # solve time and step with the collective lane, 1 to 16 ranks
+    python benchmarks/planner.py seeds      # HiGHS's nodes / LP iterations of the hard instances, random_seed 0-2
 
 The solve instances are the paper's 27B / H800 case (batch 72, seq 1024, gpu cap 70 GB, cpu act 15 GB,
 nvme act 32 GB) with the Qwen3.6-27B layer shapes repeated to L layers. Times are medians of 3 runs.
@@ -19,6 +20,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Any
 
 from lazytrain.config import load_job_config
 from lazytrain.errors import LazyTrainError
@@ -213,13 +215,62 @@ def bench_ranks(time_limit_s: float = 120.0) -> None:
             sys.stdout.flush()
 
 
+SEED_INSTANCES = (("qwen3.6-27b", 64, {}, 50, 8, "serial"), ("qwen3.6-27b", 64, {}, 50, 8, "overlap"),
+                  ("qwen3.6-27b", 64, {"d2h_gbps": 1.5}, 70, 32, "serial"),
+                  ("qwen3.6-27b", 64, {"d2h_gbps": 1.5}, 70, 32, "overlap"),
+                  ("qwen3.6-27b", 64, {"d2h_gbps": 1.5}, 50, 8, "overlap"), ("qwen3.6-27b", 128, {}, 70, 32, "serial"),
+                  ("qwen3.6-27b", 128, {}, 70, 32, "overlap"))
+
+
+def bench_seeds(seeds: tuple[int, ...] = (0, 1, 2)) -> None:
+    """HiGHS's search is chaotic on these instances (another `random_seed`, 50 or 250 nodes): compare formulations
+    by nodes and LP iterations over seeds, deterministic with one thread whatever the load. The seed is set on
+    each `highspy.Highs` as it runs (`_solve_highs`'s own options unchanged)."""
+    import highspy
+
+    print("## HiGHS's search over random_seed: the hard 27B instances (batch 72, seq 1024, cpu act 15 GB)")
+    print("| layers | hardware | gpu cap / nvme act | optimizer | step s | B&B nodes | LP iterations | HiGHS s |")
+    print("|---|---|---|---|---|---|---|---|")
+    run, seed, seconds = highspy.Highs.run, [0], [0.0]
+
+    def seeded_run(h: highspy.Highs) -> Any:
+        h.setOptionValue("random_seed", seed[0])
+        t0 = time.perf_counter()
+        try:
+            return run(h)
+        finally:
+            seconds[0] = time.perf_counter() - t0
+
+    highspy.Highs.run = seeded_run
+    try:
+        for preset, L, overrides, cap_gb, nvme_gb, mode in SEED_INSTANCES:
+            spec = ModelSpec.load(preset) if L == 64 else qwen36_with_layers(L)
+            cost = CostModel(spec, HardwareSpec.load("h800", **overrides), Workload(72, 1024))
+            budgets = Budgets(gpu_mem_cap_bytes=cap_gb * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=nvme_gb * GB)
+            _, budgets = admitted(cost, budgets)
+            inst = instance_from_cost(cost, budgets, optimizer_mode=mode)
+            runs, times = [], []
+            for value in seeds:
+                seed[0] = value
+                runs.append(solve_instance(inst, time_limit_s=600.0))
+                times.append(f"{seconds[0]:.2f}")
+            hardware = "h800" + "".join(f" {k}={v}" for k, v in overrides.items())
+            nodes = ", ".join(str(r.report.options["bb_nodes"]) for r in runs)
+            iterations = ", ".join(str(r.report.options["lp_iterations"]) for r in runs)
+            print(f"| {L} | {hardware} | {cap_gb}/{nvme_gb} | {mode} | {runs[0].step_s:.6f} | {nodes} | {iterations} | "
+                  f"{', '.join(times)} |")
+            sys.stdout.flush()
+    finally:
+        highspy.Highs.run = run
+
+
 def main(argv: list[str]) -> None:
     which = argv or ["solve", "tight", "instances", "tflops", "maxbatch"]
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}; "
           f"command: python benchmarks/planner.py {' '.join(argv)}".rstrip())
     for name in which:
         {"solve": bench_solve, "tight": bench_solve_tight, "instances": bench_instances, "tflops": bench_tflops,
-         "maxbatch": bench_max_batch, "ranks": bench_ranks}[name]()
+         "maxbatch": bench_max_batch, "ranks": bench_ranks, "seeds": bench_seeds}[name]()
         print()
 
 
