@@ -71,6 +71,14 @@ ROUTER_ROW_BYTES = 56  # per routed row: top-k value and index, sort, gather and
 # takes its softmax in fp32 whatever the compute dtype (GPT-OSS's, with the sinks, runs in the compute dtype: 3 c).
 EAGER_SCORE_BYTES = 12
 EAGER_SAVED_BYTES = {4: 4, 2: 6}  # of which saved through the layer's backward: the fp32 probabilities (and bf16 copy)
+# An attention layer's backward after its MLP's (_after_mlp_bytes), per token: the post-attention RMSNorm's
+# backward holds ~5 fp32 hidden-wide temporaries beside its saved input and the input norm's rows, whatever the
+# compute dtype: NORM_BACKWARD_BYTES per hidden element (the (1 + weight) norms of the hybrid families: HYBRID_...);
+# the attention's backward, the gradients of q, its output and o_proj's input beside the saved q, k, v:
+# ATTN_BACKWARD_Q more d_q-wide rows and two hidden-wide ones in the compute dtype. Fitted on the emulated device
+# (largest measured: 24.3-25.1 and 26.6 B per hidden element; tests/test_live_bytes.py, docs/cost_model.md).
+NORM_BACKWARD_BYTES, HYBRID_NORM_BACKWARD_BYTES = 26, 28
+ATTN_BACKWARD_Q = 3
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
 
 
@@ -164,11 +172,12 @@ class CostModel:
         self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
         self.working_bytes = [self._layer_working_bytes(j) for j in range(L)]
         # a kept layer's graph (Plan.kept_layers): the saved tensors its forward with autograd leaves, less its
-        # output -- the working set without the largest weight gradient and the backward's I-wide gradients, plus
-        # one h-wide tensor per token (SDPA's and the norms' small saved statistics); bounds the measured graph of
-        # dense layers (SDPA)
+        # output -- the working set of the MLP's backward without the largest weight gradient and the backward's
+        # I-wide gradients, plus one h-wide tensor per token (SDPA's and the norms' small saved statistics); bounds
+        # the measured graph of every family (tests/test_live_bytes.py)
+        mlp_phase = [self._layer_working_bytes(j, mlp_phase=True) for j in range(L)]
         self.graph_bytes = [min(w, w - self._largest_weight_bytes(j) - tokens * self._mlp_width(j) * dtype_bytes)
-                            for j, w in enumerate(self.working_bytes)]
+                            for j, w in enumerate(mlp_phase)]
         # per chunk row: the logits (compute dtype) and three fp32 rows (log-softmax, its gradient, the logits'
         # gradient), the final norm's fp32 input and output (8 h), the row's loss; the chunk's fp32 loss scalars;
         # the step's shifted labels (int64). Measured on the emulated device (tests/test_live_bytes.py); the LM
@@ -249,13 +258,16 @@ class CostModel:
         per_token += 10 * self._mlp_width(j)
         return per_token * self.dtype_bytes / 2 * self.workload.tokens
 
-    def _layer_working_bytes(self, j: int) -> int:
+    def _layer_working_bytes(self, j: int, *, mlp_phase: bool = False) -> int:
         """Layer j's device working set: per token (_working_bytes_per_token), the largest weight gradient, and
-        what does not scale with the tokens. The torch fallback's chunked Gated DeltaNet pads every sequence to
-        whole chunks of C = 64 and holds, per padded token and value head, fp32 C x C blocks (the decay, UT system,
-        intra-chunk attention and their gradients), d_k- and d_v-wide copies (repeated, normalized, padded, chunked
-        q/k/v, the solves' outputs), and a d_k x d_v state per chunk with its gradient: LINEAR_ATTN_TORCH_BYTES,
-        fitted on the emulated device (tests/test_live_bytes.py, docs/cost_model.md).
+        what does not scale with the tokens, at the larger of two moments: up to the MLP's backward, and after it
+        (_after_mlp_bytes). `mlp_phase`: the first only (what a kept layer's graph is sized from).
+
+        The torch fallback's chunked Gated DeltaNet pads every sequence to whole chunks of C = 64 and holds, per
+        padded token and value head, fp32 C x C blocks (the decay, UT system, intra-chunk attention and their
+        gradients), d_k- and d_v-wide copies (repeated, normalized, padded, chunked q/k/v, the solves' outputs), and
+        a d_k x d_v state per chunk with its gradient: LINEAR_ATTN_TORCH_BYTES, fitted on the emulated device
+        (tests/test_live_bytes.py, docs/cost_model.md).
 
         Attention's seq^2 terms (X = batch x heads x seq^2 scores). Eager attention (transformers'
         eager_attention_forward, on sliding-window layers too): its softmax runs in fp32 whatever the compute dtype;
@@ -270,7 +282,8 @@ class CostModel:
         broadcast over the batch is materialized), and saves it for its backward."""
         spec, workload = self.spec, self.workload
         batch, seq, c = workload.batch_size, workload.seq_len, self.dtype_bytes
-        working = workload.tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
+        up_to_mlp = workload.tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
+        working = up_to_mlp if mlp_phase else max(up_to_mlp, self._after_mlp_bytes(j))
         if spec.layer_types[j] == "linear_attention" and self.linear_attention_kernel == "torch":
             per_chunk, per_key, per_value = LINEAR_ATTN_TORCH_BYTES[c]
             padded = batch * -(-seq // LINEAR_ATTN_CHUNK) * LINEAR_ATTN_CHUNK
@@ -286,7 +299,7 @@ class CostModel:
             saved, peak = ((2 * c, 3 * c) if spec.model_type == "gpt_oss"  # GPT-OSS's softmax in the compute dtype
                            else (EAGER_SAVED_BYTES[c], EAGER_SCORE_BYTES))
             mlp = workload.tokens * self._mlp_bytes_per_token(j)
-            working = max(working + saved * scores, working - mlp + peak * scores)
+            working = max(working + saved * scores, up_to_mlp - mlp + peak * scores)
         elif self._masked_attention(j):  # SDPA's float copy of the bool mask, made per call and saved for its backward
             working += batch * seq * seq * c
         return working
@@ -330,6 +343,26 @@ class CostModel:
         # gated output (measured: tests/test_live_bytes.py)
         repeated = 2 * (q_width - kv) if spec.eager_attention or self._masked_attention(j) else 0
         return (5 * h + 2 * q_width + 2 * kv + gate + repeated) * c + mlp + norms + qk_norms
+
+    def _after_mlp_bytes(self, j: int) -> int:
+        """An attention layer's backward once its MLP's tensors are gone (0 for linear attention): the tokens times
+        _working_bytes_per_token with its 5 h compute-dtype rows and MLP replaced by the larger of the
+        post-attention RMSNorm's backward (NORM_BACKWARD_BYTES per hidden element in either dtype; no weight gradient
+        of size beside it) and the attention's backward (ATTN_BACKWARD_Q d_q-wide and 2 hidden-wide rows in the
+        compute dtype, masked SDPA's gradients of k and v repeated to every query head, and an h x d_q weight
+        gradient). Above the MLP's moment when the intermediate size (or the experts' routed rows) is narrow against
+        the hidden size (dense layers with I below ~1.3 h: 0.64-0.99x of the measured without it), or d_q wide."""
+        spec, c, tokens = self.spec, self.dtype_bytes, self.workload.tokens
+        if spec.layer_types[j] == "linear_attention":
+            return 0
+        h, q_width = spec.hidden_size, spec.num_attention_heads * spec.head_dim
+        kv = spec.num_key_value_heads * spec.head_dim
+        rest = self._working_bytes_per_token(j) - 5 * h * c - self._mlp_bytes_per_token(j)
+        norm = HYBRID_NORM_BACKWARD_BYTES if spec.model_type in HYBRID_TYPES else NORM_BACKWARD_BYTES
+        # masked SDPA's gradients of k and v repeated to every head (eager attention peaks in its softmax's backward)
+        repeated = 2 * (q_width - kv) if self._masked_attention(j) and not spec.eager_attention else 0
+        attention = tokens * (ATTN_BACKWARD_Q * q_width + 2 * h + repeated) * c + h * q_width * c
+        return tokens * rest + max(tokens * norm * h, attention)
 
     def _mlp_bytes_per_token(self, j: int) -> int:
         """Layer j's MLP, bytes per token. Dense: gate, up, SiLU(gate), their product (4 I) saved, about two I-wide
