@@ -42,10 +42,12 @@ def plans(num_layers: int) -> dict[str, list[str]]:
 
 def family_table(masked: bool = False) -> None:
     """Per family, attention, dtype and batch shape: each layer kind's and the head's CostModel working set over the
-    measured. Seq 4 is below the Mistral and GPT-OSS windows (5): SDPA runs unmasked there, above them with the
+    measured, and each layer kind's kept-layer graph (`CostModel.graph_bytes`, Plan.kept_layers) over the measured
+    graph. Seq 4 is below the Mistral and GPT-OSS windows (5): SDPA runs unmasked there, above them with the
     window's mask. `masked`: padded batches (an attention mask: every SDPA layer gets a mask tensor)."""
-    print("| family | attention | dtype | batch x seq | formula / measured per layer kind and head |")
-    print("|---|---|---|---|---|")
+    print("| family | attention | dtype | batch x seq | formula / measured per layer kind and head | graph formula / "
+          "measured per layer kind |")
+    print("|---|---|---|---|---|---|")
     for kind in tiny_models.FAMILIES:
         for attn in ("eager",) if kind == "gpt_oss" else ("sdpa", "eager"):
             for dtype in (torch.float32, torch.bfloat16):
@@ -54,16 +56,19 @@ def family_table(masked: bool = False) -> None:
                     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True),
                                   compute_dtype=dtype)
                     working, head = ex.measured_working_bytes(batch, seq, masked=masked)
+                    graphs = ex.memory_sizes(batch, seq, masked=masked).graph_bytes
                     name = "fp32" if dtype == torch.float32 else "bf16"
                     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"),
                                      Workload(batch, seq, name, masked=masked))
-                    spec, ratios = cost.spec, {}
+                    spec, ratios, graph_ratios = cost.spec, {}, {}
                     for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
-                        moe = " moe" if spec.layer_active_params[j] != spec.layer_params[j] else ""
-                        ratios.setdefault(spec.layer_types[j] + moe, formula / measured)
+                        layer_kind = spec.layer_types[j] + (" moe" if spec.moe_layers[j] else "")
+                        ratios.setdefault(layer_kind, formula / measured)
+                        graph_ratios.setdefault(layer_kind, cost.graph_bytes[j] / graphs[j])
                     ratios["head"] = cost.head_working_bytes / head
                     print(f"| {kind} | {attn} | {name} | {batch} x {seq} | "
-                          + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + " |", flush=True)
+                          + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + " | "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in graph_ratios.items()) + " |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
