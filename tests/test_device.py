@@ -139,3 +139,39 @@ def test_emulated_device_memory_is_kept_between_steps() -> None:
     assert faults("keep") < pages // 50
     EmulatedDevice()
     assert keep_host_memory()
+
+
+# A step's blocks freed on a device that keeps them, then the device closed (argv[1] "close") or not.
+_CLOSE = """
+import ctypes, resource, sys
+from lazytrain import EmulatedDevice
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+dev = EmulatedDevice()
+blocks = [libc.malloc(4 << 20) for _ in range(24)]  # 96 MiB in 4 MiB blocks
+for b in blocks:
+    ctypes.memset(b, 1, 4 << 20)
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+before = resident()
+for b in reversed(blocks):
+    libc.free(b)
+if sys.argv[1] == "close":
+    dev.close()
+print(before - resident())
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_a_closed_emulated_device_hands_its_memory_back() -> None:
+    """The device keeps freed heap memory for its next step; once it is closed (before the final checkpoint, or
+    a calibration's probe device before training) the pages go back to the kernel, as freed GPU memory would."""
+    def returned(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        out = subprocess.run([sys.executable, "-c", _CLOSE, mode], capture_output=True, text=True, check=True, env=env)
+        return int(out.stdout.split()[-1])
+
+    kept, closed = returned("open"), returned("close")
+    assert kept < (8 << 20)  # an open device keeps the 96 MiB resident
+    assert closed > (80 << 20)

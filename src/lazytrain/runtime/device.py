@@ -323,6 +323,13 @@ class EmulatedDevice(_ArenaDevice):
                           "nvme_write": nvme_write_gbps}, nvme_dir, measure_memory)
         keep_host_memory()
 
+    def close(self) -> None:
+        """Stop the links and hand the heap pages the device's memory left free back to the kernel, as a process
+        frees its GPU memory: `keep_host_memory` keeps them for the next step, and there is none (the final
+        checkpoint, or training after a calibration's probe device, would otherwise sit on top of them)."""
+        super().close()
+        return_freed_host_memory()
+
     def slow_link(self, link: str, factor: float) -> None:
         """Test hook: from now on `link` moves bytes `factor` times slower (a throttled link only)."""
         target = self.links[link]
@@ -453,7 +460,7 @@ def return_freed_host_memory() -> None:
     """Hand the free pages of malloc's heap back to the kernel once (glibc `malloc_trim`), past `keep_host_memory`'s
     never-trim: a data-parallel rank's set-up frees what it will not use again (the private weights it gave up for
     the node's shared copy, the landing buffers of groups it does not own, its calibration's gradients and
-    optimizer states). Elsewhere (no glibc) a no-op."""
+    optimizer states), and a closed emulated device its memory. Elsewhere (no glibc) a no-op."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)
