@@ -8,9 +8,21 @@
 Starts `python -m lazytrain train` once as one process (global batch 4) and once as 2 ranks (2 rows each; the
 environment torchrun would set, gloo, the emulated device), and samples every process's proportional set size
 (Pss in /proc/PID/smaps_rollup: a page shared by k processes counts 1/k in each, so the shared weights and the
-shared libraries count once in the sum) every 20 ms. Reports the peak of the summed Pss per run. The runtime
-overhead of a rank (Python, torch, transformers, gloo) is the debug model's (0.2 M parameters) 2-rank total
-minus its 1-process figure; the target of issue 12 is total(2 ranks) <= 1.15 x (1 process + that overhead).
+shared libraries count once in the sum) every 20 ms. Reports the peak of the summed Pss per run (the median
+and the range over `--runs`, the debug model's too). The runtime overhead of a rank (Python, torch,
+transformers, gloo) is the debug model's (0.2 M parameters) 2-rank total minus its 1-process figure; the target
+of issue 12 is total(2 ranks) <= 1.15 x (1 process + that overhead).
+
+Two per-rank costs that scale with the model are not in the debug model's overhead, and each run reports them:
+the emulated device's memory, which is this process's heap here (on a GPU node it is the GPU's, not the host's):
+the arena's peak, the highest `peak_device_bytes` of the process's metrics rows (a lower bound: the heap
+keeps ~30 MiB of fragmentation besides, `keep_host_memory`); and each rank's buffers to sum gradients into
+their owners (two pooled landing buffers of the largest group, an fp32 transient of it for bf16 gradients:
+`spec/topology.py rank_reduce_bytes`, which is what `Executor.keep_gradients` and `OwnerGrads` allocate). So
+beside the formula above ("as host"), it prints the same ratio of the host memory without the emulated
+devices' arenas ("GPU node": each run's peak minus its processes' arena peaks, the debug overhead likewise),
+and the per-rank overhead with its parts. Each run's peak summed Pss less file pages (Pss_File: the shared
+libraries, whose Pss falls as other processes of the machine map them too) is printed beside, to read the noise.
 Models: the built-in `debug` (0.2 M parameters) and `small` (12.8 M), and `medium` (51 M: a Llama config.json
 written here, random init), each in every `--modes` optimizer mode (overlap: the default) and `--dtypes` compute
 dtype (fp32: the emulated device's default; bf16: with fp32 master weights, the GPU default).
@@ -47,12 +59,15 @@ MEDIUM = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
           "num_key_value_heads": 10}
 
 
-def pss_bytes(pid: int) -> int:
+def pss_bytes(pid: int) -> tuple[int, int]:
+    """A process's Pss and the part of it in files (Pss_File: the shared libraries' code, whose Pss depends on
+    how many processes of the machine map them, this run's or not)."""
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
-        return 0
-    return next((int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:")), 0)
+        return 0, 0
+    kib = {f[0]: int(f[1]) * 1024 for line in text.splitlines() if (f := line.split())[-1] == "kB"}
+    return kib.get("Pss:", 0), kib.get("Pss_File:", 0)
 
 
 PHASES = ("load", "calibrate", "set-up", "steps", "checkpoint", "close")
@@ -84,9 +99,29 @@ def report_trace(path: Path, label: str, samples: list[list[float]], marks: list
           + f"); samples in {path}", flush=True)
 
 
-def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str, trace: Path | None = None) -> int:
-    """Peak summed Pss of one run of `ranks` processes (1 = a single process with the whole global batch);
-    with `trace`, each process's Pss over time by phase (module docstring)."""
+def arena_peak(metrics: Path) -> int:
+    """The emulated device's arena peak over a process's steps (its metrics rows' `peak_device_bytes`)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return max(int(row.get("peak_device_bytes", 0)) for row in rows)
+
+
+def reduce_bytes(model: str, dtype: str) -> int:
+    """What a rank of 2 allocates to sum gradients into their owners (module docstring): 2 pooled landing buffers
+    of the largest streamed group in the compute dtype, and (bf16) an fp32 transient of it."""
+    from lazytrain.plan.planner import model_spec
+    from lazytrain.spec.model import ModelSpec
+
+    spec = ModelSpec.from_config(MEDIUM, name="medium") if model == "medium" else model_spec(model)
+    largest = max(*spec.layer_params, spec.head_params)
+    c = 4 if dtype == "fp32" else 2
+    return 2 * largest * c + (4 * largest if c != 4 else 0)
+
+
+def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str, trace: Path | None = None
+        ) -> tuple[int, int, int]:
+    """Peak summed Pss of one run of `ranks` processes (1 = a single process with the whole global batch), the
+    sum of its processes' device arena peaks, and the peak summed Pss less file pages; with `trace`, each
+    process's Pss over time by phase (module docstring)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,10 +147,12 @@ def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str, trace: P
         for t in readers:
             t.start()
         rows = [Path(out) / "run" / ("" if r == 0 else f"rank-{r}") / "metrics.jsonl" for r in range(ranks)]
-        peak, samples = 0, []
+        peak, peak_unfiled, samples = 0, 0, []
         while any(p.poll() is None for p in procs):
-            now = [pss_bytes(p.pid) for p in procs]
+            parts = [pss_bytes(p.pid) for p in procs]
+            now = [pss for pss, _ in parts]
             peak = max(peak, sum(now))
+            peak_unfiled = max(peak_unfiled, sum(pss - file for pss, file in parts))
             if trace:
                 t = time.monotonic() - start
                 samples.append([t, *now])
@@ -128,11 +165,18 @@ def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str, trace: P
         for p in procs:
             if p.returncode != 0:
                 raise SystemExit(f"{model} {mode} {dtype} x {ranks}: exit {p.returncode}\n{p.stderr.read()[-2000:]}")
+        arenas = sum(arena_peak(f) for f in rows)
     if trace:
         name = f"{model}-{mode}-{dtype}-{ranks}"
         path = next(p for k in itertools.count(1) if not (p := trace / f"{name}-run{k}.json").exists())
         report_trace(path, f"{mode:<7} {dtype} {model:<6} {ranks}:", samples, marks)
-    return peak
+    return peak, arenas, peak_unfiled
+
+
+def listed(mib: list[float]) -> str:
+    """Runs' figures, their median and range."""
+    return (", ".join(f"{m:.0f}" for m in mib) + f" MiB (median {statistics.median(mib):.0f}, range "
+            f"{max(mib) - min(mib):.0f})")
 
 
 def main() -> None:
@@ -149,22 +193,41 @@ def main() -> None:
         args.trace.mkdir(parents=True, exist_ok=True)
     for mode, dtype in [(m, d) for d in args.dtypes for m in args.modes]:
         label = f"{mode:<7} {dtype}"
-        medians: dict[tuple[str, int], float] = {}
+        host: dict[tuple[str, int], float] = {}  # medians of the peak summed Pss, MiB
+        gpu: dict[tuple[str, int], float] = {}  # the same less the processes' arena peaks
+        arena: dict[tuple[str, int], float] = {}
         for model in args.models:
             for ranks in (1, 2):
-                peaks = [run(model, mode, dtype, ranks, args.pythonpath, args.trace) / MiB for _ in range(args.runs)]
-                medians[model, ranks] = statistics.median(peaks)
-                listed = ", ".join(f"{p:.0f}" for p in peaks)
-                print(f"{label} {model:<6} {ranks} process(es): peak summed Pss {listed} MiB "
-                      f"(median {medians[model, ranks]:.0f})", flush=True)
-        if ("debug", 1) in medians and ("debug", 2) in medians:
-            overhead = medians["debug", 2] - medians["debug", 1]
-            print(f"{label} runtime overhead of a rank (debug model): {overhead:.0f} MiB")
-            for model in args.models:
-                if model != "debug":
-                    one, two = medians[model, 1], medians[model, 2]
-                    print(f"{label} {model}: 2 ranks {two:.0f} MiB / (1 process {one:.0f} + overhead {overhead:.0f}) "
-                          f"= {two / (one + overhead):.3f} (target <= 1.15)", flush=True)
+                runs = [run(model, mode, dtype, ranks, args.pythonpath, args.trace) for _ in range(args.runs)]
+                peaks = [p / MiB for p, _, _ in runs]
+                arenas = [a / MiB for _, a, _ in runs]
+                unfiled = [u / MiB for _, _, u in runs]
+                less = [p - a for p, a in zip(peaks, arenas, strict=True)]
+                host[model, ranks], gpu[model, ranks] = statistics.median(peaks), statistics.median(less)
+                arena[model, ranks] = statistics.median(arenas)
+                print(f"{label} {model:<6} {ranks} process(es): peak summed Pss {listed(peaks)}; device arena "
+                      f"peaks {listed(arenas)}; Pss less the arenas {listed(less)}; peak summed Pss less file "
+                      f"pages {listed(unfiled)}", flush=True)
+        if ("debug", 1) not in host or ("debug", 2) not in host:
+            continue
+        overhead = host["debug", 2] - host["debug", 1]
+        overhead_gpu = gpu["debug", 2] - gpu["debug", 1]
+        print(f"{label} runtime overhead of a rank (debug model): {overhead:.0f} MiB as host, "
+              f"{overhead_gpu:.0f} MiB less the arenas")
+        for model in args.models:
+            if model == "debug":
+                continue
+            one, two, one_gpu, two_gpu = host[model, 1], host[model, 2], gpu[model, 1], gpu[model, 2]
+            pool = reduce_bytes(model, dtype) / MiB
+            print(f"{label} {model}: as host: 2 ranks {two:.0f} MiB / (1 process {one:.0f} + overhead "
+                  f"{overhead:.0f}) = {two / (one + overhead):.3f}; GPU node (less the device arenas): "
+                  f"{two_gpu:.0f} / ({one_gpu:.0f} + {overhead_gpu:.0f}) = {two_gpu / (one_gpu + overhead_gpu):.3f}; "
+                  f"the same with both ranks' gradient-sum buffers (2 x {pool:.0f} MiB) in the overhead: "
+                  f"{two_gpu / (one_gpu + overhead_gpu + 2 * pool):.3f} (target <= 1.15)", flush=True)
+            print(f"{label} {model}: per-rank overhead {overhead_gpu + pool + arena[model, 2] / 2:.0f} MiB = "
+                  f"runtime {overhead_gpu:.0f} (debug model, less its arena) + gradient-sum buffers {pool:.0f} + "
+                  f"emulated device arena {arena[model, 2] / 2:.0f} (a rank's median; 1 process's: "
+                  f"{arena[model, 1]:.0f})", flush=True)
 
 if __name__ == "__main__":
     main()
