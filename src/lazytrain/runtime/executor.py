@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -49,6 +49,8 @@ from lazytrain.runtime.hf import (
 )
 from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
+from lazytrain.spec.cost import CostModel
+from lazytrain.spec.hardware import HardwareSpec
 from lazytrain.spec.model import ModelSpec
 from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.spec.workload import Workload
@@ -127,28 +129,6 @@ def sq_norm(grads: list[torch.Tensor]) -> float:
     return sum(float(per_tensor_sq_norms(g.reshape(-1).split(NORM_CHUNK)).sum()) for g in grads)
 
 
-def estimate_working_bytes(config: Any, batch: int, seq_len: int, dtype_bytes: int) -> int:
-    """Autograd working set of one dense decoder layer (saved activations + their gradients), bytes.
-
-    A deliberately simple count so the simulator and the executor can share it: per token,
-    10 hidden + 3 query + 4 key/value + 5 intermediate vectors, plus two score matrices per head.
-    """
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    q = heads * head_dim
-    tokens = batch * seq_len
-    per_token = 10 * h + 3 * q + 4 * kv + 5 * config.intermediate_size
-    return dtype_bytes * (tokens * per_token + 2 * batch * heads * seq_len * seq_len)
-
-
-def estimate_head_working_bytes(config: Any, batch: int, seq_len: int, dtype_bytes: int, chunk_tokens: int) -> int:
-    """Loss-head working set: one chunk's logits (fp32 and compute dtype) and its gradient, plus norms."""
-    rows = min(chunk_tokens, batch * seq_len)
-    return rows * (config.vocab_size * (2 * 4 + dtype_bytes) + 4 * config.hidden_size * dtype_bytes)
-
-
 class Executor:
     """Runs a `Plan` for a `transformers` causal LM whose parameters stay on the host.
 
@@ -156,18 +136,17 @@ class Executor:
       model's parameters as master weights: fp32 ones, or bf16 ones that are the streamed buffers themselves).
     The optimizer: step it yourself after `forward_backward` (serial), or hand `defer_update` the update of
       each group: the next step runs it on the optimizer lane under its forward (overlapped-exact).
-    cost: a `lazytrain.spec.cost.CostModel` whose `working_bytes` / `head_working_bytes` the arena
-      reserves (so the simulator and the executor count the same bytes); None = the same CostModel
-      formulas for the step's batch and sequence length (`estimate_working_bytes` if that module is absent).
+    cost: the CostModel whose `working_bytes` / `head_working_bytes` the arena reserves (so the simulator and
+      the executor count the same bytes); None = a CostModel of the step's batch and sequence length.
     head_chunk_tokens: tokens per loss-head chunk (at most this many rows of logits exist at once);
       None = the cost model's, else 1024.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device: Device | None = None, *,
-                 compute_dtype: torch.dtype = torch.float32, cost: Any = None,
+                 compute_dtype: torch.dtype = torch.float32, cost: CostModel | None = None,
                  head_chunk_tokens: int | None = None) -> None:
         if head_chunk_tokens is None:  # the cost model's chunk, so its head working set is the real one
-            head_chunk_tokens = int(getattr(cost, "head_chunk_tokens", None) or HEAD_CHUNK_TOKENS)
+            head_chunk_tokens = cost.head_chunk_tokens if cost is not None else HEAD_CHUNK_TOKENS
         if compute_dtype not in DTYPE_NAMES:
             raise LazyTrainError(f"compute_dtype {compute_dtype} is not supported; use torch.float32 or bfloat16")
         if head_chunk_tokens <= 0:
@@ -208,7 +187,7 @@ class Executor:
         self.store = ActivationStore(self.device.nvme_dir, host_empty)
         self.rotary = Rotary(self.parts, self.device.torch_device)
         self.last_step: StepStats | None = None
-        self._default_costs: dict[tuple[int, int, bool], Any] = {}
+        self._default_costs: dict[tuple[int, int, bool], CostModel] = {}
         self._measured_working: dict[tuple[int, int, bool], tuple[tuple[int, ...], int]] = {}
         # the same keys: (graph, graph forward, graph backward) bytes per layer (Shapes.graph_*)
         self._measured_graphs: dict[tuple[int, int, bool], tuple[tuple[int, ...], ...]] = {}
@@ -330,25 +309,18 @@ class Executor:
         dtype_bytes = torch.empty((), dtype=self.compute_dtype).element_size()
         config = self.model.config
         cost = self.cost
-        workload = getattr(cost, "workload", None)
-        if cost is None or (workload is not None
-                            and (workload.batch_size, workload.seq_len, workload.masked) != (batch, seq_len, masked)):
+        if cost is None or (cost.workload.batch_size, cost.workload.seq_len, cost.workload.masked) != (
+                batch, seq_len, masked):
             cost = self._default_cost(batch, seq_len, masked)  # e.g. a last, shorter batch than the plan's workload
         L = self.parts.num_layers
         boundary_bytes = batch * seq_len * config.hidden_size * dtype_bytes
-        graph = (0,) * L
         if getattr(self.device, "live", None) is not None:  # a device that measures memory: the real working sets
             working, head_working = self.measured_working_bytes(batch, seq_len, masked=masked)
             graphs = self._measured_graphs[(batch, seq_len, masked)]
         else:
-            if cost is not None:
-                working = tuple(int(w) for w in cost.working_bytes)
-                head_working = int(cost.head_working_bytes)
-                graph = tuple(int(g) for g in cost.graph_bytes)
-            else:
-                working = (estimate_working_bytes(config, batch, seq_len, dtype_bytes),) * L
-                head_working = estimate_head_working_bytes(config, batch, seq_len, dtype_bytes, self.head_chunk_tokens)
-            graphs = graph_bounds(working, graph, boundary_bytes)
+            working = tuple(int(w) for w in cost.working_bytes)
+            head_working = int(cost.head_working_bytes)
+            graphs = graph_bounds(working, tuple(int(g) for g in cost.graph_bytes), boundary_bytes)
         return Shapes(
             boundary_bytes=(boundary_bytes,) * (L + 1),
             param_bytes=tuple(g.numel * dtype_bytes for g in self.layer_groups),
@@ -428,20 +400,14 @@ class Executor:
         return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=updates,
                              forward_only=forward_only, topology=topology, kept_layers=self.plan.kept_layers)
 
-    def _default_cost(self, batch: int, seq_len: int, masked: bool = False) -> Any:
+    def _default_cost(self, batch: int, seq_len: int, masked: bool = False) -> CostModel:
         """The shared CostModel's byte sizes (working sets), so the planner, simulator and arena agree."""
         key = (batch, seq_len, masked)
         if key not in self._default_costs:
-            try:
-                from lazytrain.spec.cost import CostModel
-                from lazytrain.spec.hardware import HardwareSpec
-            except ImportError:  # the cost model is optional for the executor
-                self._default_costs[key] = None
-            else:
-                workload = Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype], masked)
-                hardware = getattr(self.cost, "hardware", None) or HardwareSpec.load("emulated")  # its kernels
-                self._default_costs[key] = CostModel(self.spec, hardware, workload,
-                                                     head_chunk_tokens=self.head_chunk_tokens)
+            workload = Workload(batch, seq_len, DTYPE_NAMES[self.compute_dtype], masked)
+            hardware = self.cost.hardware if self.cost is not None else HardwareSpec.load("emulated")  # its kernels
+            self._default_costs[key] = CostModel(self.spec, hardware, workload,
+                                                 head_chunk_tokens=self.head_chunk_tokens)
         return self._default_costs[key]
 
     def predicted_peak_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> int:
