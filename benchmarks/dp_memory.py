@@ -106,15 +106,15 @@ def arena_peak(metrics: Path) -> int:
 
 
 def reduce_bytes(model: str, dtype: str) -> int:
-    """What a rank of 2 allocates to sum gradients into their owners (module docstring): 2 pooled landing buffers
-    of the largest streamed group in the compute dtype, and (bf16) an fp32 transient of it."""
+    """What a rank of 2 allocates to sum gradients into their owners (module docstring): the runtime's own count,
+    `rank_reduce_bytes`."""
+    from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
     from lazytrain.plan.planner import model_spec
-    from lazytrain.spec.model import ModelSpec
+    from lazytrain.spec.topology import Topology, rank_reduce_bytes
 
     spec = ModelSpec.from_config(MEDIUM, name="medium") if model == "medium" else model_spec(model)
-    largest = max(*spec.layer_params, spec.head_params)
-    c = 4 if dtype == "fp32" else 2
-    return 2 * largest * c + (4 * largest if c != 4 else 0)
+    cost = CostModel(spec, HardwareSpec.load("emulated"), Workload(2, 64, dtype))
+    return sum(rank_reduce_bytes(cost, Topology(world_size=2)).values())
 
 
 def run(model: str, mode: str, dtype: str, ranks: int, pythonpath: str, trace: Path | None = None

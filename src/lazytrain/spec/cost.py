@@ -80,6 +80,7 @@ EAGER_SAVED_BYTES = {4: 4, 2: 6}  # of which saved through the layer's backward:
 NORM_BACKWARD_BYTES, HYBRID_NORM_BACKWARD_BYTES = 26, 28
 ATTN_BACKWARD_Q = 3
 HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
+LOSS_BYTES = 4  # the step's fp32 loss (runtime/hf.py StepConstants.loss)
 
 
 def sdpa_gets_mask(kind: str, seq_len: int, window: int | None, masked: bool) -> bool:
@@ -90,9 +91,6 @@ def sdpa_gets_mask(kind: str, seq_len: int, window: int | None, masked: bool) ->
     if kind == "linear_attention":
         return False
     return masked or (kind == "sliding_attention" and window is not None and seq_len >= window)
-
-
-LOSS_BYTES = 4  # the step's fp32 loss (runtime/hf.py StepConstants.loss)
 
 
 def step_constant_bytes(kinds: Iterable[str], batch: int, seq_len: int, dtype_bytes: int, rotary_dim: int, *,
@@ -113,6 +111,8 @@ def step_constant_bytes(kinds: Iterable[str], batch: int, seq_len: int, dtype_by
         elif sdpa_gets_mask(kind, seq_len, window, masked):
             total += seq_len * seq_len
     return total
+
+
 MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
 

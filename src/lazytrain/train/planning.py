@@ -157,6 +157,7 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         executor = Executor(model, keep_all, probe_device, compute_dtype=dtype)
         if kind == "cpu":
             _check_probe_fits(executor, workload)
+
         def probe() -> StepStats:
             executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
             return executor.last_step
