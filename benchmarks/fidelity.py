@@ -10,7 +10,8 @@ the same machine. Reported:
 - measured step (the trainer's `step_s`) vs the prediction, and the executor's wall time within it;
 - sim(run): each step's program replayed by the simulator with every op's own measured seconds (compute ops,
   link jobs, optimizer-lane jobs) against the executor's wall: the program's structure, apart from the cost
-  model's seconds (robust to load);
+  model's seconds (robust to load); its residue (~1%) is the executor's Python between ops, which the
+  calibration spreads over the compute ops (runtime/calibrate.py), so the prediction can come closer;
 - per op kind, seconds per step: measured in the run, measured in the probe (same rounds), and the cost model's
   (the calibration): where run and probe part, the calibration cannot see it; where probe and model part, the
   calibration missed.

@@ -6,10 +6,14 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+import torch
+import transformers
 
+from lazytrain import EmulatedDevice, Executor
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
+from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.runtime import calibrate as calibration
 from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, probe_steps, quantize_s
 from lazytrain.spec.cost import CostModel
@@ -26,6 +30,8 @@ class Stats:  # the fields of runtime.executor.StepStats calibration reads
     head_s: float
     wall_s: float = 1.0
     recompute_s: list[float] = field(default_factory=list)
+    stall_s: dict[str, float] = field(default_factory=dict)
+    timeline: list[tuple[str, str, float, float]] = field(default_factory=list)
 
 
 def test_quantize_is_a_grid_within_half_a_step() -> None:
@@ -123,3 +129,65 @@ def test_probe_steps_take_a_floor_of_seconds_after_a_warm_up(monkeypatch, step_s
     assert steps == list(range(1, expected + 1))  # step 0, the warm-up, is not among them
     assert expected == max(calibration.PROBE_MIN_STEPS,
                            min(calibration.PROBE_MAX_STEPS, -(-calibration.PROBE_MIN_S // step_s)))
+
+
+def _land_timeline(cost: CostModel, rng: random.Random) -> list[tuple[str, str, float, float]]:
+    """A step's host-lane jobs: one "land j" per layer and the head, and the embedding's, of random seconds."""
+    names = [f"land {j}" for j in range(cost.num_layers + 1)] + ["embedding 0"]
+    return [("optimizer", name, 1.0, 1.0 + rng.uniform(1e-4, 5e-3)) for name in names]
+
+
+def test_the_host_lanes_landings_set_the_rate_the_simulator_times_them_at() -> None:
+    """The land and embedding ops' measured seconds -> grad_accumulate_gbps, at which the cost model's seconds for
+    those ops add up to the measured ones (to the quantum); steps without them keep the hardware's rate."""
+    cost, rng = _cost(), random.Random(5)
+    steps = _noisy_steps(cost, 4, 0.0)
+    for s in steps:
+        s.timeline = _land_timeline(cost, rng)
+    out = calibrate(cost, steps)
+    per_step = sorted(sum(end - start for lane, _, start, end in s.timeline if lane == "optimizer") for s in steps)
+    modelled = sum(out.accumulate_s) + out.head_accumulate_s + out.embedding_accumulate_s
+    # one rate for every step's bytes: the median step's seconds (the bytes are the same each step)
+    assert modelled == pytest.approx(per_step[1], rel=QUANTUM)
+    assert out.hardware.grad_accumulate_gbps != cost.hardware.grad_accumulate_gbps
+    assert calibrate(cost, _noisy_steps(cost, 4, 0.0)).hardware == cost.hardware
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.1, 0.3])
+def test_seconds_between_compute_ops_are_spread_over_them(gap: float) -> None:
+    """The wall clock less the compute ops and the stalls, as a fraction of the compute, scales every compute
+    figure; a step whose stalls and compute fill its wall (or a step without a timeline) scales nothing."""
+    cost, rng = _cost(), random.Random(6)
+    steps = _noisy_steps(cost, 5, 0.0)
+    for s in steps:
+        ops = [*s.forward_s, *s.backward_s, s.head_s]
+        s.timeline = [("compute", f"op {k}", 0.0, t) for k, t in enumerate(ops)]
+        s.stall_s = {"h2d": rng.uniform(0.0, 0.05), "optimizer": rng.uniform(0.0, 0.01)}
+        s.wall_s = (1 + gap) * sum(ops) + sum(s.stall_s.values())
+    out, plain = calibrate(cost, steps), calibrate(cost, _noisy_steps(cost, 5, 0.0))
+    for a, b in ((out.forward_s[0], plain.forward_s[0]), (out.backward_s[0], plain.backward_s[0]),
+                 (out.head_s, plain.head_s)):
+        assert a == pytest.approx((1 + gap) * b, rel=QUANTUM)
+
+
+def test_an_executors_steps_calibrate_its_host_lane() -> None:
+    """The executor's own timeline: its land and embedding jobs are found by name, and the calibrated model's seconds
+    for them add up to what the steps measured."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 512, (2, 32))
+    cost = CostModel(spec_of(model), HardwareSpec.load("emulated"), Workload(2, 32, "fp32"), executor_layout=True)
+    probe = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(), cost=cost)
+    steps = []
+    for _ in range(3):
+        probe.forward_backward(ids, ids)
+        model.zero_grad(set_to_none=True)
+        steps.append(probe.last_step)
+    out = calibrate(cost, steps)
+    landed = sorted(sum(end - start for lane, name, start, end in s.timeline
+                        if lane == "optimizer" and name.split()[0] in ("land", "embedding")) for s in steps)
+    assert landed[1] > 0
+    modelled = sum(out.accumulate_s) + out.head_accumulate_s + out.embedding_accumulate_s
+    assert modelled == pytest.approx(landed[1], rel=QUANTUM)

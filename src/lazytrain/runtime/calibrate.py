@@ -8,6 +8,14 @@ kind and size (they run the same kernels: pooling cuts the noise of a shared mac
 to a geometric grid of `QUANTUM` (4 %) steps. Plans are solved from these numbers, so the same command on the
 same machine gives the same plan, while a real change of more than a few percent still moves the model.
 
+Two more figures come from the same steps, so the simulator replays the step the executor runs, not only its ops:
+- the host lane's gradient landings ("land j", "embedding": the group's squared norm, its accumulation, the
+  embedding's backward; on the optimizer lane) set `grad_accumulate_gbps`. A microbenchmark's add rate timed them
+  at 1 ms a step where the default job's measured 27 ms (docs/benchmarks.md).
+- the executor's own seconds between compute ops (the program's bookkeeping, allocations, waits' wake-ups: the
+  wall clock less the compute ops and the stalls, ~1 % of a step on the emulated device) are spread over the
+  compute ops, which the simulator runs back to back.
+
 On CUDA the per-op times are CUDA-event times of the compute stream; until those are in, a device whose
 per-layer timers see asynchronous launches passes `scale_flops=True`: the FLOP estimate scaled by the
 measured step time instead.
@@ -78,23 +86,59 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
     L = cost.num_layers
     if any(len(s.forward_s) != L for s in steps):
         raise LazyTrainError(f"calibrate: the steps measured {len(steps[0].forward_s)} layers, the model has {L}")
+    host: dict[str, float] = {}
     if optimizer_s is not None:
         if not optimizer_s > 0:
             raise LazyTrainError(f"calibrate: optimizer seconds must be > 0, got {optimizer_s}")
         rate = quantize_s(cost.spec.num_params / optimizer_s / 1e9)  # Gparams/s of this optimizer
-        hardware = cost.hardware.with_overrides(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
-        cost = rebuilt(cost, hardware)
+        host.update(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
+    landing = _landing_gbps(cost, steps)
+    if landing is not None:
+        host.update(grad_accumulate_gbps=quantize_s(landing))
+    if host:
+        cost = rebuilt(cost, cost.hardware.with_overrides(**host))
     if scale_flops:  # asynchronous timers: keep the FLOP shape, scale it to the measured step
         keep_all = Plan(tiers=("gpu",) * (L + 1), model_fingerprint=cost.spec.fingerprint())
         flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
         k = quantize_s(statistics.median(s.wall_s for s in steps) / flop_step_s)
         return cost.with_times(forward_s=[k * t for t in cost.forward_s], backward_s=[k * t for t in cost.backward_s],
                                head_s=k * cost.head_s)
-    forward = _pooled(cost, [statistics.median(s.forward_s[j] for s in steps) for j in range(L)])
-    backward = _pooled(cost, [statistics.median(s.backward_s[j] for s in steps) for j in range(L)])
-    head = statistics.median(s.head_s for s in steps)
+    k = 1.0 + _between_ops(steps)
+    forward = _pooled(cost, [k * statistics.median(s.forward_s[j] for s in steps) for j in range(L)])
+    backward = _pooled(cost, [k * statistics.median(s.backward_s[j] for s in steps) for j in range(L)])
+    head = k * statistics.median(s.head_s for s in steps)
     return cost.with_times(forward_s=[quantize_s(t) for t in forward], backward_s=[quantize_s(t) for t in backward],
                            head_s=quantize_s(head))
+
+
+def _landing_gbps(cost: CostModel, steps: Sequence[StepStats]) -> float | None:
+    """GB/s at which the steps' host lane landed gradients: the bytes the cost model charges to their "land j" and
+    "embedding" ops over those ops' measured seconds (median over the steps; None when none ran one)."""
+    L = cost.num_layers
+    rates = []
+    for s in steps:
+        num_bytes = seconds = 0.0
+        for lane, name, start, end in s.timeline:
+            kind, _, target = name.partition(" ")
+            if lane == "optimizer" and kind in ("land", "embedding"):
+                j = int(target)
+                num_bytes += (cost.embedding_grad_bytes if kind == "embedding" else cost.head_grad_bytes if j == L
+                              else cost.grad_bytes[j])
+                seconds += end - start
+        if num_bytes > 0 and seconds > 0:
+            rates.append(num_bytes / seconds / 1e9)
+    return statistics.median(rates) if rates else None
+
+
+def _between_ops(steps: Sequence[StepStats]) -> float:
+    """The median fraction of the steps' compute seconds the executor spent between compute ops: the wall clock less
+    the compute ops and the stalls (0 for steps without a timeline)."""
+    fractions = []
+    for s in steps:
+        compute = sum(end - start for lane, _, start, end in s.timeline if lane == "compute")
+        if compute > 0:
+            fractions.append(max(0.0, s.wall_s - compute - sum(s.stall_s.values())) / compute)
+    return statistics.median(fractions) if fractions else 0.0
 
 
 def rebuilt(cost: CostModel, hardware: HardwareSpec) -> CostModel:

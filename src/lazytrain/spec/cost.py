@@ -170,6 +170,7 @@ class CostModel:
         self.grad_bytes = list(self.param_bytes)
         self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
         self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
+        self.embedding_grad_bytes = spec.embedding_params * dtype_bytes  # landed on the host (op "embedding")
         self.working_bytes = [self._layer_working_bytes(j) for j in range(L)]
         # a kept layer's graph (Plan.kept_layers): the saved tensors its forward with autograd leaves, less its
         # output -- the working set of the MLP's backward without the largest weight gradient and the backward's
@@ -198,7 +199,7 @@ class CostModel:
         acc_rate = _rate(hardware.grad_accumulate_gbps)
         self.accumulate_s = [b / acc_rate for b in self.grad_bytes]
         self.head_accumulate_s = self.head_grad_bytes / acc_rate
-        self.embedding_accumulate_s = spec.embedding_params * dtype_bytes / acc_rate
+        self.embedding_accumulate_s = self.embedding_grad_bytes / acc_rate
         self.constant_device_bytes = self._constant_bytes()
 
         # ---- link rates -------------------------------------------------------------------------
