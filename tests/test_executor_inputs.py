@@ -62,9 +62,12 @@ def test_four_micro_batches_of_two_equal_one_of_eight(inner, kind, seed) -> None
     n = num_label_tokens(labels)
     losses = [ex.forward_backward(ids[i:i + 2], labels[i:i + 2], num_tokens=n, last_micro_batch=i == 6)
               for i in range(0, 8, 2)]
-    assert_matches(model, sum(float(v) for v in losses), ref_loss, ref_grads, tol=1e-6)
+    # fp32 sums in another order: 2e-6, because Qwen2's k_proj bias gradient is the small residue of terms that
+    # cancel (the bias's part the softmax cannot see; RoPE rotates the rest), so its relative error reached
+    # 1.17e-6 over 60 draws (all-gpu and mixed plans, seeds 0-29) where every other parameter stayed <= 4.2e-7
+    assert_matches(model, sum(float(v) for v in losses), ref_loss, ref_grads, tol=2e-6)
     assert_matches(model, sum(float(v) for v in losses), ref_loss,
-                   {n: p.grad for n, p in whole.named_parameters()}, tol=1e-6)
+                   {n: p.grad for n, p in whole.named_parameters()}, tol=2e-6)
 
 
 def test_a_micro_batch_without_labels_adds_nothing() -> None:
