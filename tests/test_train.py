@@ -175,14 +175,14 @@ def test_eager_attention_masks_are_planned_for(tmp_path):
 
 
 def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
-    """The optimizer's calibration steps run with the probe device's link threads alive, as the run's own are while
-    it trains: with them (and their OpenMP teams) gone, libgomp spins at every barrier, and on a shared machine the
-    optimizer step measured 50x slower than it runs (docs/benchmarks.md)."""
+    """The serial optimizer's calibration steps run with the probe device's link threads alive, as the run's own
+    are while it trains: with them (and their OpenMP teams) gone, libgomp spins at every barrier, and on a shared
+    machine the optimizer step measured 50x slower than it runs (docs/benchmarks.md)."""
     from lazytrain.train import planning
     from lazytrain.train.build import build_model, model_source
     from lazytrain.train.data import load_data
 
-    cfg = job(**GOLDEN_CONFIG)
+    cfg = job(**GOLDEN_CONFIG, optimizer_mode="serial")
     data = load_data(cfg)
     model = build_model(data.job, model_source(data.job, data.vocab_size))
     alive = []
@@ -201,6 +201,32 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
     for link in devices[0].links.values():  # closed once calibrated
         link._thread.join(timeout=60)
         assert not link._thread.is_alive()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit"])
+def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkeypatch, optimizer):
+    """Overlap mode times the update where the run runs it, on the next probe step's optimizer lane under its
+    forward: the calibrated optimizer's seconds are those measured there, no serial step runs, and the weights do not
+    move (learning rate 0, weight decay on)."""
+    from lazytrain.runtime.calibrate import QUANTUM
+    from lazytrain.train import planning
+    from lazytrain.train.build import build_model, model_source
+    from lazytrain.train.data import load_data
+
+    cfg = job(**GOLDEN_CONFIG, optimizer=optimizer, weight_decay=0.1)
+    assert cfg.optim.optimizer_mode == "overlap"
+    data = load_data(cfg)
+    model = build_model(data.job, model_source(data.job, data.vocab_size))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    measured = []
+    timed = planning.overlapped_update_s
+    monkeypatch.setattr(planning, "overlapped_update_s", lambda *a: measured.append(timed(*a)) or measured[-1])
+    monkeypatch.setattr(planning, "optimizer_step", lambda *a, **k: pytest.fail("a serial optimizer step ran"))
+    cost = planning.calibrated_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
+    assert len(measured) == 1 and measured[0] > 0
+    assert cost.total_optimizer_s == pytest.approx(measured[0], rel=QUANTUM)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path, capsys):

@@ -15,7 +15,9 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -40,7 +42,7 @@ from lazytrain.spec.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 from lazytrain.spec.workload import Workload
 from lazytrain.train.build import build_device, build_hardware, workload_of
 from lazytrain.train.data import cache_dir
-from lazytrain.train.optimizer import build_optimizer, optimizer_step
+from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
@@ -142,8 +144,10 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     Steps of an all-`gpu` plan on an uncapped, unthrottled device of the same kind time every layer's
     forward and backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps
     and 5 s of them: `probe_steps`);
-    five steps of a throwaway optimizer of the run's kind at learning rate 0 time the host update (the same
-    work; the weights do not move, so no copy of them is needed); `lazytrain.runtime.calibrate` turns them
+    a throwaway optimizer of the run's kind at learning rate 0 times the host update (the same work; the weights
+    do not move, so no copy of them is needed): five serial steps, or in overlap mode four more probe steps that
+    each run the previous one's update on their optimizer lane (`overlapped_update_s`);
+    `lazytrain.runtime.calibrate` turns them
     into the CostModel. On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
     estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
     `workload.masked`: the run's batches carry an attention mask or position ids, whose device bytes (per-row
@@ -175,11 +179,17 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         optimizer = build_optimizer(job, model)
         for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
             group["lr"] = 0.0
-        samples = []
-        for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
-            t0 = time.perf_counter()
-            optimizer_step(job, optimizer, executor, grad_norm=executor.last_step.grad_norm)
-            samples.append(time.perf_counter() - t0)
+        if job.optim.optimizer_mode == "overlap":
+            optimizer_s = overlapped_update_s(job, optimizer, executor, probe)
+        else:
+            samples = []
+            for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
+                t0 = time.perf_counter()
+                optimizer_step(job, optimizer, executor, grad_norm=executor.last_step.grad_norm)
+                samples.append(time.perf_counter() - t0)
+            # the fastest: a shared machine's interference only ever adds time (their medians moved 60x run to run
+            # under load; docs/reliability.md)
+            optimizer_s = min(samples[1:])
         del optimizer
     finally:
         probe_device.close()
@@ -188,9 +198,24 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     cost = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[job.optim.optimizer],
                      **planner.host_layout(job)).with_device_constants(constant_bytes)
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
-    # the fastest of the later samples: a shared machine's interference only ever adds time (their medians moved
-    # 60x run to run under load; docs/reliability.md)
-    return calibrate(cost, steps, optimizer_s=min(samples[1:]), scale_flops=kind == "cuda")
+    return calibrate(cost, steps, optimizer_s=optimizer_s, scale_flops=kind == "cuda")
+
+
+def overlapped_update_s(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor,
+                        probe: Callable[[], StepStats]) -> float:
+    """Seconds of one whole optimizer step as the overlap mode runs it: each group's update on the optimizer lane
+    under the next step's forward, where it shares the host with that step (timed alone, the default job's updates
+    took 23 ms a step where the run's took 39: docs/benchmarks.md). Four probe steps each run the previous one's
+    update (`Executor.defer_update`, at the learning rate 0 of `optimizer`); the first allocates and first-touches
+    the states; the median over the later three of their "update" ops' seconds."""
+    groups = executor_param_groups(optimizer, executor)
+    totals = []
+    for _ in range(4):
+        executor.defer_update(group_update(job, optimizer, groups, executor.last_step.grad_norm or 0.0, lr=0.0))
+        stats = probe()
+        totals.append(sum(end - start for lane, name, start, end in stats.timeline
+                          if lane == "optimizer" and name.startswith("update ")))
+    return statistics.median(totals[1:])
 
 
 def _check_probe_fits(executor: Executor, workload: Workload) -> None:
