@@ -14,6 +14,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import Plan, spec_of
+from lazytrain.plan.sim import simulate
 from lazytrain.runtime import calibrate as calibration
 from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, probe_steps, quantize_s
 from lazytrain.spec.cost import CostModel
@@ -191,3 +192,20 @@ def test_an_executors_steps_calibrate_its_host_lane() -> None:
     assert landed[1] > 0
     modelled = sum(out.accumulate_s) + out.head_accumulate_s + out.embedding_accumulate_s
     assert modelled == pytest.approx(landed[1], rel=QUANTUM)
+
+
+def test_asynchronous_timers_scale_the_flop_estimate_to_the_steps_compute() -> None:
+    """scale_flops (CUDA until per-op events are in): the FLOP shape scaled so that the simulator's compute on an
+    all-`gpu` plan is the steps' wall clock less their stalls (a lane the step waited on, e.g. an overlapped update,
+    is the simulator's to time, not compute)."""
+    cost, rng = _cost(), random.Random(8)
+    L = cost.num_layers
+    keep_all = Plan(tiers=("gpu",) * (L + 1), model_fingerprint=cost.spec.fingerprint())
+    compute = simulate(keep_all, cost, optimizer_mode="serial").compute_s
+    steps = _noisy_steps(cost, 6, 0.0)
+    for s in steps:
+        s.stall_s = {"h2d": rng.uniform(0.0, compute), "optimizer": rng.uniform(0.0, compute)}
+        s.wall_s = 3.0 * compute + sum(s.stall_s.values())
+    out = calibrate(cost, steps, scale_flops=True)
+    assert simulate(keep_all, out, optimizer_mode="serial").compute_s == pytest.approx(3.0 * compute, rel=QUANTUM)
+    assert out.forward_s[0] / out.backward_s[0] == pytest.approx(cost.forward_s[0] / cost.backward_s[0])

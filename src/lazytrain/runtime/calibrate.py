@@ -97,10 +97,11 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
         host.update(grad_accumulate_gbps=quantize_s(landing))
     if host:
         cost = rebuilt(cost, cost.hardware.with_overrides(**host))
-    if scale_flops:  # asynchronous timers: keep the FLOP shape, scale it to the measured step
+    if scale_flops:  # asynchronous timers: keep the FLOP shape, scale it to the measured step's compute (its wall
+        # clock less its stalls: a lane the step waited on, e.g. an overlapped update, is the simulator's to time)
         keep_all = Plan(tiers=("gpu",) * (L + 1), model_fingerprint=cost.spec.fingerprint())
-        flop_step_s = simulate(keep_all, cost, optimizer_mode="serial").step_s - cost.total_optimizer_s
-        k = quantize_s(statistics.median(s.wall_s for s in steps) / flop_step_s)
+        flop_compute_s = simulate(keep_all, cost, optimizer_mode="serial").compute_s
+        k = quantize_s(statistics.median(s.wall_s - sum(s.stall_s.values()) for s in steps) / flop_compute_s)
         return cost.with_times(forward_s=[k * t for t in cost.forward_s], backward_s=[k * t for t in cost.backward_s],
                                head_s=k * cost.head_s)
     k = 1.0 + _between_ops(steps)

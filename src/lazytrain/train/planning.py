@@ -17,7 +17,6 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -145,8 +144,9 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
     forward and backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps
     and 5 s of them: `probe_steps`);
     a throwaway optimizer of the run's kind at learning rate 0 times the host update (the same work; the weights
-    do not move, so no copy of them is needed): five serial steps, or in overlap mode four more probe steps that
-    each run the previous one's update on their optimizer lane (`overlapped_update_s`);
+    do not move, so no copy of them is needed): in overlap mode each probe step runs the previous one's update on
+    its optimizer lane under its forward, as the run does (so the compute is timed beside it too: alone, the
+    default job's updates took 23 ms a step where the run's took 39); in serial mode five steps after the probe.
     `lazytrain.runtime.calibrate` turns them
     into the CostModel. On CUDA the executor's per-layer timers see asynchronous launches, so there the FLOP
     estimate is scaled by the measured step time instead. Link rates are the configured (emulated) ones.
@@ -162,7 +162,21 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         if kind == "cpu":
             _check_probe_fits(executor, workload)
 
+        # The optimizer is timed while the probe device's link threads live, as the run's own do while it trains:
+        # each link thread that ran torch ops owns an OpenMP team, and libgomp spins long at a barrier only while
+        # the process has no more OpenMP threads than CPUs. With the teams gone, on a shared machine every barrier
+        # of the optimizer's short parallel regions spins out a time slice while its partner is descheduled: the
+        # default job's optimizer step measured 1.5-4 s instead of 0.03 s (docs/benchmarks.md).
+        optimizer = build_optimizer(job, model)
+        for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
+            group["lr"] = 0.0
+        overlap = job.optim.optimizer_mode == "overlap"
+        groups = executor_param_groups(optimizer, executor)
+
         def probe() -> StepStats:
+            last = executor.last_step
+            if overlap and last is not None:  # as the run: the last step's update on this one's optimizer lane
+                executor.defer_update(group_update(job, optimizer, groups, last.grad_norm or 0.0, lr=0.0))
             executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
             return executor.last_step
 
@@ -170,17 +184,9 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
         constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len,
                                                masked=workload.masked).constant_bytes
-
-        # Timed while the probe device's link threads live, as the run's own do while it trains: each link thread
-        # that ran torch ops owns an OpenMP team, and libgomp spins long at a barrier only while the process has
-        # no more OpenMP threads than CPUs. With the teams gone, on a shared machine every barrier of the
-        # optimizer's short parallel regions spins out a time slice while its partner is descheduled: the default
-        # job's optimizer step measured 1.5-4 s instead of 0.03 s (docs/benchmarks.md).
-        optimizer = build_optimizer(job, model)
-        for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
-            group["lr"] = 0.0
-        if job.optim.optimizer_mode == "overlap":
-            optimizer_s = overlapped_update_s(job, optimizer, executor, probe)
+        if overlap:  # the updates' seconds on the lane (the first measured step's also first-touches the states)
+            optimizer_s = statistics.median(sum(end - start for lane, name, start, end in s.timeline
+                                                if lane == "optimizer" and name.startswith("update ")) for s in steps)
         else:
             samples = []
             for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
@@ -190,7 +196,6 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
             # the fastest: a shared machine's interference only ever adds time (their medians moved 60x run to run
             # under load; docs/reliability.md)
             optimizer_s = min(samples[1:])
-        del optimizer
     finally:
         probe_device.close()
     model.zero_grad(set_to_none=True)
@@ -199,23 +204,6 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
                      **planner.host_layout(job)).with_device_constants(constant_bytes)
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
     return calibrate(cost, steps, optimizer_s=optimizer_s, scale_flops=kind == "cuda")
-
-
-def overlapped_update_s(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor,
-                        probe: Callable[[], StepStats]) -> float:
-    """Seconds of one whole optimizer step as the overlap mode runs it: each group's update on the optimizer lane
-    under the next step's forward, where it shares the host with that step (timed alone, the default job's updates
-    took 23 ms a step where the run's took 39: docs/benchmarks.md). Four probe steps each run the previous one's
-    update (`Executor.defer_update`, at the learning rate 0 of `optimizer`); the first allocates and first-touches
-    the states; the median over the later three of their "update" ops' seconds."""
-    groups = executor_param_groups(optimizer, executor)
-    totals = []
-    for _ in range(4):
-        executor.defer_update(group_update(job, optimizer, groups, executor.last_step.grad_norm or 0.0, lr=0.0))
-        stats = probe()
-        totals.append(sum(end - start for lane, name, start, end in stats.timeline
-                          if lane == "optimizer" and name.startswith("update ")))
-    return statistics.median(totals[1:])
 
 
 def _check_probe_fits(executor: Executor, workload: Workload) -> None:
