@@ -131,12 +131,19 @@ def _landing_gbps(cost: CostModel, steps: Sequence[StepStats]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def lane_seconds(step: StepStats, lane: str, kinds: tuple[str, ...] | None = None) -> float:
+    """Seconds a measured step's ops on `lane` took (those of the given op kinds -- "update", "land", ... -- only),
+    summed from its timeline."""
+    return sum(end - start for on, name, start, end in step.timeline
+               if on == lane and (kinds is None or name.partition(" ")[0] in kinds))
+
+
 def _between_ops(steps: Sequence[StepStats]) -> float:
     """The median fraction of the steps' compute seconds the executor spent between compute ops: the wall clock less
     the compute ops and the stalls (0 for steps without a timeline)."""
     fractions = []
     for s in steps:
-        compute = sum(end - start for lane, _, start, end in s.timeline if lane == "compute")
+        compute = lane_seconds(s, "compute")
         if compute > 0:
             fractions.append(max(0.0, s.wall_s - compute - sum(s.stall_s.values())) / compute)
     return statistics.median(fractions) if fractions else 0.0

@@ -32,7 +32,7 @@ from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.ranks import topology_of
 from lazytrain.plan.rules import evaluate_tiers
 from lazytrain.plan.sim import SimResult, simulate
-from lazytrain.runtime.calibrate import calibrate, calibrate_links, probe_steps
+from lazytrain.runtime.calibrate import calibrate, calibrate_links, lane_seconds, probe_steps
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.replan import Replanner
 from lazytrain.spec.cost import CostModel
@@ -185,8 +185,7 @@ def calibrated_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload:
         constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len,
                                                masked=workload.masked).constant_bytes
         if overlap:  # the updates' seconds on the lane (the first measured step's also first-touches the states)
-            optimizer_s = statistics.median(sum(end - start for lane, name, start, end in s.timeline
-                                                if lane == "optimizer" and name.startswith("update ")) for s in steps)
+            optimizer_s = statistics.median(lane_seconds(s, "optimizer", ("update",)) for s in steps)
         else:
             samples = []
             for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
