@@ -4,6 +4,7 @@ process with the same global batch, step by step (losses, gradient norms) and in
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -183,7 +184,9 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     # rank 0 writes the export and the trainer state: rank 1 logs under rank-1/ and makes no checkpoint of its own
     assert not list((two / "rank-1").glob("checkpoint-*"))
     assert _rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
-    assert (two / "loss.png").exists() and not (two / "rank-1" / "loss.png").exists()  # the same losses: one plot
+    # the same losses: one plot, by rank 0 (with the viz extra; the README's `.[test]` install has no matplotlib)
+    assert (two / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    assert not (two / "rank-1" / "loss.png").exists()
 
 
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
