@@ -20,12 +20,12 @@ import argparse
 import itertools
 import time
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.sim import simulate
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 
 # reference §4: MegaTrain, fixed interval 4, DeepSpeed CPUAdam, H800, seq 1024
 ROWS = [  # model, batch, TFLOPS, GPU GB, CPU GB, tok/s

@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, Plan, Workload
-from lazytrain.spec.model import ModelSpec
+from lazytrain.costmodel.model import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402 - the tests' tiny models of every family

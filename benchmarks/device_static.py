@@ -19,16 +19,16 @@ import sys
 import time
 
 from lazytrain.config import load_job_config
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import TIERS
 from lazytrain.plan.planner import admitted, largest_feasible_batch
 from lazytrain.plan.sim import simulate
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 
 GB = 10**9
 GiB = 2**30

@@ -18,7 +18,7 @@ the emulated device's memory, which is this process's heap here (on a GPU node i
 the arena's peak, the highest `peak_device_bytes` of the process's metrics rows (a lower bound: the heap
 keeps ~30 MiB of fragmentation besides, `keep_host_memory`); and each rank's buffers to sum gradients into
 their owners (two pooled landing buffers of the largest group, an fp32 transient of it for bf16 gradients:
-`spec/topology.py rank_reduce_bytes`, which is what `Executor.keep_gradients` and `OwnerGrads` allocate). So
+`costmodel/topology.py rank_reduce_bytes`, which is what `Executor.keep_gradients` and `OwnerGrads` allocate). So
 beside the formula above ("as host"), it prints the same ratio of the host memory without the emulated
 devices' arenas ("GPU node": each run's peak minus its processes' arena peaks, the debug overhead likewise),
 and the per-rank overhead with its parts. Each run's peak summed Pss less file pages (Pss_File: the shared
@@ -109,8 +109,8 @@ def reduce_bytes(model: str, dtype: str) -> int:
     """What a rank of 2 allocates to sum gradients into their owners (module docstring): the runtime's own count,
     `rank_reduce_bytes`."""
     from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
+    from lazytrain.costmodel.topology import Topology, rank_reduce_bytes
     from lazytrain.plan.planner import model_spec
-    from lazytrain.spec.topology import Topology, rank_reduce_bytes
 
     spec = ModelSpec.from_config(MEDIUM, name="medium") if model == "medium" else model_spec(model)
     cost = CostModel(spec, HardwareSpec.load("emulated"), Workload(2, 64, dtype))

@@ -36,13 +36,13 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.topology import REDUCE_DTYPE_BYTES, Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.plan.schedule import Shapes, build_program
 from lazytrain.plan.sim import step_seconds
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.topology import REDUCE_DTYPE_BYTES, Topology
-from lazytrain.spec.workload import Workload
 
 MEDIUM = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
           "max_position_embeddings": 512, "vocab_size": 512, "tie_word_embeddings": False, "rope_theta": 10000.0,

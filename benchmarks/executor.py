@@ -8,7 +8,7 @@
     python benchmarks/executor.py --only c
     python benchmarks/executor.py --threads 1   # one torch thread: steadier timings on a shared machine
 
-The simulator gets a CostModel (lazytrain.spec.cost) whose per-layer compute seconds are measured by the
+The simulator gets a CostModel (lazytrain.costmodel.cost) whose per-layer compute seconds are measured by the
 executor itself (StepStats.forward_s / backward_s / head_s), because on a shared 2-core CPU compute
 time drifts with load: all plans run round-robin so they see the same machine.
 """

@@ -45,13 +45,13 @@ import torch
 
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
 from lazytrain.config import load_job_config
+from lazytrain.costmodel.hardware import resolve_dtype
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.schedule import Op, StepProgram
 from lazytrain.plan.sim import op_seconds, simulate, step_seconds
 from lazytrain.runtime.calibrate import calibrate, probe_steps, rebuilt
 from lazytrain.runtime.executor import StepStats
-from lazytrain.spec.hardware import resolve_dtype
 from lazytrain.train.build import build_device, build_executor, build_model, fit_device_cap, model_source
 from lazytrain.train.data import load_data
 from lazytrain.train.metrics import MetricsLog

@@ -29,6 +29,10 @@ from pathlib import Path
 
 import torch
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim import Hybrid8bitAdamW
 from lazytrain.plan.budgets import Budgets
@@ -39,10 +43,6 @@ from lazytrain.runtime.calibrate import calibrate
 from lazytrain.runtime.device import CudaDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.weights import built_spec, meta_model, resolve_model
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 from lazytrain.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -42,10 +42,10 @@ MEASURE = textwrap.dedent("""
     from lazytrain import EmulatedDevice, Executor, Plan
     from lazytrain.config import load_job_config
     from lazytrain.optim import Hybrid8bitAdamW
-    from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
-    from lazytrain.spec.model import ModelSpec
-    from lazytrain.spec.workload import Workload
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
+    from lazytrain.costmodel.model import ModelSpec
+    from lazytrain.costmodel.workload import Workload
     from lazytrain.train.optimizer import optimizer_step
 
     config_values, dtype, master, steps, accumulation = (json.loads(sys.argv[1]), sys.argv[2], sys.argv[3],

@@ -39,10 +39,10 @@ MEASURE = textwrap.dedent("""
     import json, resource, sys, threading, time
     import torch, transformers
     from lazytrain.runtime.weights import load_model, resolve_model, meta_model
-    from lazytrain.spec.model import ModelSpec
-    from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
-    from lazytrain.spec.workload import Workload
+    from lazytrain.costmodel.model import ModelSpec
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
+    from lazytrain.costmodel.workload import Workload
 
     def status():
         fields = dict(line.split(":", 1) for line in open("/proc/self/status"))

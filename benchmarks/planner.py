@@ -23,6 +23,11 @@ import time
 from typing import Any
 
 from lazytrain.config import load_job_config
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import PRESET_DIR, ModelSpec
+from lazytrain.costmodel.topology import Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
@@ -30,11 +35,6 @@ from lazytrain.plan.plan import TIERS, SolveReport
 from lazytrain.plan.planner import admitted, largest_feasible_batch
 from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.plan.sim import simulate
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import PRESET_DIR, ModelSpec
-from lazytrain.spec.topology import Topology
-from lazytrain.spec.workload import Workload
 
 GB = 10**9
 PAPER_BUDGETS = Budgets(gpu_mem_cap_bytes=70 * GB, cpu_act_bytes=15 * GB, nvme_act_bytes=32 * GB)

@@ -7,13 +7,13 @@ import re
 
 import pytest
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import admit, device_floor_bytes
 from lazytrain.plan.budgets import Budgets
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 from lazytrain.units import parse_bytes
 
 RNG = random.Random(20261202)

@@ -10,6 +10,11 @@ import torch
 import transformers
 
 from lazytrain import EmulatedDevice, Executor
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.topology import Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
@@ -17,11 +22,6 @@ from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.sim import simulate
 from lazytrain.runtime import calibrate as calibration
 from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, probe_steps, quantize_s
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.topology import Topology
-from lazytrain.spec.workload import Workload
 
 
 @dataclass

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from lazytrain.costmodel.cost import CostModel, mean_keys_per_query
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.cost import CostModel, mean_keys_per_query
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 
 RNG = random.Random(20261202)
 FLOP_ONLY = HardwareSpec.load("h800", mem_gbps=math.inf)  # time = FLOPs / rate exactly

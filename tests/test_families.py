@@ -152,7 +152,7 @@ def test_the_docs_table_lists_every_family() -> None:
 
 def test_every_family_is_a_model_spec_family() -> None:
     """The executor's table and the planner's ModelSpec agree on what is supported."""
-    from lazytrain.spec import model as spec_model
+    from lazytrain.costmodel import model as spec_model
 
     assert set(hf.FAMILIES) <= spec_model.SUPPORTED_TYPES
     assert json.dumps(sorted(hf.TEXT_TOWERS)) == json.dumps(sorted(set(hf.TEXT_TOWERS) & spec_model.SUPPORTED_TYPES))

@@ -111,8 +111,8 @@ def test_a_signal_mid_run_saves_a_checkpoint_and_exits_with_one_line(tmp_path, s
     """The step in flight finishes, a complete checkpoint is saved, no spill file remains, exit 128 + signal."""
     out, nvme = tmp_path / "run", tmp_path / "nvme"
     nvme.mkdir()
+    from lazytrain.costmodel.model import ModelSpec
     from lazytrain.plan.plan import Plan
-    from lazytrain.spec.model import ModelSpec
     from lazytrain.train.build import model_source
 
     spec = ModelSpec.from_config(model_source(load_job_config(BASE), 259).config)

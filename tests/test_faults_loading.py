@@ -19,9 +19,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from lazytrain.cli import main
+from lazytrain.costmodel.model import MAX_LAYERS, PRESET_DIR, ModelSpec
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.weights import built_spec, load_model, resolve_model
-from lazytrain.spec.model import MAX_LAYERS, PRESET_DIR, ModelSpec
 
 RNG = random.Random(20261203)
 TRAIN = ["--corpus", "zen", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--eval-batches", "0",

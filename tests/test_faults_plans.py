@@ -10,11 +10,11 @@ import random
 import pytest
 
 from lazytrain.config import COST_OPTIMIZER, load_job_config
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.plan import spec_of
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
 from lazytrain.train import planning
 from lazytrain.train.build import build_model, model_source, workload_of
 

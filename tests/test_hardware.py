@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from lazytrain.costmodel.hardware import PRESETS, HardwareSpec
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.hardware import PRESETS, HardwareSpec
 
 RNG = random.Random(20261202)
 
@@ -92,7 +92,7 @@ def test_available_host_memory_is_capped_by_a_cgroup_limit(monkeypatch) -> None:
     import os
     from pathlib import Path
 
-    import lazytrain.spec.hardware as hardware
+    import lazytrain.costmodel.hardware as hardware
 
     free = hardware.available_host_memory_bytes()
     if free is None:
@@ -111,7 +111,7 @@ def test_available_host_memory_is_capped_by_a_cgroup_limit(monkeypatch) -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_dtype_auto_is_bf16_unless_the_emulated_device_has_no_native_bf16(monkeypatch, native):
-    from lazytrain.spec import hardware
+    from lazytrain.costmodel import hardware
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
     assert hardware.resolve_dtype("auto", emulated=False) == "bf16"  # a GPU computes in bf16 either way

@@ -14,11 +14,11 @@ import torch
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
 from lazytrain.cli import main
 from lazytrain.config import load_job_config
+from lazytrain.costmodel.topology import Topology, node_host_bytes, rank_reduce_bytes
 from lazytrain.distributed import OptimizerShard, OwnerGrads, Ranks
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim import Hybrid8bitAdamW
 from lazytrain.runtime import store
-from lazytrain.spec.topology import Topology, node_host_bytes, rank_reduce_bytes
 from lazytrain.train.optimizer import optimizer_step
 
 RNG = random.Random(20261203)
@@ -178,7 +178,7 @@ def _plan_argv(master: str) -> list[str]:
 def test_plan_and_train_admit_a_7b_fine_tune_by_one_rule(master: str, capsys, monkeypatch) -> None:
     """Qwen2.5-7B with 8-bit states on a 64 GB host: bf16 masters fit, fp32 masters do not, and `lazytrain plan
     --cpu-mem 64GB` says exactly what `lazytrain train` decides on a machine with 64 GB available."""
-    from lazytrain.spec import hardware as hardware_module
+    from lazytrain.costmodel import hardware as hardware_module
     from lazytrain.train.build import check_host_fits
 
     code = main(_plan_argv(master))

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, Plan, Workload
+from lazytrain.costmodel.model import ModelSpec
 from lazytrain.runtime.live_bytes import LiveBytes
-from lazytrain.spec.model import ModelSpec
 
 
 def test_live_bytes_counts_each_storage_once_until_it_is_released() -> None:

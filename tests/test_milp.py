@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
+from lazytrain.costmodel.topology import Topology
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.milp import MilpSolution, PlanningInstance, solve_instance
 from lazytrain.plan.rules import Evaluation, evaluate_objective, evaluate_tiers, rule_tiers
-from lazytrain.spec.topology import Topology
 
 SEED = 20261202
 GB = 1e9

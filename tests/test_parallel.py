@@ -650,8 +650,8 @@ class _SwitchAtStep:
 def _replan_on_ranks(rank: int, world: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
+    from lazytrain.costmodel.model import ModelSpec
     from lazytrain.plan.plan import Plan
-    from lazytrain.spec.model import ModelSpec
     from lazytrain.train.trainer import Trainer
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

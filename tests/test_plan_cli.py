@@ -7,8 +7,8 @@ import json
 import pytest
 
 from lazytrain.cli import main
+from lazytrain.costmodel.model import PRESET_DIR, ModelSpec
 from lazytrain.plan.plan import Plan
-from lazytrain.spec.model import PRESET_DIR, ModelSpec
 
 PAPER = ["plan", "--model", "qwen3.6-27b", "--hardware", "h800", "--batch-size", "72", "--seq-len", "1024",
          "--gpu-mem-cap", "70GB", "--cpu-act-budget", "15GB", "--nvme-act-budget", "32GB"]

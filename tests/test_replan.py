@@ -11,6 +11,10 @@ import torch
 import transformers
 
 from lazytrain import EmulatedDevice, Executor
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import Plan, spec_of
@@ -18,10 +22,6 @@ from lazytrain.plan.sim import simulate
 from lazytrain.runtime.calibrate import calibrate, rebuilt
 from lazytrain.runtime.executor import StepStats
 from lazytrain.runtime.replan import Replanner, Switch
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 
 
 def _cost(h2d_gbps: float = 0.3) -> CostModel:

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.milp import PlanningInstance, instance_from_cost, solve_instance, solve_milp
 from lazytrain.plan.rules import RULES, evaluate_objective, evaluate_tiers, make_rule_plan, rule_tiers
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 
 GB = 1e9
 
@@ -72,9 +72,9 @@ def test_evaluate_objective_refuses_an_infeasible_plan() -> None:
 @pytest.fixture(scope="module")
 def paper_27b():
     """The paper's 27B / H800 instance: batch 72, seq 1024, gpu cap 70 GB, cpu act 15 GB, nvme 32 GB."""
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
     from lazytrain.plan.budgets import Budgets
-    from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
 
     spec = ModelSpec.load("qwen3.6-27b")
     cost = CostModel(spec, HardwareSpec.load("h800"), Workload(72, 1024))
@@ -115,10 +115,10 @@ def test_device_rows_equal_the_simulated_device_peak(model: str) -> None:
     """The MILP's memory rows count exactly what the simulator's arena holds: static + rows = simulated peak,
     with each layer's own working set (hybrid models mix Gated DeltaNet and gated attention layers; GPT-OSS
     sliding and full attention) and the head's."""
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
     from lazytrain.plan.plan import Plan
     from lazytrain.plan.sim import simulate
-    from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
 
     rng = random.Random(20261202)
     spec = ModelSpec.load(model)
@@ -138,10 +138,10 @@ def test_device_rows_equal_the_simulated_device_peak(model: str) -> None:
 
 def test_rtx3090_milp_fits_one_more_sample_than_megatrain() -> None:
     """At the MegaTrain rule's largest batch + 1 the MILP still finds a plan, at 3B, 7B, 14B and 27B."""
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
     from lazytrain.plan.budgets import Budgets
     from lazytrain.plan.planner import admitted
-    from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
 
     hw = HardwareSpec.load("rtx3090")
     for preset in ("qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen3.6-27b"):

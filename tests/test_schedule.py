@@ -13,17 +13,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.topology import Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.schedule import Shapes, build_program
 from lazytrain.plan.sim import simulate
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.topology import Topology
-from lazytrain.spec.workload import Workload
 
 SHAPES = Shapes(boundary_bytes=(100,) * 7, param_bytes=(1000,) * 6, head_param_bytes=1000, working_bytes=(50,) * 6,
                 head_working_bytes=40, constant_bytes=7)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from lazytrain.costmodel.model import PRESET_DIR, ModelSpec, preset_names
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.model import PRESET_DIR, ModelSpec, preset_names
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,15 +12,15 @@ from test_sim import _plan, synthetic
 
 from lazytrain.cli import main
 from lazytrain.config import load_job_config
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.topology import Topology, node_host_bytes, rank_host_room
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.planner import largest_feasible_batch
 from lazytrain.plan.schedule import Shapes, build_program, program_for
 from lazytrain.plan.sim import simulate
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.topology import Topology, node_host_bytes, rank_host_room
-from lazytrain.spec.workload import Workload
 
 RNG = random.Random(20261203)
 H800 = HardwareSpec.load("h800")

@@ -118,7 +118,7 @@ def test_unwritable_output_dir_fails_before_training(tmp_path, capsys):
 
 
 def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
-    import lazytrain.spec.hardware as hardware
+    import lazytrain.costmodel.hardware as hardware
     from lazytrain.config import COST_OPTIMIZER
     from lazytrain.train.build import check_host_fits
 
@@ -234,8 +234,8 @@ def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkey
 
 
 def test_a_plan_for_another_model_is_refused(tmp_path, capsys):
+    from lazytrain.costmodel.model import ModelSpec
     from lazytrain.plan.plan import Plan
-    from lazytrain.spec.model import ModelSpec
 
     other = ModelSpec.load("tiny-llama")
     plan_file = tmp_path / "other.json"

@@ -10,10 +10,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ModelSpec": "lazytrain.spec.model",
-    "HardwareSpec": "lazytrain.spec.hardware",
-    "Workload": "lazytrain.spec.workload",
-    "CostModel": "lazytrain.spec.cost",
+    "ModelSpec": "lazytrain.costmodel.model",
+    "HardwareSpec": "lazytrain.costmodel.hardware",
+    "Workload": "lazytrain.costmodel.workload",
+    "CostModel": "lazytrain.costmodel.cost",
     "Plan": "lazytrain.plan.plan",
     "Executor": "lazytrain.runtime.executor",
     "EmulatedDevice": "lazytrain.runtime.device",

@@ -31,8 +31,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from lazytrain.costmodel.model import MAX_DIM
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.model import MAX_DIM
 from lazytrain.units import parse_bytes
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -64,7 +64,7 @@ class ModelConfig:
 
     model: str = "small"
     """A built-in shape (`small` = 12.8 M params, the default job; `debug` = 0.2 M), a planner preset
-    (`qwen2.5-7b`, `qwen3.6-27b`, ... see `lazytrain/spec/presets`), or a path to a `config.json` / HF model
+    (`qwen2.5-7b`, `qwen3.6-27b`, ... see `lazytrain/costmodel/presets`), or a path to a `config.json` / HF model
     directory (its safetensors weights, when present, are where training starts)."""
     init: Literal["auto", "random"] = "auto"
     """`auto`: the model's weights (a directory or hub id without weights is refused; built-in shapes, planner

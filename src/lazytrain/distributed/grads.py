@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from lazytrain.costmodel.topology import Topology
     from lazytrain.distributed.ranks import Ranks
-    from lazytrain.spec.topology import Topology
 
 
 class OwnerGrads:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.distributed as dist
 
+from lazytrain.costmodel.topology import Topology
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.topology import Topology
 
 if TYPE_CHECKING:
     from lazytrain.distributed.shared import NodeWeights

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazytrain.costmodel.cost import CostModel
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
-from lazytrain.spec.cost import CostModel
 from lazytrain.units import format_bytes
 
 

@@ -12,7 +12,7 @@ and cost building included); `--json` is checked before any work.
 
     lazytrain plan CONFIG.yaml --world-size 16 --nodes 2
 
-plans one rank of a data-parallel run (spec/topology.py): each rank gets 1/g of its node's NVMe rate and, unless
+plans one rank of a data-parallel run (costmodel/topology.py): each rank gets 1/g of its node's NVMe rate and, unless
 cpu_act_bytes is set, 1/g of the host room its node has left once the shared weights and optimizer are counted;
 then the step with the gradients summed over the ranks, tokens/s of all ranks, PCIe bytes per rank and host bytes
 per node.
@@ -45,12 +45,12 @@ from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
+    from lazytrain.costmodel.model import ModelSpec
+    from lazytrain.costmodel.topology import Topology
     from lazytrain.plan.admission import Admission
     from lazytrain.plan.plan import Plan
-    from lazytrain.spec.cost import CostModel
-    from lazytrain.spec.hardware import HardwareSpec
-    from lazytrain.spec.model import ModelSpec
-    from lazytrain.spec.topology import Topology
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

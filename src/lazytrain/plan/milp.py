@@ -73,6 +73,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import TIERS, Plan, SolveReport, Transfer
 from lazytrain.plan.schedule import (
@@ -85,12 +86,11 @@ from lazytrain.plan.schedule import (
     update_order,
 )
 from lazytrain.plan.sim import compute_seconds, op_seconds, update_seconds
-from lazytrain.spec.topology import ONE_RANK, Topology
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
+    from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.budgets import Budgets
-    from lazytrain.spec.cost import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class PlanningInstance:
     # (embedding, layers 0..L-1, head; sim.update_seconds), run in forward order (schedule.update_order)
     update_s: tuple[float, ...] = ()
     tied_head: bool = False  # the head's group owns the embedding: its update goes first
-    # data parallelism (spec/topology.py): every group's gradient is summed over the ranks on the optimizer lane
+    # data parallelism (costmodel/topology.py): every group's gradient is summed over the ranks on the optimizer lane
     # before its land, reduce_s[j] seconds for groups j = 0..L-1 and the head (L); boundary 0's gradient rows are
     # gathered to the embedding's owners (gather_s) before the embedding backward. One rank: none of this.
     topology: Topology = ONE_RANK
@@ -254,7 +254,7 @@ class PlanningInstance:
 
 def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optimizer_mode: str = "overlap",
                        topology: Topology = ONE_RANK, **options: Any) -> PlanningInstance:
-    """A PlanningInstance from a CostModel (spec/cost.py) and Budgets (plan/budgets.py).
+    """A PlanningInstance from a CostModel (costmodel/cost.py) and Budgets (plan/budgets.py).
 
     M_G = (budgets.gpu_mem_cap_bytes or the device's memory) - cost.static_device_bytes(); M_C = cpu activation
     budget (None = unlimited); M_N = nvme activation budget (None = unlimited, 0 = no nvme tier).

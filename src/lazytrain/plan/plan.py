@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from lazytrain import jsonio
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 
 PLAN_VERSION = 1
 TIERS = ("gpu", "cpu", "nvme", "recompute")

@@ -9,7 +9,7 @@ and the same planner (train's cost model is calibrated on its device; plan's is 
     admission, budgets = admitted(cost, budgets)          # refuse what no plan fits; M_C = the host room left
     plan = make_plan(job.plan, cost, budgets)             # MILP (planner auto|milp) or a rule
 
-Data parallelism (`job.parallel`, spec/topology.py): every rank runs the same plan on its own rows, so the
+Data parallelism (`job.parallel`, costmodel/topology.py): every rank runs the same plan on its own rows, so the
 planner plans one rank -- `rank_inputs` is the lines above for one rank of the job's topology (its hardware
 share, its budgets) and `make_plan(..., topology=...)` puts the gradients' sums over the ranks in the MILP's
 step. The batch is per rank (`per_device_train_batch_size`), device memory is per rank; `global_batch` names
@@ -31,6 +31,11 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
 from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS, RULES, JobConfig, PlanConfig, RuntimeConfig
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec, resolve_dtype
+from lazytrain.costmodel.model import ModelSpec, preset_names
+from lazytrain.costmodel.topology import ONE_RANK, Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import Admission, admit
 from lazytrain.plan.budgets import Budgets
@@ -38,11 +43,6 @@ from lazytrain.plan.milp import instance_from_cost, solve_milp
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.ranks import rank_budgets, topology_of
 from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec, resolve_dtype
-from lazytrain.spec.model import ModelSpec, preset_names
-from lazytrain.spec.topology import ONE_RANK, Topology
-from lazytrain.spec.workload import Workload
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -1,4 +1,4 @@
-"""Planning one rank of a data-parallel run (spec/topology.py): its budgets, and its predicted step beside the
+"""Planning one rank of a data-parallel run (costmodel/topology.py): its budgets, and its predicted step beside the
 node's memory -- what `lazytrain plan --world-size N --nodes M` prints and benchmarks/scaling.py tabulates.
 
 Every rank runs the same plan on its share of the global batch (`per_device_train_batch_size` rows), so one
@@ -10,17 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from lazytrain.costmodel.topology import Topology, node_host_bytes, rank_host_room
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import program_for
 from lazytrain.plan.sim import SimResult, op_seconds, simulate
-from lazytrain.spec.topology import Topology, node_host_bytes, rank_host_room
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig
+    from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.budgets import Budgets
     from lazytrain.plan.plan import Plan
-    from lazytrain.spec.cost import CostModel
 
 
 def topology_of(job: JobConfig) -> Topology:

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.milp import PlanningInstance
 from lazytrain.plan.plan import Plan, SolveReport, spec_of
 from lazytrain.plan.schedule import segments_of
 from lazytrain.plan.sim import step_seconds
-from lazytrain.spec.workload import Workload
 from lazytrain.units import format_bytes
 
 RULES = ("megatrain", "keep-all", "recompute-all", "offload-all")

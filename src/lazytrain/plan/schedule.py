@@ -11,7 +11,7 @@ of *actions* in the order the host thread performs them:
 
 Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: the previous step's group updates,
 then this step's gradient accumulation into `.grad`; with ranks also each group's sum over the ranks,
-spec/topology.py).
+costmodel/topology.py).
 
 Optimizer modes. "overlap" (overlapped-exact, the default; it clips): the global gradient norm and the
 non-finite check need every gradient, so a step's update runs at the start of the NEXT step on the optimizer
@@ -85,11 +85,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 
 if TYPE_CHECKING:
-    from lazytrain.spec.cost import CostModel
+    from lazytrain.costmodel.cost import CostModel
 
 LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 STALL_LANES = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
@@ -160,7 +160,7 @@ class Shapes:
                    graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2])
 
     def reduce_bytes(self, grad_bytes: int) -> int:
-        """Bytes the ranks sum for a gradient of `grad_bytes` in the compute dtype (fp32: spec/topology.py)."""
+        """Bytes the ranks sum for a gradient of `grad_bytes` in the compute dtype (fp32: costmodel/topology.py)."""
         return grad_bytes // self.dtype_bytes * REDUCE_DTYPE_BYTES
 
 

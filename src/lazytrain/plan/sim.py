@@ -18,7 +18,7 @@ lane serialization (updates and accumulations share the one FIFO optimizer lane)
 the compute thread or the links through shared memory bandwidth or cores (on the emulated device they share
 the CPU), and the bf16 copy refresh as its own cost (it is part of the measured update).
 
-A program built for several ranks (spec/topology.py) sums each group's gradient over the ranks on the optimizer
+A program built for several ranks (costmodel/topology.py) sums each group's gradient over the ranks on the optimizer
 lane ("reduce j" before "land j", "gather" before the embedding backward), its seconds the topology's bytes over
 the hardware's intra-/inter-node rates; every rank runs the same program, so one rank's timeline is the step's.
 
@@ -33,11 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan, Prediction
 from lazytrain.plan.schedule import OPTIMIZER_MODES, STALL_LANES, Op, StepProgram, program_for
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.topology import ONE_RANK, Topology
 
 STREAMS = ("compute", *STALL_LANES)
 

@@ -30,15 +30,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from lazytrain.costmodel.cost import CostModel
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.sim import simulate
-from lazytrain.spec.cost import CostModel
 
 if TYPE_CHECKING:
+    from lazytrain.costmodel.hardware import HardwareSpec
+    from lazytrain.costmodel.topology import Topology
     from lazytrain.runtime.executor import StepStats
-    from lazytrain.spec.hardware import HardwareSpec
-    from lazytrain.spec.topology import Topology
 
 QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
 PROBE_MIN_STEPS = 3  # measured probe steps at the least (after one warm-up step)
@@ -166,6 +166,6 @@ def calibrate_links(cost: CostModel, topology: Topology, num_bytes: int, node_s:
     rates = {field: quantize_s(sent / seconds / 1e9)
              for field, sent, seconds in (("intra_node_gbps", intra, node_s), ("inter_node_gbps", inter, across_s))
              if sent > 0 and seconds > 0}
-    out = copy.copy(cost)  # the link rates enter only the sums' seconds (spec/topology.py): the rest stands
+    out = copy.copy(cost)  # the link rates enter only the sums' seconds (costmodel/topology.py): the rest stands
     out.hardware = cost.hardware.with_overrides(**rates)
     return out

@@ -27,6 +27,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.topology import ONE_RANK, Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms
 from lazytrain.plan.plan import Plan
@@ -49,14 +54,9 @@ from lazytrain.runtime.hf import (
 )
 from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.topology import ONE_RANK, Topology
-from lazytrain.spec.workload import Workload
 
 OFFLOADED = ("cpu", "nvme")
-HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.spec.cost uses the same default)
+HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.costmodel.cost uses the same default)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

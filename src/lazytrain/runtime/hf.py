@@ -17,8 +17,8 @@ from torch import nn
 from torch.func import functional_call
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, find_packed_sequence_indices
 
+from lazytrain.costmodel.cost import step_constant_bytes
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.cost import step_constant_bytes
 
 IGNORE_INDEX = -100
 

@@ -26,14 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.plan.sim import simulate
 from lazytrain.runtime.calibrate import calibrate, quantize_s, rebuilt
-from lazytrain.spec.topology import ONE_RANK, Topology
 
 if TYPE_CHECKING:
+    from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.plan import Plan
     from lazytrain.runtime.executor import StepStats
-    from lazytrain.spec.cost import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lazytrain.costmodel.model import PRESET_DIR, ModelSpec, preset_names, validate_model_config
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.model import PRESET_DIR, ModelSpec, preset_names, validate_model_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

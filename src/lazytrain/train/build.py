@@ -8,6 +8,11 @@ import torch
 from transformers import LlamaConfig, PreTrainedModel
 
 from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS
+from lazytrain.costmodel import hardware as hardware_module
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.distributed.shared import share_model
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.admission import check_host_memory
@@ -16,11 +21,6 @@ from lazytrain.plan.planner import cuda_hardware, host_layout
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
-from lazytrain.spec import hardware as hardware_module
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import ModelSpec
-from lazytrain.spec.workload import Workload
 from lazytrain.train.metrics import say
 from lazytrain.units import format_bytes
 

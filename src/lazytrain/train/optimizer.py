@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from lazytrain.costmodel.cost import HYBRID_8BIT_FRACTION
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim import Hybrid8bitAdamW
 from lazytrain.runtime.hf import find_parts
-from lazytrain.spec.cost import HYBRID_8BIT_FRACTION
 
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig

@@ -24,6 +24,10 @@ import torch
 from transformers import PreTrainedModel
 
 from lazytrain.config import COST_OPTIMIZER
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import available_host_memory_bytes
+from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
@@ -35,10 +39,6 @@ from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate, calibrate_links, lane_seconds, probe_steps
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.replan import Replanner
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import available_host_memory_bytes
-from lazytrain.spec.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
-from lazytrain.spec.workload import Workload
 from lazytrain.train.build import build_device, build_hardware, workload_of
 from lazytrain.train.data import cache_dir
 from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from lazytrain.config import JobConfig
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import resolve_dtype
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
@@ -36,8 +38,6 @@ from lazytrain.plan.plan import Plan
 from lazytrain.plan.planner import resolve_batch
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor, StepStats
-from lazytrain.spec.cost import CostModel
-from lazytrain.spec.hardware import resolve_dtype
 from lazytrain.train.build import (
     build_device,
     build_executor,

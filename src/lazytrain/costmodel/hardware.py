@@ -43,7 +43,7 @@ class HardwareSpec:
     mem_gbps: float = math.inf  # device memory bandwidth for memory-bound elementwise ops; inf = ignore them
     layer_overhead_s: float = 0.0  # fixed cost per layer call (kernel launches, dispatch); matters on CPU
     grad_accumulate_gbps: float = math.inf  # host: landed compute-dtype gradient bytes added into .grad per s
-    # Data parallelism (spec/topology.py): achieved rate of the ranks' gradient sums, GB/s of the bytes each rank
+    # Data parallelism (costmodel/topology.py): achieved rate of the ranks' gradient sums, GB/s of the bytes each rank
     # moves, between the GPUs of one node (NVLink, or PCIe through the host) and between nodes (the GPU's NIC).
     # `lazytrain train` measures both when its ranks start; None = unknown: `lazytrain plan --world-size N` then
     # asks for it.

@@ -45,10 +45,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import HYBRID_TYPES, ModelSpec
+from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.hardware import HardwareSpec
-from lazytrain.spec.model import HYBRID_TYPES, ModelSpec
-from lazytrain.spec.workload import Workload
 
 OPTIMIZERS = ("fp32", "hybrid", "8bit")
 HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid"

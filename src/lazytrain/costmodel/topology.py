@@ -33,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.errors import LazyTrainError
-from lazytrain.spec.hardware import HardwareSpec
 
 if TYPE_CHECKING:
-    from lazytrain.spec.cost import CostModel
+    from lazytrain.costmodel.cost import CostModel
 
 REDUCE_DTYPE_BYTES = 4  # the ranks sum gradients in fp32 (distributed/grads.py)
 
