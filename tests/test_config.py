@@ -16,6 +16,7 @@ from lazytrain.config import (
     add_job_arguments,
     field_docs,
     job_config_from_args,
+    job_config_from_dict,
     load_job_config,
 )
 from lazytrain.errors import LazyTrainError
@@ -64,8 +65,8 @@ def test_flat_and_nested_yaml_give_the_same_job(tmp_path):
     assert a.optim.learning_rate == pytest.approx(lr) and isinstance(a.optim.learning_rate, float)  # "1e-05"
     assert a.optim.max_steps == steps and a.plan.gpu_mem_cap_bytes == 22 * 10**9
     assert a.data.per_device_train_batch_size == "auto" and a.plan.replan is False
-    assert JobConfig.from_dict(a.to_dict()) == a  # train_config.json reads back
-    assert JobConfig.from_dict(a.flat()) == a
+    assert job_config_from_dict(a.to_dict()) == a  # train_config.json reads back
+    assert job_config_from_dict(a.flat()) == a
 
 
 def test_overrides_then_flags_win_over_the_file(tmp_path):

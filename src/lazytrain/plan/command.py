@@ -4,7 +4,7 @@
     lazytrain plan --model qwen3.6-27b --hardware h800 --batch-size 72 --seq-len 1024 \\
         --gpu-mem-cap 70GB --cpu-act-budget 15GB --nvme-act-budget 32GB [--rule megatrain --interval 4]
 
-The job is the same JobConfig `lazytrain train` reads, with the same defaults (lazytrain/config.py): with no
+The job is the same JobConfig `lazytrain train` reads, with the same defaults (lazytrain/config/schema.py): with no
 arguments it plans the default training job. Prints a one-row placement map (G gpu, C cpu, N nvme, R recompute
 per boundary), counts per tier, the recomputed boundaries, the solver's status / time / gap, and the
 simulator's prediction for the plan beside the MegaTrain rule. `time_limit_s` bounds the whole planning (model

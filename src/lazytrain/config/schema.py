@@ -1,39 +1,24 @@
-"""JobConfig: the one configuration schema of `lazytrain plan` and `lazytrain train`.
+"""The schema of `lazytrain plan` and `lazytrain train`: one JobConfig of eight sections.
 
 Eight sections of kw-only dataclasses (model, data, plan, runtime, optim, checkpoint, metrics, parallel). Each
 field is written once, here: its type (the value's check and conversion), its default (shared by both commands),
-and the docstring below it (the `--help` text and the table in docs/config.md). Key names follow the HF Trainer
-and LLaMA-Factory where one exists (`learning_rate`, `per_device_train_batch_size`, `cutoff_len`, ...).
-
-A job is filled, in this order (later wins), from
-  - the defaults below (`lazytrain train` with no arguments is the default job),
-  - YAML files, flat (LLaMA-Factory style: `learning_rate: 1e-5`) or nested by section (`optim: {...}`),
-  - `key=value` words on the command line (`learning_rate=1e-5`, `optim.learning_rate=1e-5`),
-  - flags (`--learning-rate 1e-5`, and the older spellings in ALIASES such as `--lr`).
-Every value passes through the same conversion (strings from the command line or YAML 1.1 quirks such as
-`1e-5` become numbers; sizes such as `70GB` become bytes) and the same range checks in `__post_init__`.
-An unknown key, a value of the wrong type and a value out of range are each a one-line LazyTrainError.
+and the docstring below it (the `--help` text and the table in docs/config.md, read from this file by
+config/docs.py). Key names follow the HF Trainer and LLaMA-Factory where one exists (`learning_rate`,
+`per_device_train_batch_size`, `cutoff_len`, ...). Only the schema lives here: reading YAML and key=value words
+is config/load.py, the conversion of values config/values.py, the flags config/arguments.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
-import difflib
 import math
-import types
-import typing
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from functools import cache
-from pathlib import Path
-from typing import Any, Literal, Union
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
 
-import yaml
-
+from lazytrain.config.values import convert as _convert
+from lazytrain.config.values import need as _need
 from lazytrain.costmodel.model import MAX_DIM
 from lazytrain.errors import LazyTrainError
-from lazytrain.units import parse_bytes
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "bf16", "fp32", "fp16"]
@@ -367,11 +352,6 @@ class JobConfig:
                                  "keeps updates below half a bf16 step; torch's AdamW would round them away)")
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> JobConfig:
-        """From a flat (`learning_rate: 1e-5`) or nested (`optim: {learning_rate: 1e-5}`) mapping, or a mix."""
-        return cls.build(_flatten(values, source))
-
-    @classmethod
     def build(cls, flat: Mapping[str, Any]) -> JobConfig:
         """From canonical flat keys (`learning_rate`, not `lr`); every section is checked."""
         per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
@@ -380,7 +360,7 @@ class JobConfig:
         return cls(**{name: SECTIONS[name](**values) for name, values in per_section.items()})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Nested by section (what `train_config.json` holds; `from_dict` reads it back)."""
+        """Nested by section (what `train_config.json` holds; `load.job_config_from_dict` reads it back)."""
         return asdict(self)
 
     def flat(self) -> dict[str, Any]:
@@ -403,298 +383,3 @@ class JobConfig:
 
 SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in fields(section)}
 KEYS: tuple[str, ...] = tuple(SECTION_OF)
-
-# Older and alternative spellings of keys (the flags before the schema, torchtitan/LLaMA-Factory names).
-ALIASES: dict[str, str] = {
-    "model_name_or_path": "model", "corpus": "dataset", "seq_len": "cutoff_len",
-    "batch_size": "per_device_train_batch_size", "lr": "learning_rate", "steps": "max_steps",
-    "grad_accum": "gradient_accumulation_steps", "rule": "planner", "plan": "plan_file",
-    "time_limit": "time_limit_s", "mip_gap": "mip_rel_gap", "gpu_mem_cap": "gpu_mem_cap_bytes",
-    "cpu_act_budget": "cpu_act_bytes", "nvme_act_budget": "nvme_act_bytes", "cpu_mem": "cpu_mem_bytes",
-}
-
-
-# =====================================================================================================
-# reading keys and values
-# =====================================================================================================
-def canonical_key(key: str, source: str = "config") -> str:
-    """`lr` -> `learning_rate`, `optim.lr` -> `learning_rate`; an unknown key is refused naming the nearest."""
-    name = key.strip().replace("-", "_")
-    section, _, rest = name.rpartition(".")
-    if section and section not in SECTIONS:
-        raise _unknown(section, list(SECTIONS), source, "section")
-    name = ALIASES.get(rest, rest)
-    if name not in SECTION_OF:
-        raise _unknown(key, [*KEYS, *ALIASES], source, "key")
-    if section and SECTION_OF[name] != section:
-        raise LazyTrainError(f"{source}: {key!r}: {name} belongs to section {SECTION_OF[name]!r}, not {section!r}")
-    return name
-
-
-def _unknown(key: str, valid: Sequence[str], source: str, what: str) -> LazyTrainError:
-    near = difflib.get_close_matches(key.replace("-", "_"), valid, n=1, cutoff=0.5)
-    hint = f"did you mean {near[0]!r}?" if near else "see `lazytrain train --help` or docs/config.md"
-    return LazyTrainError(f"{source}: unknown {what} {key!r}; {hint}")
-
-
-def _flatten(values: Mapping[str, Any], source: str, spellings: dict[str, str] | None = None) -> dict[str, Any]:
-    """Flat canonical keys from a flat or nested mapping; a key given twice (e.g. `lr` and `learning_rate`) is
-    refused. `spellings` collects {canonical key: the key as written}."""
-    if not isinstance(values, Mapping):
-        raise LazyTrainError(f"{source}: expected a mapping of keys to values, got {type(values).__name__}")
-    flat: dict[str, Any] = {}
-
-    def put(key: str, value: Any) -> None:
-        name = canonical_key(str(key), source)
-        if name in flat:
-            raise LazyTrainError(f"{source}: {name} is given twice ({key!r} and an earlier spelling); keep one")
-        flat[name] = value
-        if spellings is not None:
-            spellings[name] = str(key)
-
-    for key, value in values.items():
-        if key in SECTIONS and isinstance(value, Mapping):  # nested by section (`model` is also a key)
-            for inner, inner_value in value.items():
-                put(f"{key}.{inner}", inner_value)
-        else:
-            put(str(key), value)
-    return flat
-
-
-class ConfigValueError(LazyTrainError):
-    """A value of the wrong type or out of range; the loader names the key as the user spelled it (`--lr`)."""
-
-    def __init__(self, key: str, value: Any, tail: str) -> None:
-        self.key, self.value, self.tail = key, value, tail
-        super().__init__(f"{key} = {value!r}{tail}")
-
-    def spelled(self, spelling: str) -> ConfigValueError:
-        """The same error under the spelling the user wrote: `--steps 0 ...` or `steps = 0 ...`."""
-        sep = " " if spelling.startswith("--") else " = "
-        error = ConfigValueError(spelling, self.value, self.tail)
-        error.args = (f"{spelling}{sep}{self.value!r}{self.tail}",)
-        return error
-
-
-def _need(ok: bool, key: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ConfigValueError(key, value, f" is invalid: it must be {rule}")
-
-
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
-
-
-def _convert(section: Any) -> None:
-    """Turn each field's value into its declared type (in place), or raise one line naming key, value, type."""
-    hints = _hints(type(section))
-    for f in fields(section):
-        value = getattr(section, f.name)
-        object.__setattr__(section, f.name, _value(f.name, value, hints[f.name]))
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _value(key: str, value: Any, hint: Any) -> Any:
-    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):
-        if type(None) in options:
-            return None
-    for option in options:
-        if option is type(None):
-            continue
-        converted = _as(key, value, option)
-        if converted is not _NO:
-            return converted
-    raise ConfigValueError(key, value, f": expected {_type_name(hint)}")
-
-
-_NO = object()
-
-
-def _as(key: str, value: Any, option: Any) -> Any:
-    """`value` as `option` (a type or a Literal), or _NO when it is not one."""
-    if typing.get_origin(option) is Literal:
-        choices = typing.get_args(option)
-        if isinstance(value, str) and value.strip() in choices:
-            return value.strip()
-        if key == "optimizer" and value in ("fp32", "hybrid"):  # older names, mapped in OptimConfig
-            return value
-        return _NO
-    if option is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        return True if text in _TRUE else False if text in _FALSE else _NO
-    if isinstance(value, bool):  # never read True as 1
-        return _NO
-    if option is int:
-        if key.endswith("_bytes") and isinstance(value, int | float | str):
-            try:
-                return parse_bytes(value, what=key)
-            except LazyTrainError as err:  # "cannot read 'lots' as a size" / "is negative"
-                raise ConfigValueError(key, value, ": " + str(err).split(": ", 1)[1].replace(f"{value!r} ", "")
-                                       ) from None
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        try:
-            return int(str(value).strip().replace("_", ""))
-        except ValueError:
-            return _NO
-    if option is float:
-        if isinstance(value, int | float):
-            return float(value)
-        try:
-            return float(str(value).strip())
-        except ValueError:
-            return _NO
-    if option is str:
-        return value if isinstance(value, str) else _NO
-    raise AssertionError(f"no conversion for {option!r}")
-
-
-def _type_name(hint: Any) -> str:
-    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    names = []
-    for option in options:
-        if typing.get_origin(option) is Literal:
-            names.append("one of " + ", ".join(map(str, typing.get_args(option))))
-        elif option is type(None):
-            names.append("none")
-        else:
-            names.append({int: "an integer", float: "a number", bool: "true/false", str: "a string"}[option])
-    return " or ".join(names)
-
-
-# =====================================================================================================
-# help text: the docstring under each field
-# =====================================================================================================
-@cache
-def field_docs() -> dict[str, str]:
-    """{key: its docstring, on one line}, read from this file's source (the text people see in --help)."""
-    tree = ast.parse(Path(__file__).read_text())
-    docs: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name in {c.__name__ for c in SECTIONS.values()}:
-            body = node.body
-            for stmt, nxt in zip(body, body[1:], strict=False):
-                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                        and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-                    docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def default_of(key: str) -> Any:
-    f = next(f for f in fields(SECTIONS[SECTION_OF[key]]) if f.name == key)
-    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-
-
-# =====================================================================================================
-# loading: YAML files, key=value words, flags
-# =====================================================================================================
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML (or JSON) config file as a mapping; an unreadable or malformed one is a one-line error."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise LazyTrainError(f"config file {path}: cannot read it ({err.strerror or err})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise LazyTrainError(f"config file {path}: not valid YAML{where}; fix the file") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise LazyTrainError(f"config file {path}: expected a mapping of keys to values, got {type(data).__name__}")
-    return data
-
-
-def parse_override(word: str) -> tuple[str, Any]:
-    """`learning_rate=1e-5` -> ("learning_rate", "1e-5"); the value stays text (the schema converts it)."""
-    key, sep, value = word.partition("=")
-    if not sep or not key.strip():
-        raise LazyTrainError(f"{word!r}: expected key=value (e.g. learning_rate=1e-5) or a .yaml config file")
-    return canonical_key(key, "override"), value.strip()
-
-
-def load_job_config(*sources: str | Path | Mapping[str, Any], overrides: Sequence[str] = (),
-                    flags: Mapping[str, Any] | None = None) -> JobConfig:
-    """The JobConfig from YAML files or mappings (in order), then `key=value` overrides, then flags
-    ({flag as typed, e.g. `--lr`: value}). A bad value's error names the key as the user spelled it."""
-    flat: dict[str, Any] = {}
-    spellings: dict[str, str] = {}
-    for source in sources:
-        if isinstance(source, Mapping):
-            flat.update(_flatten(source, "config", spellings))
-        else:
-            flat.update(_flatten(read_yaml(source), f"config file {source}", spellings))
-    for word in overrides:
-        key, value = parse_override(word)
-        flat[key] = value
-        spellings[key] = word.partition("=")[0].strip()
-    flag_values = _flatten({flag.removeprefix("--"): v for flag, v in (flags or {}).items()}, "flags")
-    flat.update(flag_values)
-    spellings.update({canonical_key(flag.removeprefix("--")): flag for flag in flags or {}})
-    try:
-        return JobConfig.build(flat)
-    except ConfigValueError as err:
-        raise err.spelled(spellings.get(err.key, err.key)) from None
-
-
-def add_job_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) -> None:
-    """`[CONFIG.yaml] [key=value ...]` and one flag per key (`--learning-rate`), plus the older spellings
-    (`--lr`); help text from the field docstrings. Flags default to "not given" so a YAML value stands."""
-    parser.add_argument("config", nargs="*", metavar="CONFIG.yaml | key=value",
-                        help="YAML config files (flat or nested by section), then key=value overrides")
-    docs = field_docs()
-    spellings: dict[str, list[str]] = {key: [key] for key in KEYS}
-    for alias, key in ALIASES.items():
-        spellings[key].append(alias)
-    skipped = set(skip)
-    for name, section in SECTIONS.items():
-        group = parser.add_argument_group(f"{name} ({section.__doc__.strip().rstrip('.')})")
-        for f in fields(section):
-            if f.name in skipped:
-                continue
-            is_bool = _hints(section)[f.name] is bool
-            help_text = f"{docs.get(f.name, '')} (default: {default_of(f.name)!r})".replace("%", "%%")
-            for i, spelling in enumerate(spellings[f.name]):  # one dest per spelling: errors name the one typed
-                flag = f"--{spelling.replace('_', '-')}"
-                group.add_argument(flag, dest=f"job.{flag}", default=argparse.SUPPRESS, metavar="VALUE",
-                                   nargs="?" if is_bool else None, const="true" if is_bool else None,
-                                   help=help_text if i == 0 else f"same as --{f.name.replace('_', '-')}")
-    parser.add_argument("--no-progress", dest="job.--progress", action="store_const", const=False,
-                        default=argparse.SUPPRESS, help="no progress bar (progress=false)")
-
-
-def job_config_from_args(args: argparse.Namespace) -> JobConfig:
-    """The JobConfig of a command line parsed with `add_job_arguments`."""
-    files, words = [], []
-    for word in getattr(args, "config", []):
-        (words if "=" in word else files).append(word)
-    flags = {k.removeprefix("job."): v for k, v in vars(args).items() if k.startswith("job.")}  # {"--lr": "1e-5"}
-    return load_job_config(*files, overrides=words, flags=flags)
-
-
-def markdown_table() -> str:
-    """The key reference of docs/config.md, one table per section (a test keeps the page equal to this)."""
-    aliases: dict[str, list[str]] = {}
-    for alias, key in ALIASES.items():
-        aliases.setdefault(key, []).append(alias)
-    docs = field_docs()
-    out = []
-    for name, section in SECTIONS.items():
-        out += [f"### `{name}`: {section.__doc__.strip()}", "", "| key | default | meaning |", "|---|---|---|"]
-        for f in fields(section):
-            also = "".join(f" (also `{a}`)" for a in aliases.get(f.name, []))
-            out.append(f"| `{f.name}`{also} | `{default_of(f.name)!r}` | {docs[f.name].replace('|', '/')} |")
-        out.append("")
-    return "\n".join(out)
