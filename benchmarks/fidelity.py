@@ -55,7 +55,7 @@ from lazytrain.runtime.executor import StepStats
 from lazytrain.train.build import build_device, build_executor, build_model, fit_device_cap, model_source
 from lazytrain.train.data import load_data
 from lazytrain.train.metrics import MetricsLog
-from lazytrain.train.planning import make_plan
+from lazytrain.train.planning import plan_run
 from lazytrain.train.trainer import Trainer
 
 KINDS = ("forward", "recompute", "keep", "head", "backward", "backprop", "h2d", "d2h", "nvme_read", "nvme_write",
@@ -127,7 +127,7 @@ def part_default(args: argparse.Namespace) -> None:
     data = load_data(job)
     job = data.job
     model = build_model(job, model_source(job, data.vocab_size))
-    planned = make_plan(job, model, "cpu", data.probe)
+    planned = plan_run(job, model, "cpu", data.probe)
     plan, cost = planned.plan, planned.cost
     device = build_device(job, "cpu", planned.budgets["gpu_mem_cap_bytes"])
     probe_device = build_device(job, "cpu", None, throttled=False)

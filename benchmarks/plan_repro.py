@@ -27,7 +27,7 @@ def once(overrides: list[str]) -> dict[str, object]:
     from lazytrain.plan.planner import resolve_batch
     from lazytrain.train.build import build_model, model_source
     from lazytrain.train.data import load_data
-    from lazytrain.train.planning import make_plan
+    from lazytrain.train.planning import plan_run
 
     job = load_job_config(overrides=overrides)
     job = replace(job, runtime=replace(job.runtime, dtype=resolve_dtype(job.runtime.dtype, emulated=True)))
@@ -35,7 +35,7 @@ def once(overrides: list[str]) -> dict[str, object]:
     data = load_data(job)
     job = data.job
     model = build_model(job, model_source(job, data.vocab_size))
-    planned = make_plan(job, model, "cpu", data.probe)
+    planned = plan_run(job, model, "cpu", data.probe)
     cost = planned.cost
     return dict(plan=planned.plan.placement_map(), how=planned.how, step_s=planned.sim.step_s,
                 forward_s=sum(cost.forward_s), backward_s=sum(cost.backward_s), head_s=cost.head_s,

@@ -1,5 +1,5 @@
 """Reproducible plans: the same command on the same machine gives the same plan unless the measured times really
-changed. The planning path of `lazytrain train` (`train.planning.make_plan`: budgets, MILP, the remembered plan)
+changed. The planning path of `lazytrain train` (`train.planning.plan_run`: budgets, MILP, the remembered plan)
 is driven with calibrations drawn as a loaded machine gives them (every figure moved by noise within the keep
 threshold), then with a real change beyond it."""
 
@@ -46,10 +46,10 @@ def _measured(cost: CostModel, noise: float, scale: float = 1.0) -> CostModel:
                            head_s=f(cost.head_s))
 
 
-def _plan(monkeypatch, job, model, cost: CostModel) -> tuple[planning.Planned, str]:
+def _plan(monkeypatch, job, model, cost: CostModel) -> tuple[planning.PlannedRun, str]:
     """The run's plan with `cost` as its calibration, and the plan the MILP alone gives on it."""
     monkeypatch.setattr(planning, "calibrated_cost", lambda *args, **kwargs: cost)
-    planned = planning.make_plan(job, model, "cpu", probe_batch=None)
+    planned = planning.plan_run(job, model, "cpu", probe_batch=None)
     fresh = planner.make_plan(job.plan, cost, Budgets(**planned.budgets), optimizer_mode=job.optim.optimizer_mode)
     return planned, fresh.placement_map()
 

@@ -150,7 +150,7 @@ def test_the_trainers_replanner_warm_starts_from_the_running_plans_tiers_and_kep
     running = replace(Plan.from_tiers(cost.spec, ["gpu"] * (L + 1)), kept_layers=2)
     asked: list[dict[str, object]] = []
     monkeypatch.setattr(planning, "solve_milp", lambda c, budgets, **options: asked.append(options) or running)
-    planned = planning.Planned(plan=running, cost=cost, how="milp", sim=simulate(running, cost))
+    planned = planning.PlannedRun(plan=running, cost=cost, how="milp", sim=simulate(running, cost))
     replanner = planning.replanner_for(load_job_config({}), planned)
     assert replanner.solve(cost, running) is running
     assert asked[0]["start_tiers"] == running.tiers and asked[0]["start_kept"] == 2

@@ -152,7 +152,7 @@ def test_eager_attention_masks_are_planned_for(tmp_path):
     """Eager attention puts batch x seq^2 masks on the device: the cost model the MILP plans with counts
     them, so the plan fits the cap it was solved under, by the executor's own replay of its allocations."""
     from lazytrain.train.build import build_device, build_executor, build_model, model_source, pick_device_kind
-    from lazytrain.train.planning import make_plan
+    from lazytrain.train.planning import plan_run
 
     config = transformers.LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -166,7 +166,7 @@ def test_eager_attention_masks_are_planned_for(tmp_path):
     batch, seq_len = cfg.data.per_device_train_batch_size, cfg.data.cutoff_len
     ids = torch.randint(0, 256, (batch, seq_len), generator=generator)
     kind = pick_device_kind("cpu")
-    planned = make_plan(cfg, model, kind, (ids, ids.clone()))
+    planned = plan_run(cfg, model, kind, (ids, ids.clone()))
     ex = build_executor(model, planned, build_device(cfg, kind, None), cfg)
     masks = batch * seq_len**2 * 2  # one causal mask, bf16
     assert planned.cost.constant_device_bytes == ex.memory_sizes(batch, seq_len).constant_bytes

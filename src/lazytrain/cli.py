@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 from lazytrain.errors import LazyTrainError
 
 SUBCOMMANDS = {
-    "plan": ("lazytrain.plan.command", "solve the boundary placement for a model, hardware and workload"),
+    "plan": ("lazytrain.job.plan_command", "solve the boundary placement for a model, hardware and workload"),
     "train": ("lazytrain.train", "train a model with a plan (default: a small model on an embedded corpus)"),
 }
 

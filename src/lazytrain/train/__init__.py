@@ -3,7 +3,7 @@
 The package, in the order a run uses it (torchtitan's components behind a short composer):
   command.py     the command line (`add_arguments`, `run`): the JobConfig of the job
   build.py       model, device and executor builders
-  planning.py    the cost model measured on this machine, and the plan
+  planning.py    `plan_run`: calibrate on this machine, plan, remember the plan
   optimizer.py   the host optimizer, its learning-rate schedule, the non-finite step policy
   checkpoint.py  the output directory and checkpoints (Contract 5)
   metrics.py     report lines, metrics.jsonl, tensorboard, loss.png

@@ -53,8 +53,9 @@ if TYPE_CHECKING:
 KEEP_GAIN = 0.05  # a new MILP plan replaces the remembered one only when predicted this much faster
 
 @dataclass
-class Planned:
-    """The plan, the cost model it was judged on, how it was made, and the simulator's step time."""
+class PlannedRun:
+    """What `plan_run` decided for this run: the `Plan` it executes (plan/plan.py: tiers and kept layers, the plan
+    file), with the calibrated cost model it was judged on, how it was made, the budgets and the simulator's step."""
 
     plan: Plan
     cost: CostModel
@@ -73,9 +74,10 @@ class Planned:
         return (grad_accum - 1) * (self.serial_step_s - self.cost.total_optimizer_s) + self.sim.step_s
 
 
-def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tuple[torch.Tensor, torch.Tensor],
-              *, ranks: Ranks | None = None) -> Planned:
-    """Cost model measured on this machine, budgets from the config, then the plan (file, MILP or rule).
+def plan_run(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tuple[torch.Tensor, torch.Tensor],
+             *, ranks: Ranks | None = None) -> PlannedRun:
+    """Calibrate, plan, remember: the cost model measured on this machine, budgets from the config, then the plan
+    (file, MILP or rule; a MILP plan is kept steady by the remembered one).
 
     With ranks (torchrun; `job.parallel` holds the launched layout) the ranks first time their gradients' sums
     together (the largest group's, as the runtime sums it: `Ranks.time_sums`); then rank 0 alone calibrates, its
@@ -89,7 +91,7 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
     numel = max(*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0))
     sums_s = ranks.time_sums(numel)
 
-    def decide() -> Planned:
+    def decide() -> PlannedRun:
         cost = calibrated_cost(job, model, kind, workload_of(job), probe_batch)
         cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *sums_s)
         hw = cost.hardware  # rank 0's measured rates go with its plan
@@ -101,7 +103,7 @@ def make_plan(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tu
     return ranks.decided_by_main(decide, "the plan")
 
 
-def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) -> Planned:
+def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) -> PlannedRun:
     """The plan of this job on `cost`: budgets from the config, then the plan file, the MILP or a rule."""
     spec = spec_of(model)
     workload = cost.workload
@@ -132,7 +134,7 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) 
                                                         optimizer_mode=job.optim.optimizer_mode, topology=topology),
                          plan.kept_layers)
     plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
-    return Planned(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, topology=topology,
+    return PlannedRun(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, topology=topology,
                    serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
 
 
@@ -278,7 +280,7 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
+def replanner_for(job: JobConfig, planned: PlannedRun) -> Replanner:
     """`replan: true`: re-solve (warm-started, same budgets and MILP options, for one rank of the run's topology)
     when measured times drift."""
     options = job.plan
@@ -293,7 +295,7 @@ def replanner_for(job: JobConfig, planned: Planned) -> Replanner:
                      topology=planned.topology)
 
 
-def replace_plan(planned: Planned, plan: Plan, cost: CostModel, optimizer_mode: str) -> Planned:
+def replace_plan(planned: PlannedRun, plan: Plan, cost: CostModel, optimizer_mode: str) -> PlannedRun:
     """The running plan after a switch, judged on the re-calibrated cost model."""
     sim = _simulate(plan, cost, optimizer_mode, planned.topology)
     return replace(planned, plan=plan.with_prediction(sim.to_prediction()), cost=cost, sim=sim,
@@ -302,7 +304,7 @@ def replace_plan(planned: Planned, plan: Plan, cost: CostModel, optimizer_mode: 
 
 
 def _micro_batch_s(plan: Plan, cost: CostModel, sim: SimResult, optimizer_mode: str, topology: Topology) -> float:
-    """`Planned.serial_step_s`: the serial step (`sim` when it is that already); with ranks every micro-batch
+    """`PlannedRun.serial_step_s`: the serial step (`sim` when it is that already); with ranks every micro-batch
     sums its gradients over them (distributed/grads.py), so it has the collective lane too."""
     return sim.step_s if optimizer_mode == "serial" else _simulate(plan, cost, "serial", topology).step_s
 

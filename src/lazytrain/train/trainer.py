@@ -67,7 +67,7 @@ from lazytrain.train.optimizer import (
     optimizer_step,
     set_lr,
 )
-from lazytrain.train.planning import Planned, make_plan, replace_plan, replanner_for
+from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for
 from lazytrain.train.signals import Interrupted, StopSignals
 from lazytrain.units import format_bytes
 from lazytrain.viz import write_trace
@@ -154,7 +154,7 @@ def train(job: JobConfig) -> TrainResult:
         if resume_from is not None and job.plan.plan_file is None:  # the plan the run was executing
             job = replace(job, plan=replace(job.plan, plan_file=str(resume_from / "trainer_state" / "plan.json")))
         kind = pick_device_kind(job.runtime.device)
-        planned = make_plan(job, model, kind, data.probe, ranks=ranks)
+        planned = plan_run(job, model, kind, data.probe, ranks=ranks)
         plan = planned.plan
         say(f"budgets  gpu cap {format_bytes(planned.budgets['gpu_mem_cap_bytes'])}, cpu act "
             f"{format_bytes(planned.budgets['cpu_act_bytes'])}, nvme act "
@@ -254,7 +254,7 @@ class Trainer:
     job: JobConfig
     model: PreTrainedModel
     executor: Executor
-    planned: Planned
+    planned: PlannedRun
     batches: Loader | CorpusBatches | RankBatches
     eval_set: list[Batch]
     out: Path
