@@ -68,9 +68,9 @@ def test_a_calibration_step_beyond_host_memory_is_one_line(tmp_path, capsys, mon
     """The emulated device's memory is the host's: the all-gpu calibration step is checked against the memory
     available before it is allocated (before: `DefaultCPUAllocator: can't allocate memory` and a traceback for
     --batch-size 4000000)."""
-    from lazytrain.train import planning
+    from lazytrain.runtime import probe
 
-    monkeypatch.setattr(planning, "available_host_memory_bytes", lambda: 1 << 10)
+    monkeypatch.setattr(probe, "available_host_memory_bytes", lambda: 1 << 10)
     out = tmp_path / "run"
     _refused(capsys, [*TRAIN, "--model", "debug", "dataset=zen", "--output-dir", str(out)],
              "calibration step", out=out)

@@ -14,6 +14,7 @@ from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.cache import KEEP_GAIN
 from lazytrain.plan.plan import spec_of
 from lazytrain.train import planning
 from lazytrain.train.build import build_model, model_source, workload_of
@@ -48,7 +49,7 @@ def _measured(cost: CostModel, noise: float, scale: float = 1.0) -> CostModel:
 
 def _plan(monkeypatch, job, model, cost: CostModel) -> tuple[planning.PlannedRun, str]:
     """The run's plan with `cost` as its calibration, and the plan the MILP alone gives on it."""
-    monkeypatch.setattr(planning, "calibrated_cost", lambda *args, **kwargs: cost)
+    monkeypatch.setattr(planning, "measured_cost", lambda *args, **kwargs: cost)
     planned = planning.plan_run(job, model, "cpu", probe_batch=None)
     fresh = planner.make_plan(job.plan, cost, Budgets(**planned.budgets), optimizer_mode=job.optim.optimizer_mode)
     return planned, fresh.placement_map()
@@ -57,7 +58,7 @@ def _plan(monkeypatch, job, model, cost: CostModel) -> tuple[planning.PlannedRun
 def test_noise_within_the_threshold_keeps_the_plan_and_a_real_change_replaces_it(setting, monkeypatch, tmp_path):
     job, model, cost = setting
     monkeypatch.setenv("LAZYTRAIN_CACHE", str(tmp_path))
-    noise = 0.8 * planning.KEEP_GAIN
+    noise = 0.8 * KEEP_GAIN
     runs = [_plan(monkeypatch, job, model, _measured(cost, noise)) for _ in range(8)]
     first = runs[0][0].plan.placement_map()
     assert runs[0][1] == first  # the first run: the MILP's plan, remembered
@@ -72,7 +73,7 @@ def test_noise_within_the_threshold_keeps_the_plan_and_a_real_change_replaces_it
     assert f"replaces the remembered {first}" in changed.how
     # judged on the new costs, the old plan was more than KEEP_GAIN slower
     old = planning.simulate(runs[0][0].plan, changed.cost, optimizer_mode=job.optim.optimizer_mode).step_s
-    assert changed.sim.step_s < old * (1 - planning.KEEP_GAIN)
+    assert changed.sim.step_s < old * (1 - KEEP_GAIN)
     # ... and the new plan is the one remembered: noise around the new times keeps it
     again = [_plan(monkeypatch, job, model, _measured(cost, noise, scale=0.005))[0] for _ in range(3)]
     assert {p.plan.placement_map() for p in again} == {fresh}

@@ -196,7 +196,7 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
     devices = []
     build = planning.build_device
     monkeypatch.setattr(planning, "build_device", lambda *a, **k: devices.append(build(*a, **k)) or devices[-1])
-    cost = planning.calibrated_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
+    cost = planning.measured_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
     assert alive == [True] * 5 and cost.hardware.optimizer_gparams_per_s > 0
     for link in devices[0].links.values():  # closed once calibrated
         link._thread.join(timeout=60)
@@ -210,6 +210,7 @@ def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkey
     runs, and the weights do not move (learning rate 0, weight decay on)."""
     import statistics
 
+    from lazytrain.runtime import probe
     from lazytrain.runtime.calibrate import QUANTUM
     from lazytrain.train import planning
     from lazytrain.train.build import build_model, model_source
@@ -221,10 +222,10 @@ def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkey
     model = build_model(data.job, model_source(data.job, data.vocab_size))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     probed = []
-    take = planning.probe_steps
-    monkeypatch.setattr(planning, "probe_steps", lambda step: probed.extend(take(step)) or probed)
+    take = probe.probe_steps
+    monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
     monkeypatch.setattr(planning, "optimizer_step", lambda *a, **k: pytest.fail("a serial optimizer step ran"))
-    cost = planning.calibrated_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
+    cost = planning.measured_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
     updates = sorted(sum(end - start for lane, name, start, end in s.timeline
                          if lane == "optimizer" and name.startswith("update ")) for s in probed)
     assert len(probed) >= 3 and updates[0] > 0  # every measured step ran an update (the warm-up's came first)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from lazytrain.data.loader import Batch, Loader, count_loss_tokens, eval_batches
 from lazytrain.data.sft import Row, load_sft
 from lazytrain.data.tokenizer import load_tokenizer
 from lazytrain.errors import LazyTrainError
+from lazytrain.paths import cache_dir
 from lazytrain.runtime.weights import resolve_model
 
 MATH = "math"  # the embedded math SFT set
@@ -112,12 +112,6 @@ def _corpus_data(job: JobConfig, world_size: int) -> RunData:
                    probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size,
                    summary=f"corpus   {job.data.dataset}: {len(data.train):,} train / {len(data.val):,} held-out "
                            "tokens (bytes)", math_eval=[])
-
-
-def cache_dir() -> Path:
-    """Where the default job's model directory and data files are made once: $LAZYTRAIN_CACHE, else
-    ~/.cache/lazytrain."""
-    return Path(os.environ.get("LAZYTRAIN_CACHE", "~/.cache/lazytrain")).expanduser()
 
 
 class CorpusBatches:

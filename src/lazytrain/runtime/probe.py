@@ -1,0 +1,108 @@
+"""The calibration probe: the run's model stepped on the device it runs on, timed, into a calibrated CostModel.
+
+Steps of an all-`gpu` plan on an uncapped, unthrottled device of the run's kind time every layer's forward and
+backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps and 5 s of them:
+`probe_steps`); the run's optimizer at learning rate 0 times the host update (the same work; the weights do not
+move, so no copy of them is needed): in overlap mode each probe step runs the previous one's update on its
+optimizer lane under its forward, as the run does (so the compute is timed beside it too: alone, the default
+job's updates took 23 ms a step where the run's took 39); in serial mode five steps after the probe.
+`runtime/calibrate.py` turns them into the CostModel. On CUDA the executor's per-layer timers see asynchronous
+launches, so there the FLOP estimate is scaled by the measured step time instead. Link rates are the
+configured (emulated) ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lazytrain.costmodel.hardware import available_host_memory_bytes
+from lazytrain.costmodel.workload import Workload
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.plan import Plan
+from lazytrain.runtime.calibrate import calibrate, lane_seconds, probe_steps
+from lazytrain.runtime.device import EmulatedDevice
+from lazytrain.runtime.executor import Executor, GroupUpdate, StepStats
+from lazytrain.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.runtime.device import CudaDevice
+
+
+@dataclass(frozen=True)
+class ProbeOptimizer:
+    """The run's optimizer at learning rate 0, as the probe runs it (train/planning.py builds it)."""
+
+    deferred_update: Callable[[float], GroupUpdate]  # overlap: the last step's update at this grad norm
+    step: Callable[[float | None], object]  # serial: one optimizer step after the backward, at this grad norm
+
+
+def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDevice | EmulatedDevice,
+                    probe_batch: tuple[torch.Tensor, torch.Tensor], *, compute_dtype: torch.dtype,
+                    optimizer: Callable[[Executor], ProbeOptimizer], overlap: bool, scale_flops: bool) -> CostModel:
+    """`estimate` (the run's CostModel from the hardware's figures) with its compute and optimizer seconds
+    measured on `device` (uncapped, unthrottled; closed here), `optimizer` built once the executor is.
+    `estimate.workload.masked`: the run's batches carry an attention mask or position ids, whose device bytes
+    (per-row constants, every SDPA layer's mask copy and repeated k/v) the cost model then counts."""
+    workload = estimate.workload
+    keep_all = Plan.from_tiers(model, ["gpu"] * (model.config.num_hidden_layers + 1))
+    try:
+        executor = Executor(model, keep_all, device, compute_dtype=compute_dtype)
+        if isinstance(device, EmulatedDevice):
+            _check_probe_fits(executor, workload)
+
+        # The optimizer is timed while the probe device's link threads live, as the run's own do while it trains:
+        # each link thread that ran torch ops owns an OpenMP team, and libgomp spins long at a barrier only while
+        # the process has no more OpenMP threads than CPUs. With the teams gone, on a shared machine every barrier
+        # of the optimizer's short parallel regions spins out a time slice while its partner is descheduled: the
+        # default job's optimizer step measured 1.5-4 s instead of 0.03 s (docs/benchmarks.md).
+        run_optimizer = optimizer(executor)
+
+        def probe() -> StepStats:
+            last = executor.last_step
+            if overlap and last is not None:  # as the run: the last step's update on this one's optimizer lane
+                executor.defer_update(run_optimizer.deferred_update(last.grad_norm or 0.0))
+            executor.forward_backward(*probe_batch)  # host sync: returns when the step is done
+            return executor.last_step
+
+        steps = probe_steps(probe)  # a warm-up, then seconds of steps (runtime/calibrate.py)
+        # rotary, positions, masks (eager attention; and per-row masks when the batches carry them)
+        constant_bytes = executor.memory_sizes(workload.batch_size, workload.seq_len,
+                                               masked=workload.masked).constant_bytes
+        if overlap:  # the updates' seconds on the lane (the first measured step's also first-touches the states)
+            optimizer_s = statistics.median(lane_seconds(s, "optimizer", ("update",)) for s in steps)
+        else:
+            samples = []
+            for _ in range(5):  # the first steps allocate and first-touch the states: the fastest of the later four
+                t0 = time.perf_counter()
+                run_optimizer.step(executor.last_step.grad_norm)
+                samples.append(time.perf_counter() - t0)
+            # the fastest: a shared machine's interference only ever adds time (their medians moved 60x run to run
+            # under load; docs/reliability.md)
+            optimizer_s = min(samples[1:])
+    finally:
+        device.close()
+    model.zero_grad(set_to_none=True)
+
+    # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
+    return calibrate(estimate.with_device_constants(constant_bytes), steps, optimizer_s=optimizer_s,
+                     scale_flops=scale_flops)
+
+
+def _check_probe_fits(executor: Executor, workload: Workload) -> None:
+    """The emulated device's memory is this host's: refuse a calibration step (all boundaries kept, the largest
+    device footprint of the run) that would not fit in what the host has available, before allocating it."""
+    need = executor.predicted_peak_bytes(workload.batch_size, workload.seq_len, masked=workload.masked)
+    available = available_host_memory_bytes()
+    if available is not None and need > available:
+        raise LazyTrainError(
+            f"host memory: the emulated device's calibration step (batch {workload.batch_size} x "
+            f"{workload.seq_len}, every boundary kept) needs {format_bytes(need)} but this machine's available "
+            f"memory gives {format_bytes(available)}; lower per_device_train_batch_size or cutoff_len")
