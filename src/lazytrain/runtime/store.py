@@ -24,10 +24,8 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import secrets
 import shutil
 import tempfile
 import zlib
@@ -38,8 +36,8 @@ from pathlib import Path
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.files import ALIGN_BYTES, bytes_view, io_error, open_nameless, read_all, write_all
 
-ALIGN_BYTES = 4096
 SPILL_PREFIX = "lazytrain-"
 STALE_NAME = re.compile(r"^lazytrain-(\d+)-.*\.(spill|bin)$")  # pid in the name
 SPILL_DIR_PREFIX = "lazytrain-nvme-"
@@ -234,18 +232,15 @@ class ActivationStore:
 
     def write(self, boundary: int, host: torch.Tensor) -> None:
         """Write `host` to a new spill file for the boundary and remember its CRC32 (runs on the nvme_write link)."""
-        data = _bytes_view(host)
+        data = bytes_view(host.contiguous())
         fd = -1
         try:
             fd = open_spill_file(self.nvme_dir)
-            done = 0
-            while done < len(data):  # os.pwrite may write less than asked
-                done += os.pwrite(fd, data[done:], done)
+            write_all(fd, data, 0)
         except OSError as err:
             if fd >= 0:
                 os.close(fd)  # the partial file (disk full) goes with its only reference
-            raise LazyTrainError(f"cannot write an NVMe spill file in {self.nvme_dir}: {err.strerror}; free space "
-                                 "there or pass another nvme_dir") from None
+            raise io_error(err, self.nvme_dir, "write an NVMe spill file") from None
         self._crc[boundary] = zlib.crc32(data)
         self._files[boundary] = (fd, len(data))
         self.nvme_bytes_in_use += len(data)
@@ -253,18 +248,12 @@ class ActivationStore:
 
     def read(self, boundary: int, host: torch.Tensor) -> None:
         """Read the boundary's spill file into `host` and verify its CRC32 (runs on the nvme_read link)."""
-        data = _bytes_view(host)
+        data = bytes_view(host)
         fd, _ = self._files[boundary]
-        n = 0
         try:
-            while n < len(data):
-                got = os.preadv(fd, [data[n:]], n)
-                if got == 0:
-                    break
-                n += got
+            n = read_all(fd, data, 0)
         except OSError as err:
-            raise LazyTrainError(f"cannot read an NVMe spill file in {self.nvme_dir}: {err.strerror}; check the "
-                                 "disk under nvme_dir") from None
+            raise io_error(err, self.nvme_dir, "read an NVMe spill file") from None
         if n != len(data) or zlib.crc32(data) != self._crc[boundary]:
             raise LazyTrainError(f"an NVMe spill file in {self.nvme_dir} is corrupt (read {n} of {len(data)} bytes, "
                                  "checksum mismatch); check the disk under nvme_dir")
@@ -300,17 +289,9 @@ def open_spill_file(directory: Path) -> int:
     """A read-write file in `directory` that has no name, so nothing is left behind however the process ends.
 
     Linux O_TMPFILE creates it nameless; where the file system lacks it, a named file is created and unlinked at
-    once (`clean_stale_spill_files` removes such a file if the process died in between).
+    once (`clean_stale_spill_files` removes such a file if the process died in between). files.py's `open_nameless`.
     """
-    try:
-        return os.open(directory, os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600)
-    except OSError as err:
-        if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-            raise
-    path = directory / f"{SPILL_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.spill"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    os.unlink(path)
-    return fd
+    return open_nameless(directory, SPILL_PREFIX)[0]
 
 
 def clean_stale_spill_files(directory: Path) -> list[Path]:
@@ -350,8 +331,3 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (works for bf16, which numpy lacks)."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
