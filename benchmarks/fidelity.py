@@ -138,7 +138,7 @@ def part_default(args: argparse.Namespace) -> None:
         (out / "run").mkdir(parents=True)
         trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=data.batches,
                           eval_set=[], out=out / "run", tokenizer=data.tokenizer)
-        trainer.metrics = MetricsLog(out / "run", tensorboard=False)
+        trainer.metrics = MetricsLog(out / "run")
         keep_all = Plan.from_tiers(model, ["gpu"] * (model.config.num_hidden_layers + 1))
         twin = copy.deepcopy(model)  # the probe's own copy: the run's pending update reads the model's gradients
         probe = Executor(twin, keep_all, probe_device, compute_dtype=executor.compute_dtype)

@@ -83,8 +83,8 @@ def test_resume_continues_exactly(tmp_path, optimizer):
     shutil.rmtree(out / "checkpoint-6")  # as if the run had died after step 3's checkpoint
     resumed = _run(steps=6, optimizer=optimizer, save_steps=3, output_dir=str(out), resume_from_checkpoint="auto")
     assert resumed.losses == pytest.approx(whole.losses, rel=0, abs=1e-6)
-    assert list(_losses(out)) == list(range(6))
-    assert [_losses(out)[s] for s in range(6)] == pytest.approx(whole.losses, rel=0, abs=1e-6)
+    assert list(_losses(out)) == list(range(1, 7))  # steps count from 1
+    assert [_losses(out)[s] for s in range(1, 7)] == pytest.approx(whole.losses, rel=0, abs=1e-6)
     for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
 
@@ -108,8 +108,8 @@ def test_sigkill_after_the_first_checkpoint_then_auto_resume_gives_the_same_loss
     assert main(["train", "save_steps=2", "resume_from_checkpoint=auto", *ARGV, "--steps", str(steps),
                  "--output-dir", str(out)]) == 0
     expected, got = _losses(whole), _losses(out)
-    assert list(got) == list(range(steps))
-    for step in range(steps):
+    assert list(got) == list(range(1, steps + 1))  # steps count from 1
+    for step in range(1, steps + 1):
         assert got[step] == pytest.approx(expected[step], rel=0, abs=1e-6), step
 
 

@@ -100,7 +100,7 @@ def test_unknown_key_names_the_nearest(tmp_path):
     path.write_text("learning_rte: 1e-5\n")
     with pytest.raises(LazyTrainError, match=r"unknown key 'learning_rte'; did you mean 'learning_rate'\?$"):
         load_job_config(path)
-    with pytest.raises(LazyTrainError, match=r"did you mean 'per_device_train_batch_size'"):
+    with pytest.raises(LazyTrainError, match=r"did you mean 'per_device_eval_batch_size' or 'per_device_train_batch_"):
         load_job_config(overrides=["per_device_batch_size=4"])
     with pytest.raises(LazyTrainError, match=r"unknown section 'optm'; did you mean 'optim'"):
         load_job_config({"optm.learning_rate": 1})
@@ -116,7 +116,7 @@ def test_unknown_key_names_the_nearest(tmp_path):
     ({"per_device_train_batch_size": "big"}, "expected an integer or one of auto"),
     ({"model": 7}, "model = 7: expected a string"),
     ({"max_steps": True}, "max_steps = True: expected an integer"),
-    ({"max_steps": 0}, "max_steps = 0 is invalid: it must be an integer >= 1"),
+    ({"max_steps": 0}, "max_steps = 0 is invalid: it must be an integer in 1..1000000000 (or -1"),
     ({"adam_beta2": 1.0}, "adam_beta2 = 1.0 is invalid"),
     ({"gpu_mem_cap": "lots"}, "gpu_mem_cap = 'lots': cannot read as a size"),
     ({"gpu_mem_cap": "-5GB"}, "negative"),
@@ -135,8 +135,8 @@ def test_errors_name_the_key_as_typed():
         _parse(["--gpu-mem-cap", "lots"])
     with pytest.raises(LazyTrainError, match=r"^lr = 'x': expected a number"):
         _parse(["lr=x"])
-    with pytest.raises(LazyTrainError, match=r"^optim.max_steps = -1 is invalid"):
-        _parse(["optim.max_steps=-1"])
+    with pytest.raises(LazyTrainError, match=r"^optim.max_steps = -2 is invalid"):
+        _parse(["optim.max_steps=-2"])
     with pytest.raises(LazyTrainError, match=r"given twice"):
         _parse(["--lr", "1e-5", "--learning-rate", "2e-5"])
 
@@ -158,14 +158,14 @@ def test_malformed_yaml_is_one_line(tmp_path):
 def test_code_construction_is_checked_too():
     from lazytrain.config import OptimConfig
 
-    with pytest.raises(LazyTrainError, match="min_lr_ratio = 1.5 is invalid"):
-        OptimConfig(min_lr_ratio=1.5)
+    with pytest.raises(LazyTrainError, match="warmup_ratio = 1.5 is invalid"):
+        OptimConfig(warmup_ratio=1.5)
     assert OptimConfig(learning_rate="1e-4").learning_rate == 1e-4
 
 
 def test_refuse_names_a_key_set_away_from_its_default():
-    job = load_job_config({"save_steps": 50, "report_to": "tensorboard"})
-    assert set(job.changed()) == {"save_steps", "report_to"}
+    job = load_job_config({"model": "qwen2.5-7b", "save_steps": 50, "report_to": "tensorboard"})
+    assert set(job.changed()) == {"model", "save_steps", "report_to"}
     job.refuse(["packing"], "train")  # at its default: fine
     with pytest.raises(LazyTrainError, match=r"^save_steps = 50: not supported by `lazytrain train` yet"):
         job.refuse(["packing", "save_steps", "report_to"], "train")
@@ -183,7 +183,172 @@ def test_every_field_has_a_flag():
 def test_docs_list_every_key():
     from pathlib import Path
 
-    from lazytrain.config import markdown_table
+    from lazytrain.config import foreign_markdown, markdown_table
 
     page = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
     assert markdown_table() in page, "regenerate the table in docs/config.md from lazytrain.config.markdown_table()"
+    assert foreign_markdown() in page, "regenerate docs/config.md's LLaMA-Factory table from config.foreign_markdown()"
+
+
+# ---- every problem at once, bounded values, YAML traps (issues 25 and 26) ------------------------------------
+def test_every_problem_of_a_config_is_reported_at_once(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("stage: sft\nfoo: 1\nlearning_rate: fast\nbar_baz: 2\nmax_steps: 0\nqux: true\nseed: -3\n")
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(path, overrides=["warmup_ratio=2"])
+    lines = str(err.value).splitlines()
+    assert sorted(lines) == sorted([
+        f"config file {path}: unknown key 'foo'; see `lazytrain train --help` or docs/config.md",
+        f"config file {path}: unknown key 'bar_baz'; see `lazytrain train --help` or docs/config.md",
+        f"config file {path}: unknown key 'qux'; see `lazytrain train --help` or docs/config.md",
+        "learning_rate = 'fast': expected a number",
+        "max_steps = 0 is invalid: it must be an integer in 1..1000000000 (or -1: num_train_epochs decides)",
+        "seed = -3 is invalid: it must be an integer in 0..2**63-1",
+        "warmup_ratio = 2.0 is invalid: it must be in [0, 1]",
+    ])
+
+
+def test_duplicate_yaml_keys_are_refused_with_their_lines(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("learning_rate: 1e-5\nmax_steps: 10\nlearning_rate: 2e-5\noptim:\n  adam_beta1: 0.8\n"
+                    "  adam_beta1: 0.7\n")
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(path)
+    assert str(err.value).splitlines() == [
+        f"config file {path}: 'learning_rate' is given twice (again at line 3); YAML would keep the last silently: "
+        "keep one",
+        f"config file {path}: 'adam_beta1' is given twice (again at line 6); YAML would keep the last silently: "
+        "keep one"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("max_steps: " + "9" * 5001, "max_steps = <an integer of 5001 digits>: out of range; integers must be below 2**63"),
+    ("seed: 18446744073709551616", "seed = 18446744073709551616: out of range; integers must be below 2**63"),
+    ("seed: 9223372036854775808", "seed = 9223372036854775808: out of range"),
+    ("ddp_timeout: " + "1" * 40, "ddp_timeout = <an integer of 40 digits>: out of range"),  # as spelled
+    ("num_train_epochs: .inf", "num_train_epochs = inf is invalid: it must be a number in (0, 1000000]"),
+    ("num_train_epochs: .nan", "num_train_epochs = nan: not a number"),
+    ("num_train_epochs: 1e7", "num_train_epochs = 10000000.0 is invalid"),
+    ("max_steps: 10000000000", "max_steps = 10000000000 is invalid"),
+    ("gradient_accumulation_steps: 1099511627777", "gradient_accumulation_steps = 1099511627777 is invalid"),
+    ("save_steps: 1e30", "save_steps = '1e30': expected an integer"),
+    ("learning_rate: 1e400", "learning_rate = inf is invalid: it must be a number > 0"),
+    ("gpu_mem_cap: 1e30GB", "gpu_mem_cap = '1e30GB': out of range"),
+])
+def test_every_count_is_bounded_before_anything_runs(tmp_path, text, needle):
+    path = tmp_path / "job.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(LazyTrainError):  # the same as a key=value word
+        load_job_config(overrides=[text.replace(": ", "=").replace(".inf", "inf").replace(".nan", "nan")])
+
+
+# ---- LLaMA-Factory and HF Trainer keys ---------------------------------------------------------------------
+def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):
+    path = tmp_path / "lf.yaml"
+    path.write_text("model_name_or_path: qwen2.5-7b\nstage: sft\ndo_train: true\nfinetuning_type: full\n"
+                    "dataset: identity,alpaca_en_demo\ntemplate: qwen\ncutoff_len: 512\nmax_samples: 100\n"
+                    "overwrite_cache: true\npreprocessing_num_workers: 2\noutput_dir: saves/x\nlogging_steps: 5\n"
+                    "save_steps: 50\nplot_loss: true\noverwrite_output_dir: true\nper_device_train_batch_size: 2\n"
+                    "gradient_accumulation_steps: 4\nlearning_rate: 1.0e-5\nnum_train_epochs: 3.0\n"
+                    "lr_scheduler_type: cosine\nwarmup_ratio: 0.1\nbf16: true\nddp_timeout: 180000000\n"
+                    "val_size: 0.1\nper_device_eval_batch_size: 1\neval_strategy: steps\neval_steps: 50\n"
+                    "report_to: none\nresume_from_checkpoint: true\ntrust_remote_code: true\n"
+                    "dataloader_num_workers: 4\nsave_only_model: false\n")
+    notes: list[str] = []
+    job = load_job_config(path, notes=notes)
+    assert job.model.model == "qwen2.5-7b" and job.runtime.dtype == "bf16"
+    assert job.data.datasets == ("identity", "alpaca_en_demo") and job.data.template == "qwen"
+    assert (job.data.max_samples, job.data.overwrite_cache, job.data.preprocessing_num_workers) == (100, True, 2)
+    assert job.parallel.collective_timeout_s == 180000000 and job.checkpoint.resume_from_checkpoint == "auto"
+    assert job.metrics.report_to == ("none",) and job.metrics.eval_steps == 50 and job.data.val_size == 0.1
+    assert job.optim.max_steps == -1 and job.optim.num_train_epochs == 3.0  # the epochs decide, as in HF
+    assert [n.split(":")[0] for n in notes] == ["trust_remote_code", "dataloader_num_workers"]
+    # a user's model gets the HF Trainer's defaults where the YAML says nothing
+    assert (job.optim.weight_decay, job.optim.adam_beta2, job.optim.warmup_steps) == (0.0, 0.999, 0)
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"bf16": "true"}, {"dtype": "bf16"}),
+    ({"fp16": True}, {"dtype": "fp16"}),
+    ({"bf16": False, "fp16": False}, {"dtype": "fp32"}),  # HF computes in fp32 then
+    ({"pure_bf16": True, "optimizer": "8bit"}, {"dtype": "bf16", "master_weights": "bf16"}),
+    ({"resume_from_checkpoint": False}, {"resume_from_checkpoint": None}),
+    ({"resume_from_checkpoint": "runs/x/checkpoint-4"}, {"resume_from_checkpoint": "runs/x/checkpoint-4"}),
+    ({"stage": "pt"}, {"dataset_format": "text"}),
+    ({"eval_strategy": "no"}, {"eval_batches": 0}),
+    ({"evaluation_strategy": "steps", "logging_steps": 7}, {"eval_steps": 7}),
+    ({"save_strategy": "no"}, {"save_steps": 0}),
+    ({"optim": "adamw_torch_fused"}, {"optimizer": "adamw"}),
+    ({"optim": "paged_adamw_8bit"}, {"optimizer": "8bit"}),
+    ({"auto_find_batch_size": True}, {"per_device_train_batch_size": "auto"}),
+    ({"disable_tqdm": True}, {"progress": False}),
+    ({"use_cpu": True}, {"device": "cpu"}),
+    ({"neat_packing": True, "packing": False}, None),  # two spellings of one key: refused
+    ({"report_to": ["wandb", "tensorboard"]}, {"report_to": ("wandb", "tensorboard")}),
+    ({"val_size": 0.0}, {"val_size": None}),
+    ({"val_size": 25}, {"val_size": 25}),
+    ({"lora_rank": None, "use_dora": False, "hub_token": None}, {}),  # off: asks for nothing
+])
+def test_foreign_values(values, expected):
+    if expected is None:
+        with pytest.raises(LazyTrainError, match="given twice"):
+            load_job_config({"model": "qwen2.5-7b", **values})
+        return
+    flat = load_job_config({"model": "qwen2.5-7b", **values}).flat()
+    assert {k: flat[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"finetuning_type": "lora"}, "finetuning_type = 'lora' (a LLaMA-Factory key): LazyTrain trains every parameter"),
+    ({"deepspeed": "ds.json"}, "deepspeed = 'ds.json' (an HF Trainer key): LazyTrain does not run DeepSpeed"),
+    ({"stage": "dpo"}, "stage = 'dpo' (a LLaMA-Factory key): LazyTrain trains with the language-model loss"),
+    ({"do_train": False}, "`lazytrain train` always trains"),
+    ({"quantization_bit": 4}, "quantized (QLoRA) training is not implemented"),
+    ({"flash_attn": "fa2"}, "LazyTrain runs attention through sdpa"),
+    ({"fsdp": "full_shard"}, "LazyTrain does not shard with FSDP"),
+    ({"eval_strategy": "epoch"}, "set eval_strategy steps with eval_steps"),
+    ({"eval_strategy": "steps"}, "needs eval_steps"),
+    ({"lora_rank": 8}, "lora_rank = 8 (a LLaMA-Factory key): a LLaMA-Factory setting LazyTrain does not implement"),
+    ({"push_to_hub": True}, "nothing leaves this machine"),
+    ({"optim": "sgd"}, "LazyTrain's optimizers are adamw"),
+    ({"bf16": "maybe"}, "expected true or false"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "expected one of linear, cosine"),
+])
+def test_foreign_values_lazytrain_does_not_act_on_are_refused_with_why(values, needle):
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(values)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["stage", "do_train", "finetuning_type", "deepspeed", "max_samples",
+                                 "per_device_eval_batch_size", "bf16"])
+def test_keys_users_bring_get_no_wrong_hint(key):
+    """The issue's misleading hints (stage -> steps, do_train -> num_train_epochs, ...): each of these is known."""
+    try:
+        load_job_config({key: "x"})
+    except LazyTrainError as err:
+        assert "did you mean" not in str(err) and "unknown key" not in str(err), str(err)
+
+
+def test_unknown_keys_hint_only_close_names():
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config({"warmup_stesp": 3, "gradient_clipping": 1.0, "learningrate": 1})
+    lines = str(err.value).splitlines()
+    assert "did you mean 'warmup_steps'?" in lines[0] and "did you mean 'learning_rate'?" in lines[2]
+    assert "did you mean" not in lines[1]
+
+
+def test_the_default_job_keeps_its_values_and_a_users_model_gets_hfs():
+    default = load_job_config()
+    assert (default.optim.learning_rate, default.optim.max_steps, default.optim.lr_scheduler_type) == (
+        3e-3, 120, "cosine_with_min_lr")
+    assert default.optim.lr_scheduler_kwargs == {"min_lr_rate": 0.1} and default.metrics.eval_batches == 2
+    users = load_job_config({"model": "qwen2.5-7b"})
+    assert (users.optim.learning_rate, users.optim.max_steps, users.optim.lr_scheduler_type) == (5e-5, -1, "linear")
+    assert (users.optim.weight_decay, users.optim.adam_beta2, users.metrics.eval_batches) == (0.0, 0.999, None)
+    # the default job's values give way to the keys they would override
+    mine = load_job_config({"num_train_epochs": 2, "warmup_ratio": 0.2, "lr_scheduler_type": "cosine"})
+    assert (mine.optim.max_steps, mine.optim.warmup_steps, mine.optim.lr_scheduler_kwargs) == (-1, 0, {})

@@ -98,11 +98,11 @@ def test_three_non_finite_steps_in_a_row_stop_the_run_and_save_nothing_new(tmp_p
             "--optimizer-mode", mode, "--output-dir", str(out)]
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: 3 steps in a row were non-finite (first: gradients of head at step 2)"), err
+    assert err.startswith("error: 3 steps in a row were non-finite (first: gradients of head at step 3)"), err
     assert "\n" not in err
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert incomplete_reason(out / "checkpoint-2") is None
-    assert [r["step"] for r in _rows(out) if r["skipped"]] == [2, 3, 4]
+    assert [r["step"] for r in _rows(out) if r["skipped"]] == [3, 4, 5]  # the 3rd to 5th steps (1-based)
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143),

@@ -83,7 +83,7 @@ def test_fine_tune_a_model_directory_on_an_sft_file(tmp_path, capsys, family, fm
     assert f"weights from {model_dir}" in printed and f"{fmt}: 32 train / 8 held-out examples" in printed
     out = tmp_path / "run"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["loss"] > 0 and r["tokens"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 and r["tokens"] > 0 for r in rows)
     ck = out / "checkpoint-3"
     tokenizer = transformers.AutoTokenizer.from_pretrained(ck)
     assert tokenizer.chat_template and len(tokenizer) == len(transformers.AutoTokenizer.from_pretrained(model_dir))

@@ -120,7 +120,7 @@ def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, mode
     out, _ = two_rank_runs[model, mode, nodes]
     resumed = out.with_name(out.name + "-resumed")
     rows, rows_resumed = _rows(out / "metrics.jsonl"), _rows(resumed / "metrics.jsonl")
-    assert [r["step"] for r in rows_resumed] == [2, 3, 4]
+    assert [r["step"] for r in rows_resumed] == [3, 4, 5]
     for a, b in zip(rows[2:], rows_resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"])
     expected, got = _params(out / "checkpoint-5"), _params(resumed / "checkpoint-5")
@@ -147,9 +147,10 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
                                      output_dir=str(tmp_path / "one"))))
     # one host copy of the weights per node, the optimizer sharded: each rank steps its own layer groups
     g = WORLD // nodes
-    assert f"shared by the {g} ranks of this node; rank 0 steps" in output and "rank 1 steps" in output
+    assert f"shared by the {g} ranks of this node; rank 0 steps" in output
+    assert "rank 1 steps" in (two / "rank-1" / "console.log").read_text()  # rank 1's lines: its own file
     rows_one, rows_two = _rows(one.output_dir / "metrics.jsonl"), _rows(two / "metrics.jsonl")
-    assert [r["step"] for r in rows_two] == list(range(JOB["max_steps"]))
+    assert [r["step"] for r in rows_two] == list(range(1, JOB["max_steps"] + 1))
     for a, b in zip(rows_one, rows_two, strict=True):
         assert b["tokens"] == a["tokens"]  # the global token count, summed over the ranks
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
@@ -195,7 +196,8 @@ def test_every_rank_runs_rank_0s_plan_made_for_the_ranks(two_rank_runs, model, m
     sums over the ranks in the step, at the rates the ranks measured), broadcasts it, and both ranks log and save
     that plan -- the same solve, to its seconds."""
     out, output = two_rank_runs[model, mode, nodes]
-    lines = [line for line in output.splitlines() if line.startswith("plan     ")]
+    console = (out / "rank-1" / "console.log").read_text()
+    lines = [line for line in output.splitlines() + console.splitlines() if line.startswith("plan     ")]
     assert len(lines) == WORLD and len(set(lines)) == 1, lines
     rates = re.search(rf"; rank 0's plan for the {WORLD} ranks, their gradients' sums measured at (\S+) GB/s in a "
                       r"node, (\S+) between nodes\)$", lines[0])
@@ -212,6 +214,22 @@ def test_every_rank_runs_rank_0s_plan_made_for_the_ranks(two_rank_runs, model, m
         assert prediction["milp_step_s"] == pytest.approx(prediction["simulated_step_s"], rel=1e-6)
 
 
+@pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
+def test_rank_0_alone_prints_and_the_others_write_their_console_log(two_rank_runs, model, mode, nodes):
+    """Under torchrun the terminal shows one copy of each line: rank 0's report; rank 1 writes the same report to
+    output_dir/rank-1/console.log (its plan, batch and shared lines are its own)."""
+    out, output = two_rank_runs[model, mode, nodes]
+    lines = [line for line in output.splitlines() if line.strip() and not line.startswith(("W", "[W", "  "))]
+    report = [line for line in lines if re.match(r"^[a-z]+ +\S", line) and line[:9].endswith(" ")]
+    assert report and len(report) == len(set(report)), [x for x in report if report.count(x) > 1]
+    for word in ("model    ", "plan     ", "predict  ", "loss     ", "saved    "):
+        assert sum(line.startswith(word) for line in lines) == 1, word
+    console = (out / "rank-1" / "console.log").read_text().splitlines()
+    assert any(line.startswith("model    ") for line in console) and any(line.startswith("plan     ")
+                                                                        for line in console)
+    assert not any(line in output for line in console if "rank 1" in line)  # rank 1's own lines stay in its file
+
+
 @pytest.mark.parametrize(("model", "mode", "nodes"), [("tiny-qwen2", "overlap", 1)])
 def test_batch_auto_is_per_rank_decided_by_rank_0_and_reports_the_global_batch(two_rank_runs, model, mode, nodes):
     """per_device_train_batch_size auto under torchrun: the largest batch one rank of the two admits (the same
@@ -222,7 +240,8 @@ def test_batch_auto_is_per_rank_decided_by_rank_0_and_reports_the_global_batch(t
     batch = expected.data.per_device_train_batch_size
     alone, _ = resolve_batch(load_job_config(config))
     assert batch >= 2 and batch <= alone.data.per_device_train_batch_size
-    notes = [line for line in output.splitlines() if line.startswith("batch    ")]
+    console = (out / "rank-1" / "console.log").read_text()
+    notes = [line for line in output.splitlines() + console.splitlines() if line.startswith("batch    ")]
     assert len(notes) == WORLD and len(set(notes)) == 1, notes
     ga = JOB["gradient_accumulation_steps"]
     assert notes[0].startswith(f"batch    per_device_train_batch_size auto: {batch} per rank, the largest the "

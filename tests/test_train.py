@@ -47,7 +47,7 @@ def test_cli_run_writes_metrics_plan_and_a_loadable_checkpoint(tmp_path, capsys)
     assert main(["train", "--steps", "3", "--output-dir", str(out), *TINY]) == 0
     printed = capsys.readouterr().out
     rows = _rows(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # steps count from 1, as the HF Trainer's global_step
     for r in rows:
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_s"] > 0
         assert r["predicted_step_s"] > 0 and set(r["stall_s"]) >= {"h2d", "d2h"}
@@ -321,3 +321,52 @@ if __name__ == "__main__" and sys.argv[1:] == ["--regen"]:
     GOLDEN.write_text(json.dumps({"config": GOLDEN_CONFIG, "torch": torch.__version__,
                                   "transformers": transformers.__version__, "losses": losses}, indent=1) + "\n")
     print(f"wrote {GOLDEN}: {losses}")
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("linear", {}), ("cosine", {}), ("cosine_with_restarts", {"num_cycles": 2}), ("polynomial", {"power": 2.0}),
+    ("constant", {}), ("constant_with_warmup", {}), ("inverse_sqrt", {}), ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ("warmup_stable_decay", {"num_decay_steps": 3}),
+])
+def test_every_schedule_is_transformers_own(name, kwargs):
+    """The learning rate of every update equals what transformers.get_scheduler gives a real optimizer, stepped as
+    the HF Trainer steps it (the rate of update k is the scheduler's after k steps)."""
+    from lazytrain.train.optimizer import Schedule
+
+    steps, warmup = RNG.randrange(8, 30), RNG.choice([0, 3, 0.2])
+    job = load_job_config(dict(model="qwen2.5-7b", max_steps=steps, learning_rate=2e-4, warmup_steps=warmup,
+                               lr_scheduler_type=name, lr_scheduler_kwargs=kwargs))
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], lr=2e-4)
+    warmup_count = math.ceil(warmup * steps) if isinstance(warmup, float) else warmup
+    scheduler = transformers.get_scheduler(name, optimizer, num_warmup_steps=warmup_count, num_training_steps=steps,
+                                           scheduler_specific_kwargs=kwargs)
+    expected = []
+    for _ in range(steps):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    schedule = Schedule(job)
+    assert [schedule.lr_at(k) for k in range(steps)] == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+def test_bad_schedule_arguments_are_one_line_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--output-dir", str(out), *TINY, "--steps", "2", "lr_scheduler_type=linear",
+                 "lr_scheduler_kwargs={num_cycles: 2}"]) == 2  # linear takes no num_cycles (cosine would)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: lr_scheduler_type linear with lr_scheduler_kwargs {'num_cycles': 2}: ") and \
+        "\n" not in err, err
+    assert not out.exists()
+
+
+def test_eval_scores_the_whole_held_out_split_unless_capped_and_says_when_it_cuts(tmp_path, capsys):
+    base = {**GOLDEN_CONFIG, "steps": 2, "seq_len": 8, "batch_size": 2, "output_dir": str(tmp_path / "a")}
+    whole = train(job(**{**base, "eval_batches": None}))
+    windows = whole.summary["eval_examples"]
+    from lazytrain.data.corpus import ByteTokenizer, TokenData
+
+    held_out = len(TokenData.from_corpus("zen", ByteTokenizer()).val)
+    assert windows == math.ceil(held_out / 8) and "eval_batches" not in capsys.readouterr().out
+    capped = train(job(**{**base, "eval_batches": 1, "output_dir": str(tmp_path / "b")}))
+    assert capped.summary["eval_examples"] == 2  # one batch of 2 windows
+    assert f"eval     eval_batches 1 scores 2 of the {windows} held-out windows of 8 tokens" in capsys.readouterr().out

@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in SUBCOMMANDS.items():
         parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
-        # Import only the chosen subcommand's module: `lazytrain plan` never pays for importing torch.
-        if argv[:1] == [name] or any(a in ("-h", "--help") for a in argv[:1]):
+        # Import only the chosen subcommand's module (`lazytrain --help` needs none): `lazytrain plan` never pays
+        # for importing torch, and `lazytrain train` checks its config before it does.
+        if argv[:1] == [name]:
             modules[name] = import_module(module)
             modules[name].add_arguments(parsers[name])
     try:
@@ -52,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args = parser.parse_args(argv)
         return int(modules[args.command].run(args) or 0)
-    except LazyTrainError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except LazyTrainError as err:  # one line per problem (a config reports all of its problems at once)
+        print("".join(f"error: {line}\n" for line in str(err).splitlines()), end="", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -3,7 +3,7 @@ arguments.py), with every value converted and checked (values.py) and its docs g
 (docs.py). The names below are the package's public surface; `from lazytrain.config import JobConfig` etc."""
 
 from lazytrain.config.arguments import add_job_arguments, job_config_from_args
-from lazytrain.config.docs import default_of, field_docs, markdown_table
+from lazytrain.config.docs import default_of, field_docs, foreign_markdown, markdown_table
 from lazytrain.config.load import (
     ALIASES,
     canonical_key,
@@ -16,6 +16,7 @@ from lazytrain.config.schema import (
     CORPORA,
     COST_OPTIMIZER,
     KEYS,
+    MAX_STEPS,
     MODEL_PRESETS,
     RULES,
     SECTION_OF,
@@ -33,9 +34,9 @@ from lazytrain.config.schema import (
 from lazytrain.config.values import ConfigValueError
 
 __all__ = [
-    "ALIASES", "CORPORA", "COST_OPTIMIZER", "KEYS", "MODEL_PRESETS", "RULES", "SECTIONS", "SECTION_OF",
+    "ALIASES", "CORPORA", "COST_OPTIMIZER", "KEYS", "MAX_STEPS", "MODEL_PRESETS", "RULES", "SECTIONS", "SECTION_OF",
     "CheckpointConfig", "ConfigValueError", "DataConfig", "JobConfig", "MetricsConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "PlanConfig", "RuntimeConfig", "add_job_arguments", "canonical_key",
-    "default_of", "field_docs", "job_config_from_args", "job_config_from_dict", "load_job_config",
+    "default_of", "field_docs", "foreign_markdown", "job_config_from_args", "job_config_from_dict", "load_job_config",
     "markdown_table", "parse_override", "read_yaml",
 ]

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Iterable
 from dataclasses import fields
 
-from lazytrain.config.docs import default_of, field_docs
+from lazytrain.config.docs import default_text, field_docs
 from lazytrain.config.load import ALIASES, load_job_config
 from lazytrain.config.schema import KEYS, SECTIONS, JobConfig
 from lazytrain.config.values import hints
@@ -28,7 +28,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = 
             if f.name in skipped:
                 continue
             is_bool = hints(section)[f.name] is bool
-            help_text = f"{docs.get(f.name, '')} (default: {default_of(f.name)!r})".replace("%", "%%")
+            help_text = f"{docs.get(f.name, '')} (default: {default_text(f.name)})".replace("%", "%%")
             for i, spelling in enumerate(spellings[f.name]):  # one dest per spelling: errors name the one typed
                 flag = f"--{spelling.replace('_', '-')}"
                 group.add_argument(flag, dest=f"job.{flag}", default=argparse.SUPPRESS, metavar="VALUE",
@@ -38,10 +38,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = 
                         default=argparse.SUPPRESS, help="no progress bar (progress=false)")
 
 
-def job_config_from_args(args: argparse.Namespace) -> JobConfig:
-    """The JobConfig of a command line parsed with `add_job_arguments`."""
+def job_config_from_args(args: argparse.Namespace, notes: list[str] | None = None) -> JobConfig:
+    """The JobConfig of a command line parsed with `add_job_arguments` (`notes`: as load_job_config's)."""
     files, words = [], []
     for word in getattr(args, "config", []):
         (words if "=" in word else files).append(word)
     flags = {k.removeprefix("job."): v for k, v in vars(args).items() if k.startswith("job.")}  # {"--lr": "1e-5"}
-    return load_job_config(*files, overrides=words, flags=flags)
+    return load_job_config(*files, overrides=words, flags=flags, notes=notes)

@@ -15,9 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from lazytrain.config.values import convert as _convert
-from lazytrain.config.values import need as _need
-from lazytrain.costmodel.model import MAX_DIM
+from lazytrain.config.values import ConfigErrors, Names, check, convert, raise_all
+from lazytrain.costmodel.model import MAX_DIM, MAX_LAYERS
 from lazytrain.errors import LazyTrainError
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -27,6 +26,14 @@ RULES = ("megatrain", "keep-all", "recompute-all", "offload-all")
 Optimizer = Literal["adamw", "hybrid8bit", "8bit"]
 COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid", "8bit": "8bit"}  # the CostModel's name for each
 DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
+
+# Bounds of the counts (issue 26: every count bounded and checked before anything runs). Far beyond any run, and
+# low enough that no loop over them (epochs into steps, a schedule's table) can spin or overflow.
+MAX_STEPS = 10**9  # optimizer steps (and every count of steps: warm-up, saving, logging, evaluating)
+MAX_COUNT = 2**40  # examples, rows, batches, micro-batches
+MAX_EPOCHS = 10**6  # passes over the data
+MAX_RANKS = 2**20
+MAX_TIMEOUT_S = 1e9  # seconds (LLaMA-Factory's examples set ddp_timeout 180000000)
 
 # Built-in model shapes of `model` (Llama, GQA, untied head, the byte tokenizer's vocabulary): `small` is the
 # default job, `debug` is for tests. Here, not in the trainer, so that `lazytrain plan` reads them without torch.
@@ -49,63 +56,116 @@ class ModelConfig:
 
     model: str = "small"
     """A built-in shape (`small` = 12.8 M params, the default job; `debug` = 0.2 M), a planner preset
-    (`qwen2.5-7b`, `qwen3.6-27b`, ... see `lazytrain/costmodel/presets`), or a path to a `config.json` / HF model
-    directory (its safetensors weights, when present, are where training starts)."""
+    (`qwen2.5-7b`, `qwen3.6-27b`, ... see `lazytrain/costmodel/presets`), a path to a `config.json` / HF model
+    directory (its safetensors weights, when present, are where training starts) or a hub id already in the local
+    HF cache. A built-in shape runs with the default job's tuned values (config/default_job.yaml); any other
+    model with the HF Trainer's defaults."""
     init: Literal["auto", "random"] = "auto"
     """`auto`: the model's weights (a directory or hub id without weights is refused; built-in shapes, planner
     presets and a bare config.json start from a seeded random init); `random`: random from the config alone."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(bool(self.model.strip()), "model", self.model, "a preset name or a path")
+        check(self, convert(self), (bool(self.model.strip()), "model", "a preset name or a path"))
 
 
 CORPORA = ("stdlib", "zen")  # built-in byte-level corpora (data/corpus.py); anything else .txt is a text file
+MixStrategy = Literal["concat", "interleave_under", "interleave_over"]
 
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     """What the model is trained on, and the shape of every batch."""
 
-    dataset: str = "math"
-    """Training data: `math` (the embedded MetaMathQA-like SFT set; with a built-in model shape, the default
-    job's model directory and BPE tokenizer), a json/jsonl/parquet/arrow SFT file (see `dataset_format`), or
-    byte-level text for the built-in shapes: `stdlib` (docstrings of Python's standard library), `zen` (the Zen
-    of Python) or a .txt file."""
+    dataset: Names = "math"
+    """Training data, one name or several (`a,b` or a YAML list): `math` (the embedded MetaMathQA-like SFT set;
+    with a built-in model shape, the default job's model directory and BPE tokenizer), a json/jsonl/parquet/arrow
+    SFT file or `save_to_disk` folder (see `dataset_format`), a name in `dataset_dir`'s dataset_info.json
+    (LLaMA-Factory's registry), a dataset id already in the local HF datasets cache, or byte-level text for the
+    built-in shapes: `stdlib` (docstrings of Python's standard library), `zen` (the Zen of Python) or a .txt file."""
+    dataset_dir: str = "data"
+    """The folder whose `dataset_info.json` names datasets (LLaMA-Factory's `file_name`, `formatting` alpaca /
+    sharegpt, `columns`, `tags`); file names in it are relative to this folder."""
     dataset_format: DatasetFormat = "auto"
     """How rows of an SFT file are read: auto (detected from the columns), alpaca, sharegpt, messages,
-    prompt_completion or text."""
+    prompt_completion or text (a dataset_info.json entry's `formatting` wins for its dataset)."""
     template: str | None = None
-    """Chat template name for a tokenizer that has none (None = the tokenizer's own)."""
+    """Chat template: None = the tokenizer's own; a LLaMA-Factory name (qwen, llama3, mistral, gemma, chatml,
+    alpaca, default, empty, ...) = the tokenizer's own chat template when it has one, else ours of that name;
+    which one was used is printed."""
     train_on_prompt: bool = False
     """Compute the loss on prompt tokens too (default: only on the assistant's response tokens)."""
     cutoff_len: int = 256
     """Tokens per sequence (>= 2): examples are truncated to it and every batch row is exactly this long,
     since the plan and the device arena are sized for it."""
     packing: bool = True
-    """Pack several short examples into one row (positions restart per example, no attention across them); false
-    = one example per row, right-padded with an attention mask."""
-    val_size: float | None = None
-    """Held-out fraction of the dataset in (0, 1); None = the dataset's own split."""
-    eval_dataset: str | None = None
-    """A separate evaluation file (None = split off the training data)."""
+    """Pack several short examples into one row (positions restart per example, no attention across them, as
+    LLaMA-Factory's neat_packing); false = one example per row, right-padded with an attention mask."""
+    max_samples: int | None = None
+    """Rows read from each dataset at most (>= 1; the first rows of its file); None = all."""
+    mix_strategy: MixStrategy = "concat"
+    """Several datasets: `concat` (one after the other, then shuffled), `interleave_under` (rows drawn from each by
+    `interleave_probs` until the first runs out) or `interleave_over` (until the last runs out, the others
+    repeated): HF datasets' interleave_datasets."""
+    interleave_probs: tuple[float, ...] | None = None
+    """Sampling weights of the datasets for interleave_* (`0.7,0.3`, one per dataset); None = equal."""
+    val_size: int | float | None = None
+    """Held-out part of the training data: a fraction in (0, 1) or a count of examples (an integer >= 1); None =
+    none (or `eval_dataset`)."""
+    eval_dataset: Names | None = None
+    """Evaluation data named as `dataset` names it (None = split off by val_size, else no evaluation)."""
     per_device_train_batch_size: int | Literal["auto"] = 8
     """Sequences per micro-batch (>= 1), or `auto`: the largest batch the planner admits under the caps (needs
     `gpu_mem_cap_bytes` on the emulated device, whose default cap grows with the batch)."""
+    per_device_eval_batch_size: int | None = None
+    """Held-out sequences per evaluation batch (>= 1; None = per_device_train_batch_size). Each runs through the
+    executor in the planned batch shape, so memory does not depend on it."""
+    overwrite_cache: bool = False
+    """Tokenize again even when the tokenized dataset is in the HF datasets cache."""
+    preprocessing_num_workers: int | None = None
+    """Processes that tokenize (datasets.map num_proc, >= 1); None = this process alone."""
+    preprocessing_batch_size: int = 1000
+    """Rows per tokenizer call in datasets.map (>= 1)."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(2 <= self.cutoff_len <= MAX_DIM, "cutoff_len", self.cutoff_len, f"an integer in 2..{MAX_DIM}")
-        _need(self.val_size is None or 0 < self.val_size < 1, "val_size", self.val_size, "in (0, 1)")
-        batch = self.per_device_train_batch_size
-        _need(batch == "auto" or 1 <= batch <= MAX_DIM, "per_device_train_batch_size", batch,
-              f"an integer in 1..{MAX_DIM} or auto")
+        problems = convert(self)
+        if self.val_size == 0:  # LLaMA-Factory's and the HF examples' default: no held-out part
+            object.__setattr__(self, "val_size", None)
+        batch, eval_batch = self.per_device_train_batch_size, self.per_device_eval_batch_size
+        val = self.val_size
+        check(self, problems,
+              (bool(self.dataset.strip()), "dataset", "a name, a path or a comma-separated list of them"),
+              (2 <= self.cutoff_len <= MAX_DIM, "cutoff_len", f"an integer in 2..{MAX_DIM}"),
+              (val is None or (isinstance(val, int) and 1 <= val <= MAX_COUNT)
+               or (isinstance(val, float) and 0 < val < 1),
+               "val_size", f"a fraction in (0, 1) or a count in 1..{MAX_COUNT}"),
+              (batch == "auto" or 1 <= batch <= MAX_DIM, "per_device_train_batch_size",
+               f"an integer in 1..{MAX_DIM} or auto"),
+              (eval_batch is None or 1 <= eval_batch <= MAX_DIM, "per_device_eval_batch_size",
+               f"an integer in 1..{MAX_DIM}"),
+              (self.max_samples is None or 1 <= self.max_samples <= MAX_COUNT, "max_samples",
+               f"an integer in 1..{MAX_COUNT}"),
+              (self.interleave_probs is None or (all(math.isfinite(p) and p >= 0 for p in self.interleave_probs)
+                                                 and sum(self.interleave_probs) > 0),
+               "interleave_probs", "weights >= 0, not all 0"),
+              (self.preprocessing_num_workers is None or 1 <= self.preprocessing_num_workers <= 1024,
+               "preprocessing_num_workers", "an integer in 1..1024"),
+              (1 <= self.preprocessing_batch_size <= MAX_COUNT, "preprocessing_batch_size",
+               f"an integer in 1..{MAX_COUNT}"))
+
+    @property
+    def datasets(self) -> tuple[str, ...]:
+        """The names in `dataset` (`a,b` -> ("a", "b"))."""
+        return names_in(self.dataset)
 
     @property
     def masked(self) -> bool:
         """Whether the batches carry an attention mask or position ids (the CostModel's masked workload): an SFT
         dataset's do (right padding, or packing's positions), a byte-level corpus's (its rows full) do not."""
         return self.dataset not in CORPORA and not self.dataset.endswith(".txt")
+
+
+def names_in(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.split(",") if name.strip())
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -144,17 +204,17 @@ class PlanConfig:
     """Re-plan during training when measured times disagree with the cost model."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(self.interval >= 1, "interval", self.interval, "an integer >= 1")
-        _need(self.max_segment >= 1, "max_segment", self.max_segment, "an integer >= 1")
-        _need(self.time_limit_s > 0, "time_limit_s", self.time_limit_s, "a number of seconds > 0")
-        _need(0 <= self.mip_rel_gap < 1, "mip_rel_gap", self.mip_rel_gap, "in [0, 1)")
-        _need(self.gpu_mem_cap_bytes != 0, "gpu_mem_cap_bytes", self.gpu_mem_cap_bytes, "> 0")
+        check(self, convert(self),
+              (1 <= self.interval <= MAX_LAYERS, "interval", f"an integer in 1..{MAX_LAYERS}"),
+              (1 <= self.max_segment <= MAX_LAYERS, "max_segment", f"an integer in 1..{MAX_LAYERS}"),
+              (self.time_limit_s > 0, "time_limit_s", "a number of seconds > 0"),
+              (0 <= self.mip_rel_gap < 1, "mip_rel_gap", "in [0, 1)"),
+              (self.gpu_mem_cap_bytes != 0, "gpu_mem_cap_bytes", "> 0"))
 
 
 @dataclass(kw_only=True, frozen=True)
 class RuntimeConfig:
-    """Where and how the job runs: device, precision, emulated link rates, NVMe directory, seed."""
+    """Where and how the job runs: device, precision, emulated link rates, NVMe directory, seeds."""
 
     device: Device = "auto"
     """`auto` (CUDA when available, else the emulated device), `cpu` (the emulated device) or `cuda`."""
@@ -182,20 +242,31 @@ class RuntimeConfig:
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files; None = a temporary directory removed at the end."""
     seed: int = 0
-    """Seeds the model init, the batch order and the eval batches."""
+    """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1)."""
+    data_seed: int | None = None
+    """Seeds the batch order and the held-out split alone (None = seed), as the HF Trainer's data_seed."""
     progress: bool = True
     """Show the progress bar on stderr (`--no-progress` turns it off; report lines stay on stdout)."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(bool(self.hardware.strip()), "hardware", self.hardware, "auto, a preset name or a file")
-        for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
-            _need(getattr(self, knob) > 0, knob, getattr(self, knob), "a rate > 0 in GB/s (inf = unthrottled)")
+        check(self, convert(self),
+              (bool(self.hardware.strip()), "hardware", "auto, a preset name or a file"),
+              *((getattr(self, knob) > 0, knob, "a rate > 0 in GB/s (inf = unthrottled)")
+                for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps")),
+              (self.seed >= 0, "seed", "an integer in 0..2**63-1"),
+              (self.data_seed is None or self.data_seed >= 0, "data_seed", "an integer in 0..2**63-1"))
+
+
+# The learning-rate schedules of transformers.get_scheduler that a step count alone drives (reduce_lr_on_plateau
+# needs an eval metric, greedy a loss: not these).
+Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                    "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]
 
 
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:
-    """The optimizer, its schedule and the length of the run."""
+    """The optimizer, its schedule and the length of the run (the HF Trainer's defaults, except in the default
+    job: config/default_job.yaml)."""
 
     optimizer: Optimizer = "adamw"
     """`adamw` (torch AdamW, fp32 states), `hybrid8bit` (Hybrid8bitAdamW: the paper's 2% of the parameters in
@@ -205,31 +276,36 @@ class OptimConfig:
     """`overlap` (overlapped-exact): once the backward is done (global norm known, clipped), the host updates the
     layer groups in forward order under the next step's forward, each group's weight h2d waiting only for its
     update; parameters bit-identical to `serial`, which steps after the whole backward (MegaTrain's code)."""
-    learning_rate: float = 3e-3
+    learning_rate: float = 5e-5
     """Peak learning rate (> 0), reached after the warm-up."""
-    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after the warm-up: cosine (to learning_rate * min_lr_ratio), linear, or constant."""
-    warmup_steps: int = 10
-    """Linear warm-up steps (>= 0; capped at max_steps - 1)."""
+    lr_scheduler_type: Scheduler = "linear"
+    """The schedule after the warm-up, by transformers.get_scheduler (its semantics): linear (to 0), cosine (to
+    0), cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr,
+    cosine_warmup_with_min_lr, warmup_stable_decay."""
+    lr_scheduler_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the schedule (e.g. `{min_lr_rate: 0.1}` for cosine_with_min_lr, `{num_cycles: 2}`
+    for cosine_with_restarts, `{power: 2}` for polynomial)."""
+    warmup_steps: int | float = 0
+    """Linear warm-up from 0: a number of steps (>= 0), or a float in [0, 1) as a fraction of the run's steps."""
     warmup_ratio: float | None = None
-    """Warm-up as a fraction of max_steps, in [0, 1]; when set it replaces warmup_steps."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of learning_rate, in [0, 1]."""
-    weight_decay: float = 0.1
+    """Warm-up as a fraction of the run's steps, in [0, 1] (LLaMA-Factory's key); when set it replaces
+    warmup_steps."""
+    weight_decay: float = 0.0
     """AdamW decoupled weight decay on matrices (norm gains and biases get none), >= 0."""
     adam_beta1: float = 0.9
     """Adam's first-moment decay, in [0, 1)."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.999
     """Adam's second-moment decay, in [0, 1)."""
     adam_epsilon: float = 1e-8
     """Adam's denominator epsilon (> 0)."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip threshold (>= 0); 0 = no clipping."""
-    max_steps: int = 120
-    """Optimizer steps to run (>= 1)."""
-    num_train_epochs: float | None = None
-    """Passes over the training data (> 0, fractions allowed) of an SFT dataset; when set it decides the number of
-    optimizer steps and replaces max_steps. None = max_steps decides."""
+    max_steps: int = -1
+    """Optimizer steps to run (>= 1); it wins over num_train_epochs, as in the HF Trainer. -1 = num_train_epochs
+    decides."""
+    num_train_epochs: float = 3.0
+    """Passes over the training data (> 0, fractions allowed) when max_steps is -1: ceil(epochs x the batches of
+    one epoch / gradient_accumulation_steps) optimizer steps."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (>= 1)."""
     max_nonfinite_steps: int = 3
@@ -237,28 +313,27 @@ class OptimConfig:
     run with one line saying what was non-finite and where it first appeared."""
 
     def __post_init__(self) -> None:
-        _convert(self)
+        problems = convert(self)
         if self.optimizer in ("fp32", "hybrid"):  # `lazytrain plan`'s names before the schema
             object.__setattr__(self, "optimizer", {"fp32": "adamw", "hybrid": "hybrid8bit"}[self.optimizer])
-        _need(math.isfinite(self.learning_rate) and self.learning_rate > 0, "learning_rate", self.learning_rate,
-              "a number > 0")
-        _need(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-        _need(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio,
-              "in [0, 1]")
-        _need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
-        _need(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay,
-              "a number >= 0")
-        for knob in ("adam_beta1", "adam_beta2"):
-            _need(0 <= getattr(self, knob) < 1, knob, getattr(self, knob), "in [0, 1)")
-        _need(0 < self.adam_epsilon < 1, "adam_epsilon", self.adam_epsilon, "in (0, 1)")
-        _need(math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm,
-              "a number >= 0 (0 = no clipping)")
-        _need(self.max_steps >= 1, "max_steps", self.max_steps, "an integer >= 1")
-        _need(self.num_train_epochs is None or self.num_train_epochs > 0, "num_train_epochs", self.num_train_epochs,
-              "a number > 0")
-        _need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", self.gradient_accumulation_steps,
-              "an integer >= 1")
-        _need(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps, "an integer >= 1")
+        warmup = self.warmup_steps
+        check(self, problems,
+              (math.isfinite(self.learning_rate) and self.learning_rate > 0, "learning_rate", "a number > 0"),
+              (0 <= warmup <= MAX_STEPS and (isinstance(warmup, int) or warmup < 1), "warmup_steps",
+               f"an integer in 0..{MAX_STEPS} or a fraction in [0, 1)"),
+              (self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, "warmup_ratio", "in [0, 1]"),
+              (math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a number >= 0"),
+              (0 <= self.adam_beta1 < 1, "adam_beta1", "in [0, 1)"),
+              (0 <= self.adam_beta2 < 1, "adam_beta2", "in [0, 1)"),
+              (0 < self.adam_epsilon < 1, "adam_epsilon", "in (0, 1)"),
+              (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0, "max_grad_norm",
+               "a number >= 0 (0 = no clipping)"),
+              (self.max_steps == -1 or 1 <= self.max_steps <= MAX_STEPS, "max_steps",
+               f"an integer in 1..{MAX_STEPS} (or -1: num_train_epochs decides)"),
+              (0 < self.num_train_epochs <= MAX_EPOCHS, "num_train_epochs", f"a number in (0, {MAX_EPOCHS}]"),
+              (1 <= self.gradient_accumulation_steps <= MAX_COUNT, "gradient_accumulation_steps",
+               f"an integer in 1..{MAX_COUNT}"),
+              (1 <= self.max_nonfinite_steps <= MAX_STEPS, "max_nonfinite_steps", f"an integer in 1..{MAX_STEPS}"))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -274,13 +349,17 @@ class CheckpointConfig:
     save_total_limit: int | None = None
     """Keep only the newest N checkpoints (>= 1); None = keep all."""
     resume_from_checkpoint: str | None = None
-    """A checkpoint directory to continue from, or `auto` (the newest complete one in output_dir)."""
+    """A checkpoint directory to continue from, or `auto` (the newest complete one in output_dir; `true` means
+    auto, as in the HF Trainer)."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(self.save_steps >= 0, "save_steps", self.save_steps, "an integer >= 0")
-        _need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", self.save_total_limit,
-              "an integer >= 1")
+        check(self, convert(self),
+              (0 <= self.save_steps <= MAX_STEPS, "save_steps", f"an integer in 0..{MAX_STEPS}"),
+              (self.save_total_limit is None or 1 <= self.save_total_limit <= MAX_STEPS, "save_total_limit",
+               f"an integer in 1..{MAX_STEPS}"))
+
+
+Tracker = Literal["none", "all", "tensorboard", "wandb", "mlflow"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -288,19 +367,30 @@ class MetricsConfig:
     """What the run reports, and how often it evaluates."""
 
     logging_steps: int = 1
-    """Write a metrics row every N optimizer steps (>= 1)."""
-    report_to: Literal["none", "tensorboard"] = "none"
-    """Also write the scalars to: none, or tensorboard (under output_dir)."""
+    """Write a metrics row every N optimizer steps (>= 1; steps count from 1, as the HF Trainer's global_step)."""
+    logging_first_step: bool = False
+    """Also write the row of step 1."""
+    report_to: tuple[Tracker, ...] = ("none",)
+    """Also send the scalars to trackers (a name or a list): none, tensorboard (under output_dir/tensorboard),
+    wandb, mlflow, or all (those whose package is installed), through accelerate's trackers; rank 0 alone."""
+    run_name: str | None = None
+    """The run's name in the trackers (None = the output directory's name)."""
+    plot_loss: bool = True
+    """Draw loss.png (train and eval loss against step) at the end, when matplotlib is installed."""
     eval_steps: int | None = None
     """Evaluate the held-out loss every N steps (>= 1); None = before and after training only."""
-    eval_batches: int = 2
-    """Held-out batches per evaluation (>= 0); 0 = no evaluation."""
+    eval_batches: int | None = None
+    """Cap on held-out batches per evaluation (>= 0; 0 = no evaluation); None = the whole held-out set. A cap that
+    cuts is printed."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(self.logging_steps >= 1, "logging_steps", self.logging_steps, "an integer >= 1")
-        _need(self.eval_steps is None or self.eval_steps >= 1, "eval_steps", self.eval_steps, "an integer >= 1")
-        _need(self.eval_batches >= 0, "eval_batches", self.eval_batches, "an integer >= 0")
+        check(self, convert(self),
+              (1 <= self.logging_steps <= MAX_STEPS, "logging_steps", f"an integer in 1..{MAX_STEPS}"),
+              ("none" not in self.report_to or len(self.report_to) == 1, "report_to", "none alone, or trackers"),
+              (self.eval_steps is None or 1 <= self.eval_steps <= MAX_STEPS, "eval_steps",
+               f"an integer in 1..{MAX_STEPS}"),
+              (self.eval_batches is None or 0 <= self.eval_batches <= MAX_COUNT, "eval_batches",
+               f"an integer in 0..{MAX_COUNT}"))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -320,11 +410,12 @@ class ParallelConfig:
     """Seconds any collective may wait for the other ranks before the run stops naming the missing rank (> 0)."""
 
     def __post_init__(self) -> None:
-        _convert(self)
-        _need(self.world_size >= 1, "world_size", self.world_size, "an integer >= 1")
-        _need(self.nodes >= 1 and self.world_size % self.nodes == 0, "nodes", self.nodes,
-              f"an integer >= 1 that divides world_size ({self.world_size})")
-        _need(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "a number > 0")
+        check(self, convert(self),
+              (1 <= self.world_size <= MAX_RANKS, "world_size", f"an integer in 1..{MAX_RANKS}"),
+              (1 <= self.nodes <= MAX_RANKS and self.world_size % self.nodes == 0, "nodes",
+               f"an integer >= 1 that divides world_size ({self.world_size})"),
+              (0 < self.collective_timeout_s <= MAX_TIMEOUT_S, "collective_timeout_s",
+               f"a number of seconds in (0, {MAX_TIMEOUT_S:.0e}]"))
 
 
 SECTIONS: dict[str, type] = {
@@ -353,11 +444,21 @@ class JobConfig:
 
     @classmethod
     def build(cls, flat: Mapping[str, Any]) -> JobConfig:
-        """From canonical flat keys (`learning_rate`, not `lr`); every section is checked."""
+        """From canonical flat keys (`learning_rate`, not `lr`); every section is checked, and every problem of
+        every section is raised at once."""
         per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for key, value in flat.items():
             per_section[SECTION_OF[key]][key] = value
-        return cls(**{name: SECTIONS[name](**values) for name, values in per_section.items()})
+        sections, problems = {}, []
+        for name, values in per_section.items():
+            try:
+                sections[name] = SECTIONS[name](**values)
+            except ConfigErrors as err:
+                problems += err.problems
+            except LazyTrainError as err:
+                problems.append(err)
+        raise_all(problems)
+        return cls(**sections)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested by section (what `train_config.json` holds; `load.job_config_from_dict` reads it back)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lazytrain.config import CORPORA
+from lazytrain.data.loader import IGNORE_INDEX
 from lazytrain.errors import LazyTrainError
 
 MIN_DOCSTRING_CHARS = 80  # shorter docstrings ("Return x.") are mostly noise for a language model
@@ -144,6 +145,42 @@ class TokenData:
 
     def fixed_batches(self, num_batches: int, batch_size: int, seq_len: int, seed: int,
                       split: str = "val") -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The same `num_batches` batches every call (for an eval loss comparable across steps)."""
+        """The same `num_batches` random batches every call (the calibration's probe batch)."""
         stream = self.batches(batch_size, seq_len, seed, split)
         return [next(stream) for _ in range(num_batches)]
+
+    def num_held_out_windows(self, seq_len: int) -> int:
+        """How many windows `held_out_batches` lays the held-out split out in."""
+        n = len(self.val)
+        return 0 if n < seq_len else n // seq_len + (n % seq_len > 0)
+
+    def held_out_batches(self, batch_size: int, seq_len: int, max_windows: int | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The whole held-out split: consecutive windows of `seq_len` (the last one ends at the split's end, its
+        tokens scored before carry no label), `batch_size` windows a batch, the last batch filled with rows that
+        carry no label. An eval loss over the whole split (or its first `max_windows`), the same every call."""
+        tokens, n = self.val, len(self.val)
+        if n < seq_len:
+            return []
+        starts = list(range(0, n - seq_len + 1, seq_len))
+        tail = n - (starts[-1] + seq_len)  # tokens after the last whole window
+        if tail:
+            starts.append(n - seq_len)
+        if max_windows is not None and max_windows < len(starts):
+            starts, tail = starts[:max_windows], 0
+        if not starts:
+            return []
+        offsets = torch.arange(seq_len)
+        windows = tokens[torch.tensor(starts)[:, None] + offsets]  # (W, T)
+        labels = windows.clone()
+        if tail:
+            labels[-1, : seq_len - tail] = IGNORE_INDEX  # already scored in the window before
+        batches = []
+        for first in range(0, len(starts), batch_size):
+            ids, lab = windows[first:first + batch_size], labels[first:first + batch_size]
+            fill = batch_size - len(ids)
+            if fill:
+                ids = torch.cat([ids, ids[:1].expand(fill, -1)])
+                lab = torch.cat([lab, torch.full((fill, seq_len), IGNORE_INDEX, dtype=lab.dtype)])
+            batches.append((ids, lab))
+        return batches

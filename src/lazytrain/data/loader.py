@@ -190,25 +190,31 @@ class Loader:
         self._order = self._permutation(self.epoch)
 
 
-def eval_batches(examples: Sequence[Example], *, batch_size: int, seq_len: int, packing: bool,
-                 pad_token_id: int) -> list[Batch]:
-    """Every example once, in order, as fixed-shape batches (a held-out loss comparable across steps).
-
-    The last batch is filled up with all-padding rows (no loss), so every batch keeps the planned shape.
-    """
-    if not examples:
-        return []
-    _check_lengths(examples, seq_len)
+def eval_rows(examples: Sequence[Example], *, seq_len: int, packing: bool) -> list[list[Example]]:
+    """Every example once, in order, as rows of at most `seq_len` tokens (packed end to end, or one a row)."""
+    if examples:
+        _check_lengths(examples, seq_len)
     rows: list[list[Example]] = []
+    used = 0
     for ex in examples:
-        if packing and rows and sum(len(e.input_ids) for e in rows[-1]) + len(ex.input_ids) <= seq_len:
+        if packing and rows and used + len(ex.input_ids) <= seq_len:
             rows[-1].append(ex)
+            used += len(ex.input_ids)
         else:
             rows.append([ex])
+            used = len(ex.input_ids)
+    return rows
+
+
+def eval_batches(examples: Sequence[Example], *, batch_size: int, seq_len: int, packing: bool,
+                 pad_token_id: int, max_rows: int | None = None) -> list[Batch]:
+    """Every example once (or those of the first `max_rows` rows), in order, as fixed-shape batches (a
+    held-out loss comparable across steps). The last batch is filled up with all-padding rows (no loss), so every
+    batch keeps the planned shape."""
+    rows = eval_rows(examples, seq_len=seq_len, packing=packing)[:max_rows]
     batches = []
     for first in range(0, len(rows), batch_size):
         chunk = rows[first:first + batch_size]
-        batch = _rows_to_batch(chunk + [[]] * (batch_size - len(chunk)), seq_len=seq_len, packing=packing,
-                               pad_token_id=pad_token_id)
-        batches.append(batch)
+        batches.append(_rows_to_batch(chunk + [[]] * (batch_size - len(chunk)), seq_len=seq_len, packing=packing,
+                                      pad_token_id=pad_token_id))
     return batches

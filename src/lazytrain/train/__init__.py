@@ -11,7 +11,19 @@ The package, in the order a run uses it (torchtitan's components behind a short 
   trainer.py     build -> loop -> close, and `train_step`
 """
 
-from lazytrain.train.command import add_arguments, run
-from lazytrain.train.trainer import TrainResult, train
+from importlib import import_module
+from typing import Any
 
-__all__ = ["TrainResult", "add_arguments", "run", "train"]
+# Imported on first use: `lazytrain train`'s command line (command.py) reads and checks the whole config before
+# torch and transformers are imported by the trainer.
+_EXPORTS = {"TrainResult": "lazytrain.train.trainer", "train": "lazytrain.train.trainer",
+            "add_arguments": "lazytrain.train.command", "run": "lazytrain.train.command"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lazytrain.train' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +48,7 @@ from transformers.utils import logging as hf_logging
 from lazytrain.distributed.batches import check_world_size
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
+from lazytrain.jsonio import dumps
 from lazytrain.plan.plan import Plan
 from lazytrain.train.metrics import say
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 
 PREFIX = "checkpoint-"
 STATE_DIR = "trainer_state"
+HF_STATE_FILE = "trainer_state.json"  # the HF Trainer's view of the run, beside the exact state (train/hf_state.py)
 MANIFEST = f"{STATE_DIR}/manifest.json"
 SHARD_BYTES = 2 << 30  # the HF folder's shard size: 2 GiB (the model is always written with an index)
 RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "train_config.json", "loss.png")
@@ -173,11 +176,12 @@ def resume_checkpoint(resume_from: str | None, out: Path) -> Path | None:
 def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
                     optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan,
                     tokenizer: PreTrainedTokenizerBase | None = None, save_total_limit: int | None = None,
-                    ranks: Ranks | None = None) -> Path:
+                    ranks: Ranks | None = None, hf_state: Mapping[str, object] | None = None) -> Path:
     """Write `checkpoint-<state.step>` whole (temporary name, fsync, rename) and keep the newest
     `save_total_limit`. A failure (a full disk, a read-only directory) removes the partial copy and leaves
     every earlier checkpoint as it was. With `ranks` a collective (module docstring): `out` is rank 0's, the
-    others learn the temporary directory from it; returns the checkpoint's path on every rank."""
+    others learn the temporary directory from it; returns the checkpoint's path on every rank. `hf_state`: the
+    content of trainer_state.json, the HF Trainer's view of the run (train/hf_state.py; rank 0's)."""
     main = ranks is None or ranks.is_main
     tmp = out / f".tmp-{PREFIX}{state.step}"
     error: LazyTrainError | None = None
@@ -204,6 +208,8 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
                 _write_model(tmp, model, compute_dtype)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                if hf_state is not None:
+                    (tmp / HF_STATE_FILE).write_text(dumps(hf_state, indent=2) + "\n")
                 _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype,
                                      data_state=data_state, plan=plan)
             shard, shards = (0, 1) if ranks is None else (ranks.local_rank, ranks.local_world_size)

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from lazytrain.config import MODEL_PRESETS, JobConfig
 from lazytrain.data.corpus import CORPORA, ByteTokenizer, TokenData
 from lazytrain.data.default_job import prepare_default_job, read_jsonl
-from lazytrain.data.loader import Batch, Loader, count_loss_tokens, eval_batches
+from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens, eval_batches, eval_rows
 from lazytrain.data.sft import Row, load_sft
 from lazytrain.data.tokenizer import load_tokenizer
 from lazytrain.errors import LazyTrainError
@@ -49,6 +49,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     """world_size: data parallelism; the training and held-out batches are global ones of B x world_size rows
     (each rank keeps its own rows: the single process's batches), the probe batch stays per device."""
     dataset, seed = job.data.dataset, job.runtime.seed
+    data_seed = seed if job.runtime.data_seed is None else job.runtime.data_seed  # the batch order and the split
     batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
     check_data_files(job)  # the root cause first: a file that is not there, before what it would be read with
     if not job.data.masked:  # a byte-level corpus: full rows, no mask
@@ -75,16 +76,37 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     d = job.data
     sft = load_sft(d.dataset, tokenizer, dataset_format=d.dataset_format, template=d.template,
                    train_on_prompt=d.train_on_prompt, cutoff_len=seq_len, val_size=d.val_size,
-                   eval_dataset=d.eval_dataset, seed=seed)
+                   eval_dataset=d.eval_dataset, seed=data_seed)
     loader = Loader(sft.examples, batch_size=batch_size * world_size, seq_len=seq_len, packing=d.packing,
-                    pad_token_id=tokenizer.pad_token_id, seed=seed)
+                    pad_token_id=tokenizer.pad_token_id, seed=data_seed)
+    rows = eval_rows(sft.val, seq_len=seq_len, packing=d.packing)
+    kept = eval_rows_kept(job, len(rows), world_size)
     eval_set = eval_batches(sft.val, batch_size=batch_size * world_size, seq_len=seq_len, packing=d.packing,
-                            pad_token_id=tokenizer.pad_token_id)[:job.metrics.eval_batches]
+                            pad_token_id=tokenizer.pad_token_id, max_rows=kept)
+    eval_note = _eval_note(job, kept, len(rows), sum(len(r) for r in rows[:kept]), len(sft.val), "examples")
     probe = Loader(sft.examples, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
                    pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
     return RunData(job=job, batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
                    tokenizer=tokenizer, vocab_size=len(tokenizer),
-                   summary=f"dataset  {dataset} ({sft.summary()})", math_eval=math_eval)
+                   summary=f"dataset  {dataset} ({sft.summary()})" + eval_note, math_eval=math_eval)
+
+
+def eval_rows_kept(job: JobConfig, num_rows: int, world_size: int) -> int:
+    """Held-out rows each evaluation scores: all of them, or eval_batches batches of per_device_eval_batch_size
+    rows per rank."""
+    cap = job.metrics.eval_batches
+    if cap is None:
+        return num_rows
+    per_batch = (job.data.per_device_eval_batch_size or job.data.per_device_train_batch_size) * world_size
+    return min(num_rows, cap * per_batch)
+
+
+def _eval_note(job: JobConfig, kept: int, num_rows: int, kept_items: int, num_items: int, what: str) -> str:
+    """The line that says when eval_batches cuts the held-out set (nothing when it does not)."""
+    if kept >= num_rows or job.metrics.eval_batches == 0:
+        return ""
+    return (f"\neval     eval_batches {job.metrics.eval_batches} scores {kept_items:,} of the {num_items:,} held-out "
+            f"{what} ({kept} of {num_rows} rows); remove eval_batches to score them all")
 
 
 def check_data_files(job: JobConfig) -> None:
@@ -100,18 +122,20 @@ def check_data_files(job: JobConfig) -> None:
 
 def _corpus_data(job: JobConfig, world_size: int) -> RunData:
     seed, batch_size, seq_len = job.runtime.seed, job.data.per_device_train_batch_size, job.data.cutoff_len
+    data_seed = seed if job.runtime.data_seed is None else job.runtime.data_seed
     tokenizer = ByteTokenizer()
     data = TokenData.from_corpus(job.data.dataset, tokenizer)
     data.check_fits(seq_len, "train")
-    eval_set = []
-    if job.metrics.eval_batches and len(data.val) >= seq_len:
-        fixed = data.fixed_batches(job.metrics.eval_batches, batch_size * world_size, seq_len, seed=seed + 1)
-        eval_set = [_batch(*b) for b in fixed]
+    windows = data.num_held_out_windows(seq_len)
+    kept = eval_rows_kept(job, windows, world_size)
+    eval_set = [_batch(*b) for b in data.held_out_batches(batch_size * world_size, seq_len, max_windows=kept)]
+    eval_note = _eval_note(job, kept, windows, kept, windows, f"windows of {seq_len} tokens")
     probe = data.fixed_batches(1, batch_size, seq_len, seed=seed + 2, split="train")[0]
-    return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=seed), eval_set=eval_set,
+    return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=data_seed),
+                   eval_set=eval_set,
                    probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size,
                    summary=f"corpus   {job.data.dataset}: {len(data.train):,} train / {len(data.val):,} held-out "
-                           "tokens (bytes)", math_eval=[])
+                           "tokens (bytes)" + eval_note, math_eval=[])
 
 
 class CorpusBatches:
@@ -134,5 +158,8 @@ class CorpusBatches:
 
 
 def _batch(input_ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+    """A batch of corpus windows; a window is an example when it carries a label (an eval batch's filler rows
+    do not)."""
+    scored = int((labels[:, 1:] != IGNORE_INDEX).any(dim=1).sum())
     return Batch(input_ids=input_ids, labels=labels, attention_mask=None, position_ids=None,
-                 num_tokens=count_loss_tokens(labels), num_examples=input_ids.shape[0])
+                 num_tokens=count_loss_tokens(labels), num_examples=scored)

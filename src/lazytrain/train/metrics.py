@@ -1,5 +1,6 @@
-"""What a run reports: report lines on stdout, `metrics.jsonl` (one strict-JSON row per step), the same scalars
-to tensorboard when asked, `loss.png` when matplotlib is present, and `summary.json`.
+"""What a run reports: report lines on stdout (rank 0's; the other ranks' go to their console.log), `metrics.jsonl`
+(one strict-JSON row per logged step), the same scalars to the trackers of `report_to` (accelerate's trackers:
+tensorboard, wandb, mlflow), `loss.png` when matplotlib is present, and `summary.json`.
 
 Strict JSON everywhere: a non-finite number (a skipped step's loss, a NaN gradient norm) is written as null,
 since `NaN` / `Infinity` are rejected by strict parsers (jq, JavaScript, Go, serde).
@@ -7,9 +8,11 @@ since `NaN` / `Infinity` are rejected by strict parsers (jq, JavaScript, Go, ser
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -17,71 +20,157 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.jsonio import Json, dumps
 
 if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
+    from accelerate.tracking import GeneralTracker
+
+
+# =====================================================================================================
+# the console: rank 0 prints, every other rank writes its own file
+# =====================================================================================================
+class _Console:
+    """Where `say` writes: stdout on rank 0 (and without torchrun); on another rank (torchrun's RANK) its lines
+    wait in memory until `to_file` names its console.log, then go there. Under torchrun the terminal then shows
+    each line once."""
+
+    def __init__(self) -> None:
+        self.file: IO[str] | None = None
+        self.pending: list[str] = []
+
+    @property
+    def is_main(self) -> bool:
+        return os.environ.get("RANK", "0") == "0"
+
+    def say(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)  # flushed so it lands before the progress bar (stderr)
+        elif self.file is not None:
+            self.file.write(text + "\n")
+            self.file.flush()
+        else:
+            self.pending.append(text)
+
+    def to_file(self, path: Path) -> None:
+        """This (non-0) rank's lines from now on, and those said before, go to `path`."""
+        if self.is_main:
+            return
+        if self.file is not None:
+            self.file.close()
+        self.file = open(path, "a")  # noqa: SIM115  (a process-long console, closed with the next to_file)
+        for text in self.pending:
+            self.file.write(text + "\n")
+        self.file.flush()
+        self.pending.clear()
+
+
+CONSOLE = _Console()
+
 
 def say(text: str) -> None:
-    """A line of the run's report on stdout, flushed so it lands before the progress bar (stderr)."""
-    print(text, flush=True)
+    """A line of the run's report (rank 0: stdout; another rank: its console.log)."""
+    CONSOLE.say(text)
 
 
 def write_json(path: Path, value: object) -> None:
     path.write_text(dumps(value, indent=1) + "\n")
 
 
+# =====================================================================================================
+# trackers
+# =====================================================================================================
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def resolve_trackers(report_to: Sequence[str]) -> list[str]:
+    """The tracker names of `report_to`: `all` = every tracker whose package is installed, `none` = none. A named
+    tracker whose package is missing is refused in one line naming the package."""
+    names = [n for n in report_to if n != "none"]
+    if "all" in names:
+        return [n for n, package in TRACKER_PACKAGES.items() if _installed(package) and _installed("accelerate")]
+    for name in names:
+        for package in (TRACKER_PACKAGES[name], "accelerate"):
+            if not _installed(package):
+                raise LazyTrainError(f"report_to {name} needs the {package} package: pip install "
+                                     f"'lazytrain[{name}]' (or set report_to none)")
+    return list(dict.fromkeys(names))
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def start_trackers(names: Sequence[str], output_dir: Path, run_name: str, config: Mapping[str, object]
+                   ) -> list[GeneralTracker]:
+    """accelerate's trackers, started, with the job's config as hyperparameters. tensorboard writes under
+    output_dir/tensorboard; wandb (WANDB_PROJECT, default `lazytrain`; WANDB_MODE=offline works) and mlflow
+    (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME) where their own settings say, as under the HF Trainer."""
+    from accelerate import PartialState
+    from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
+
+    PartialState()  # accelerate's trackers log through its logger, which wants its state (this process's; torchrun's
+    trackers: list[GeneralTracker] = []  # process group, when there is one, is already set up by then)
+    for name in names:
+        if name == "tensorboard":
+            tracker = TensorBoardTracker("tensorboard", output_dir)
+        elif name == "wandb":
+            tracker = WandBTracker(os.environ.get("WANDB_PROJECT", "lazytrain"), name=run_name, dir=str(output_dir))
+        else:  # where MLflow's own settings say (MLFLOW_TRACKING_URI; MLFLOW_EXPERIMENT_NAME wins over ours)
+            tracker = MLflowTracker(experiment_name="lazytrain", run_name=run_name)
+        tracker.main_process_only = False  # rank 0 alone makes trackers
+        tracker.start()
+        trackers.append(tracker)
+    hparams = {k: v if isinstance(v, bool | int | float | str) or v is None else str(v) for k, v in config.items()}
+    for tracker in trackers:
+        if tracker.name != "tensorboard":  # its hparams page needs a metric; the config is in train_config.json
+            tracker.store_init_configuration(hparams)
+    return trackers
+
+
+def scalars(row: Mapping[str, object]) -> dict[str, float]:
+    """A row's finite numbers, nested ones as `key/inner` (what every tracker takes)."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        items = value.items() if isinstance(value, Mapping) else [("", value)]
+        for inner, v in items:
+            if key != "step" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                out[f"{key}/{inner}" if inner else key] = float(v)
+    return out
+
+
+# =====================================================================================================
+# metrics.jsonl
+# =====================================================================================================
 class MetricsLog:
     """`metrics.jsonl`, appended one row per logged step (and per evaluation), flushed as it goes; the same
-    scalars go to tensorboard under `output_dir/tensorboard` when `tensorboard` is true.
+    scalars go to `trackers` (started by `start_trackers`; closed here).
 
     A resumed run appends: rows of steps after the checkpoint it resumed from are dropped first, so the file
-    holds every step once, whichever run wrote it.
+    holds every step once, whichever run wrote it. Steps count from 1 (the HF Trainer's global_step).
     """
 
-    def __init__(self, output_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
+    def __init__(self, output_dir: Path, *, trackers: Sequence[GeneralTracker] = (),
+                 resume_step: int | None = None) -> None:
         self.path = output_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) < resume_step]
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
         self._file: IO[str] = open(self.path, "a")  # noqa: SIM115  (closed in close())
-        self._tensorboard: SummaryWriter | None = None
-        if tensorboard:
-            self._tensorboard = _summary_writer(output_dir / "tensorboard")
+        self.trackers = list(trackers)
 
     def write(self, row: Mapping[str, object]) -> None:
-        """One strict-JSON line; numeric scalars (and each entry of a dict of them) to tensorboard too."""
+        """One strict-JSON line; the row's numbers to every tracker at its step."""
         self._file.write(dumps(row) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            step = int(row["step"])  # type: ignore[call-overload]
-            for key, value in row.items():
-                if key == "step":
-                    continue
-                if isinstance(value, Mapping):
-                    for inner, v in value.items():
-                        _scalar(self._tensorboard, f"{key}/{inner}", v, step)
-                else:
-                    _scalar(self._tensorboard, key, value, step)
+        values = scalars(row)
+        for tracker in self.trackers:
+            tracker.log(values, step=int(row["step"]))  # type: ignore[call-overload]
 
     def close(self) -> None:
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-
-
-def _summary_writer(log_dir: Path) -> SummaryWriter:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        raise LazyTrainError("report_to tensorboard needs the tensorboard package: pip install tensorboard, or "
-                             "set report_to none") from None
-    return SummaryWriter(log_dir=str(log_dir))
-
-
-def _scalar(writer: SummaryWriter, key: str, value: object, step: int) -> None:
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        writer.add_scalar(key, value, step)
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
 
 
 def read_rows(path: Path) -> list[dict[str, Json]]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, get_scheduler
 
 from lazytrain.costmodel.cost import HYBRID_8BIT_FRACTION
 from lazytrain.errors import LazyTrainError
@@ -85,23 +85,39 @@ def hybrid8bit_optimizer(job: JobConfig, groups: list[ParamGroup], max_grad_norm
 # schedule
 # =====================================================================================================
 def warmup_steps(job: JobConfig) -> int:
+    """The HF Trainer's warm-up: warmup_steps when > 0 (a float in (0, 1) is a fraction of the run, as in
+    transformers 5), else ceil(warmup_ratio x max_steps)."""
     o = job.optim
-    steps = round(o.warmup_ratio * o.max_steps) if o.warmup_ratio is not None else o.warmup_steps
-    return min(steps, o.max_steps - 1)
+    if isinstance(o.warmup_steps, float):
+        return math.ceil(o.warmup_steps * o.max_steps)
+    if o.warmup_steps > 0 or o.warmup_ratio is None:
+        return o.warmup_steps
+    return math.ceil(o.warmup_ratio * o.max_steps)
 
 
-def lr_at(job: JobConfig, step: int) -> float:
-    """Learning rate of the `step`-th applied update (0-based): linear warm-up to `learning_rate`, then cosine
-    or linear decay to learning_rate * min_lr_ratio at the last step, or constant."""
-    o = job.optim
-    warmup = warmup_steps(job)
-    if step < warmup:
-        return o.learning_rate * (step + 1) / (warmup + 1)
-    if o.lr_scheduler_type == "constant":
-        return o.learning_rate
-    progress = min(1.0, (step - warmup) / max(1, o.max_steps - 1 - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.lr_scheduler_type == "cosine" else 1 - progress
-    return o.learning_rate * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
+class Schedule:
+    """The learning rate of every applied update, from `transformers.get_scheduler` with its semantics (warm-up
+    from 0, linear / cosine decay to 0, ...): its multiplier of the update's index, a pure function, so a resumed
+    run and an overlapped update compute the same rate without a scheduler's state."""
+
+    def __init__(self, job: JobConfig) -> None:
+        o = job.optim
+        self.learning_rate = o.learning_rate
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=o.learning_rate)  # holds no real state
+        try:
+            scheduler = get_scheduler(o.lr_scheduler_type, probe, num_warmup_steps=warmup_steps(job),
+                                      num_training_steps=o.max_steps,
+                                      scheduler_specific_kwargs=dict(o.lr_scheduler_kwargs))
+        except (TypeError, ValueError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise LazyTrainError(f"lr_scheduler_type {o.lr_scheduler_type} with lr_scheduler_kwargs "
+                                 f"{dict(o.lr_scheduler_kwargs)}: {reason}; see transformers' get_scheduler for the "
+                                 "arguments of each schedule") from None
+        self.multiplier = scheduler.lr_lambdas[0]
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the `step`-th applied update (0-based: the HF scheduler's step count before it)."""
+        return self.learning_rate * float(self.multiplier(step))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

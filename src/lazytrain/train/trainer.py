@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from lazytrain.config import JobConfig
+from lazytrain.config import MAX_STEPS, JobConfig
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import resolve_dtype
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
@@ -55,14 +55,24 @@ from lazytrain.train.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from lazytrain.train.data import CorpusBatches, load_data
-from lazytrain.train.metrics import MetricsLog, plot_losses, say, write_json
+from lazytrain.train.data import CorpusBatches, RunData, load_data
+from lazytrain.train.hf_state import trainer_state
+from lazytrain.train.metrics import (
+    CONSOLE,
+    MetricsLog,
+    plot_losses,
+    read_rows,
+    resolve_trackers,
+    say,
+    start_trackers,
+    write_json,
+)
 from lazytrain.train.optimizer import (
     NonFinitePolicy,
+    Schedule,
     build_optimizer,
     executor_param_groups,
     group_update,
-    lr_at,
     nonfinite_where,
     optimizer_step,
     set_lr,
@@ -76,6 +86,18 @@ from lazytrain.viz import write_trace
 # never ignored.
 EXACT_MATCH_NEW_TOKENS = 40  # a solution ("... so 7 + 5 = 12. The answer is 12.") is ~35 tokens
 NOT_YET = ("hardware", "cpu_mem_bytes")
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation: the mean held-out token loss, and how many examples and (loss-carrying) tokens it scored."""
+
+    loss: float
+    examples: int
+    tokens: int
+
+    def row(self) -> dict[str, object]:
+        return {"eval_loss": self.loss, "eval_examples": self.examples, "eval_tokens": self.tokens}
+
 
 @dataclass
 class TrainResult:
@@ -129,16 +151,17 @@ def train(job: JobConfig) -> TrainResult:
     with StopSignals() as signals:
         # ---- data -----------------------------------------------------------------------------------
         world = 1 if ranks is None else ranks.world_size
-        data = load_data(job, world_size=world)  # the loader draws global batches of B x world rows
+        data = load_run_data(job, world, ranks)  # the loader draws global batches of B x world rows
         job = data.job  # dataset math: the model is the default job's directory
-        if job.optim.num_train_epochs is not None:
-            job = steps_for_epochs(job, data.batches)
         batches: Loader | CorpusBatches | RankBatches = data.batches
         if ranks is not None:  # this rank's rows of the global batch
             batches = RankBatches(data.batches, ranks, job.data.per_device_train_batch_size)
 
         # ---- model ----------------------------------------------------------------------------------
         source = model_source(job, data.vocab_size)
+        if job.optim.max_steps == -1:  # max_steps wins over num_train_epochs, as in the HF Trainer
+            job = steps_for_epochs(job, data.batches)
+        Schedule(job)  # its arguments are refused here, before anything is built or written
         model = build_model(job, source, ranks)  # with ranks: one copy per node, in its shared memory
         num_params = sum(p.numel() for p in model.parameters())
         init = f"weights from {source.directory}" if starts_from_weights(job, source) else "random init"
@@ -164,6 +187,8 @@ def train(job: JobConfig) -> TrainResult:
         predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
         say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
         make_output_dir(out, overwrite=job.checkpoint.overwrite_output_dir and resume_from is None)
+        if ranks is not None and not ranks.is_main:
+            CONSOLE.to_file(out / "console.log")  # this rank's lines, those said so far included
         plan.save(out / "plan.json")
         write_json(out / "train_config.json", job.to_dict())
 
@@ -179,7 +204,8 @@ def train(job: JobConfig) -> TrainResult:
                 trainer.resume(resume_from)
             eval_before = trainer.evaluate()
             if data.eval_set:
-                say(f"eval     held-out loss {'at resume' if resume_from else 'before training'}: {eval_before:.4f}")
+                say(f"eval     held-out loss {'at resume' if resume_from else 'before training'}: "
+                    f"{eval_before.loss:.4f} ({eval_before.examples:,} examples, {eval_before.tokens:,} tokens)")
 
             # ---- loop -------------------------------------------------------------------------------
             trainer.loop(signals)
@@ -200,9 +226,10 @@ def train(job: JobConfig) -> TrainResult:
     summary.update(exact_match_before=exact_before, exact_match_after=exact_after)
     write_json(out / "summary.json", summary)
     # with ranks, rank 0's alone (the losses are the global batch's on every rank; matplotlib costs a rank ~20 MiB)
-    plotted = (ranks is None or ranks.is_main) and plot_losses(out / "metrics.jsonl", out / "loss.png")
+    plotted = (ranks is None or ranks.is_main) and job.metrics.plot_loss and plot_losses(out / "metrics.jsonl",
+                                                                                         out / "loss.png")
     say(f"loss     first {_fmt(summary['first_loss'])} -> last {_fmt(summary['last_loss'])}"
-        + (f"; held-out {eval_before:.4f} -> {eval_after:.4f}" if data.eval_set else "")
+        + (f"; held-out {eval_before.loss:.4f} -> {eval_after.loss:.4f}" if data.eval_set else "")
         + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
     if exact_after is not None:
         say(f"eval     exact match on {len(data.math_eval)} held-out problems: {exact_before:.1%} before -> "
@@ -211,21 +238,36 @@ def train(job: JobConfig) -> TrainResult:
     say(f"time     median step {median_step:.3f} s measured vs {predicted:.3f} s predicted "
         f"({median_step / predicted:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
     say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json{', loss.png' if plotted else ''}, {final.name}/) "
-        f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the steps)")
+        f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the {summary['steps_this_run']} "
+        "steps of this run)")
     if ranks is not None:
         ranks.close()
     return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
 
 
+def load_run_data(job: JobConfig, world: int, ranks: Ranks | None) -> RunData:
+    """The run's data; with ranks, rank 0 reads and tokenizes first (into the tokenized cache) and the others then
+    read its tokens back, so a dataset is tokenized once (a LazyTrainError of rank 0's stops every rank)."""
+    if ranks is None:
+        return load_data(job, world_size=world)
+    first: list[RunData] = []
+    ranks.decided_by_main(lambda: first.append(load_data(job, world_size=world)), "rank 0's tokenized data")
+    return first[0] if first else load_data(job, world_size=world)
+
+
 def steps_for_epochs(job: JobConfig, batches: Loader | CorpusBatches) -> JobConfig:
-    """`num_train_epochs` as optimizer steps (it replaces max_steps): the loader's batches that cover that many
-    passes over the training examples, in steps of `gradient_accumulation_steps` micro-batches."""
+    """`num_train_epochs` as optimizer steps, as the HF Trainer counts them: ceil(epochs x max(1, the batches of one
+    epoch // gradient_accumulation_steps)); the batches of one epoch are laid out once (no tensor built)."""
     epochs = job.optim.num_train_epochs
     if not isinstance(batches, Loader):
-        raise LazyTrainError(f"num_train_epochs {epochs}: dataset {job.data.dataset} is a text corpus read in random "
-                             "windows, with no epochs; set max_steps instead")
-    steps = max(1, math.ceil(batches.batches_for_epochs(epochs) / job.optim.gradient_accumulation_steps))
-    say(f"epochs   num_train_epochs {epochs:g} = {steps} optimizer steps (replaces max_steps {job.optim.max_steps})")
+        raise LazyTrainError(f"num_train_epochs {epochs:g}: dataset {job.data.dataset} is a text corpus read in "
+                             "random windows, with no epochs; set max_steps")
+    per_epoch = max(1, batches.batches_for_epochs(1.0) // job.optim.gradient_accumulation_steps)
+    steps = math.ceil(epochs * per_epoch)
+    if steps > MAX_STEPS:
+        raise LazyTrainError(f"num_train_epochs {epochs:g} x {per_epoch:,} steps an epoch = {steps:,} steps, more than "
+                             f"{MAX_STEPS:,}; lower num_train_epochs or set max_steps")
+    say(f"epochs   num_train_epochs {epochs:g} x {per_epoch:,} optimizer steps an epoch = {steps:,} steps")
     return replace(job, optim=replace(job.optim, max_steps=steps))
 
 
@@ -264,12 +306,14 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.optimizer = build_optimizer(self.job, self.model)
+        self.schedule = Schedule(self.job)
         self.overlap = self.job.optim.optimizer_mode == "overlap"  # the update runs under the next step's forward
         self.groups = executor_param_groups(self.optimizer, self.executor)
         self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
         self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
         self.resumed = False
+        self.first_step = 0  # the first of state.step_times_s this process ran
         # re-planning: rank 0's measurements decide, and every rank switches after the same step (Trainer.replan)
         self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan and (
             self.ranks is None or self.ranks.is_main) else None
@@ -287,10 +331,12 @@ class Trainer:
         """Steps from the current one to `max_steps`; checkpoints every `save_steps`; stops after the step in
         flight on SIGINT / SIGTERM, saving a checkpoint first."""
         job = self.job
+        main = self.ranks is None or self.ranks.is_main  # rank 0 alone shows the bar and feeds the trackers
         bar = tqdm(total=job.optim.max_steps, initial=self.state.step, desc="train", unit="step",
-                   disable=not job.runtime.progress, dynamic_ncols=True)
-        self.metrics = MetricsLog(self.out, tensorboard=job.metrics.report_to == "tensorboard",
-                                  resume_step=self.state.step if self.resumed else None)
+                   disable=not (job.runtime.progress and main), dynamic_ncols=True)
+        trackers = start_trackers(resolve_trackers(job.metrics.report_to), self.out,
+                                  job.metrics.run_name or self.out.name, job.flat()) if main else []
+        self.metrics = MetricsLog(self.out, trackers=trackers, resume_step=self.state.step if self.resumed else None)
         signals.deferred = True
         try:
             while self.state.step < job.optim.max_steps:
@@ -319,17 +365,20 @@ class Trainer:
             self.metrics.close()
 
     def train_step(self, step: int) -> dict[str, object]:
-        """One optimizer step: fetch, stream forward + backward per micro-batch, optimizer (or skip), log."""
+        """One optimizer step (`step`: how many ran before it): fetch, stream forward + backward per micro-batch,
+        optimizer (or skip), log. Its number in rows, messages and checkpoint names is `step + 1`, as the HF
+        Trainer's global_step after it."""
         job, ex = self.job, self.executor
+        global_step = step + 1
         accum = job.optim.gradient_accumulation_steps
-        lr = lr_at(job, self.state.applied_steps)  # the schedule moves with applied steps only
+        lr = self.schedule.lr_at(self.state.applied_steps)  # the schedule moves with applied steps only
         t0 = time.perf_counter()
 
         # ---- fetch: every micro-batch of the step first; the loss is a mean over the step's tokens ----------
         micro = [self.batches.next() for _ in range(accum)]
         num_tokens = step_num_tokens(micro)
         if self.ranks is not None:  # the loss is a mean over the global batch's tokens
-            num_tokens = int(self.ranks.all_reduce_sum([num_tokens], f"the token count of step {step}")[0])
+            num_tokens = int(self.ranks.all_reduce_sum([num_tokens], f"the token count of step {global_step}")[0])
 
         # ---- stream forward + backward per micro-batch ----------------------------------------------------
         loss, stalls, peak = 0.0, {}, 0
@@ -345,13 +394,13 @@ class Trainer:
                 stalls[lane] = stalls.get(lane, 0.0) + seconds
             peak = max(peak, ex.last_step.peak_device_bytes)
         grad_norm = ex.last_step.grad_norm  # the norm the executor took as the gradients landed (its own groups')
-        if step == min(1, self.job.optim.max_steps - 1):  # one measured step (after a warm-up) beside its prediction
+        if global_step == min(2, job.optim.max_steps):  # one measured step (after a warm-up) beside its prediction
             write_trace(ex.last_step.timeline, self.out / "step_trace_measured.json", process="measured step")
             write_trace(self.planned.sim.events, self.out / "step_trace_predicted.json", process="predicted step")
         if self.ranks is not None:  # each rank's share of the global mean; each group's squared norm from its owner
             assert self.shard is not None and ex.last_step.grad_sq_norm is not None
             loss, sq_norm = self.ranks.all_reduce_sum([loss, self.shard.norm_share(ex.last_step.grad_sq_norm)],
-                                                      f"the loss and gradient norm of step {step}")
+                                                      f"the loss and gradient norm of step {global_step}")
             grad_norm = sq_norm ** 0.5
 
         # ---- optimizer: skip a non-finite step (no parameter, state or schedule change) --------------------
@@ -359,9 +408,9 @@ class Trainer:
         where = nonfinite_where(ex, loss, grad_norm)  # every gradient is in: one check for both modes
         if where is not None:
             self.model.zero_grad(set_to_none=True)
-            self.policy.skip(where, step)
+            self.policy.skip(where, global_step)
             self.state.skipped_steps = self.policy.skipped
-            say(f"skip     step {step}: non-finite {where}; no update ({self.policy.consecutive} in a row)")
+            say(f"skip     step {global_step}: non-finite {where}; no update ({self.policy.consecutive} in a row)")
         else:
             if self.overlap:  # run by the next step's optimizer lane, group by group under its forward
                 assert grad_norm is not None
@@ -373,7 +422,7 @@ class Trainer:
                 only = None if self.shard is None else self.shard.owned  # the global norm is taken: this
                 grad_norm = optimizer_step(job, self.optimizer, ex, grad_norm=grad_norm, only=only)  # rank's groups
                 if self.shard is not None:
-                    self.shard.fence(f"the updated weights of step {step}")
+                    self.shard.fence(f"the updated weights of step {global_step}")
             self.policy.applied()
             self.state.applied_steps += 1
         self.state.consecutive_skips = self.policy.consecutive
@@ -383,20 +432,22 @@ class Trainer:
         self.state.losses.append(loss if where is None else None)
         self.state.step_times_s.append(step_s)
         row: dict[str, object] = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": num_tokens,
+            "step": global_step, "epoch": self.epoch(), "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens": num_tokens,
             "tokens_per_s": accum * job.data.per_device_train_batch_size * job.data.cutoff_len / step_s,
             "step_s": step_s, "predicted_step_s": self.predicted_s, "optimizer_s": time.perf_counter() - t_opt,
             "stall_s": stalls, "peak_device_bytes": peak, "skipped": where,
         }
-        if job.plan.replan and (switch := self.replan(ex.last_step, step)) is not None:
+        if job.plan.replan and (switch := self.replan(ex.last_step, global_step)) is not None:
             plan, cost, row["replan"] = switch
             ex.set_plan(plan)  # from the next step on
             self.planned = replace_plan(self.planned, plan, cost, job.optim.optimizer_mode)
             self.predicted_s = self.planned.predicted_step_s(accum)
             say(row["replan"])
-        if job.metrics.eval_steps and (step + 1) % job.metrics.eval_steps == 0 and self.eval_set:
-            row["eval_loss"] = self.evaluate()
-        if step % job.metrics.logging_steps == 0 or where is not None or "eval_loss" in row:
+        if job.metrics.eval_steps and global_step % job.metrics.eval_steps == 0 and self.eval_set:
+            row.update(self.evaluate().row())
+        logged = global_step % job.metrics.logging_steps == 0 or (global_step == 1 and job.metrics.logging_first_step)
+        if logged or global_step == job.optim.max_steps or where is not None or "eval_loss" in row:
             self.metrics.write(row)
         self.policy.check()  # the max_nonfinite_steps-th non-finite step in a row stops the run
         return row
@@ -414,11 +465,12 @@ class Trainer:
         return decide() if self.ranks is None else self.ranks.decided_by_main(decide, f"the re-plan after step {step}")
 
     # ---- evaluation -------------------------------------------------------------------------------------
-    def evaluate(self) -> float:
-        """Mean held-out token loss, forward-only through the executor (streaming like training). With ranks,
-        each rank takes its rows of every global held-out batch and the sums are added over the ranks."""
+    def evaluate(self) -> Evaluation:
+        """Mean held-out token loss over the eval set (the whole held-out split unless eval_batches caps it),
+        forward-only through the executor (streaming like training). With ranks, each rank takes its rows of
+        every global held-out batch and the sums are added over the ranks."""
         if not self.eval_set:
-            return math.nan
+            return Evaluation(math.nan, 0, 0)
         loss_sum, count = 0.0, 0
         mine = self.eval_set if not isinstance(self.batches, RankBatches) else [
             self.batches.rows_of(b) for b in self.eval_set]
@@ -428,16 +480,41 @@ class Trainer:
             loss_sum, count = loss_sum + batch_sum, count + batch_count
         if self.ranks is not None:
             loss_sum, count = self.ranks.all_reduce_sum([loss_sum, count], "the held-out loss")
-        return loss_sum / count if count else math.nan
+        examples = sum(b.num_examples for b in self.eval_set)  # the global batches' (filler rows hold none)
+        return Evaluation(loss_sum / count if count else math.nan, examples, int(count))
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """A checkpoint (with ranks: each rank of node 0 writes its own optimizer states, rank 0 the rest)."""
+        """A checkpoint (with ranks: each rank of node 0 writes its own optimizer states, rank 0 the rest, with
+        trainer_state.json, the HF Trainer's view of the run)."""
         self.executor.drain()  # the overlapped update of the last step first
+        hf_state = self.hf_state() if self.ranks is None or self.ranks.is_main else None
         return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
                                optimizers=self.optimizers, data_state=self.batches.state_dict(),
                                plan=self.planned.plan, tokenizer=self.tokenizer,
-                               save_total_limit=self.job.checkpoint.save_total_limit, ranks=self.ranks)
+                               save_total_limit=self.job.checkpoint.save_total_limit, ranks=self.ranks,
+                               hf_state=hf_state)
+
+    def hf_state(self) -> dict[str, object]:
+        """trainer_state.json's content at this step (its log_history from metrics.jsonl, so a resumed run's too)."""
+        job, metrics = self.job, self.out / "metrics.jsonl"
+        world = 1 if self.ranks is None else self.ranks.world_size
+        tokens_per_step = (job.optim.gradient_accumulation_steps * job.data.per_device_train_batch_size * world
+                           * job.data.cutoff_len)
+        return trainer_state(global_step=self.state.step, max_steps=job.optim.max_steps, epoch=self.epoch(),
+                             num_train_epochs=job.optim.num_train_epochs, logging_steps=job.metrics.logging_steps,
+                             eval_steps=job.metrics.eval_steps, save_steps=job.checkpoint.save_steps,
+                             train_batch_size=job.data.per_device_train_batch_size,
+                             tokens_seen=self.state.step * tokens_per_step,
+                             num_params=sum(p.numel() for p in self.model.parameters()),
+                             rows=read_rows(metrics) if metrics.exists() else [])
+
+    def epoch(self) -> float | None:
+        """Passes over the training examples so far (the HF Trainer's fractional epoch); None for a text corpus."""
+        source = self.batches.source if isinstance(self.batches, RankBatches) else self.batches
+        if not isinstance(source, Loader):
+            return None
+        return source.epoch + source.position / len(source.examples)
 
     def resume(self, path: Path) -> None:
         self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
@@ -448,13 +525,16 @@ class Trainer:
         self.batches.load_state_dict(data_state)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
         self.resumed = True
+        self.first_step = len(self.state.step_times_s)  # the steps before ran in another process
         say(f"resume   from {path} at step {self.state.step} ({self.state.applied_steps} updates applied)")
 
     # ---- the summary ------------------------------------------------------------------------------------
-    def summary(self, *, num_params: int, eval_before: float, eval_after: float, total_run_s: float
+    def summary(self, *, num_params: int, eval_before: Evaluation, eval_after: Evaluation, total_run_s: float
                 ) -> dict[str, object]:
-        times = self.state.step_times_s
-        steady = sorted(times[1:] or times)  # step 0 pays for warm-up (allocator, packing)
+        """The run's figures; the time in the steps and the medians count this process's steps only (a resumed
+        run's earlier steps ran in another process)."""
+        times = self.state.step_times_s[self.first_step:]
+        steady = sorted(times[1:] or times)  # the first step pays for warm-up (allocator, packing)
         median_step = steady[len(steady) // 2] if steady else math.nan
         finite = [x for x in self.state.losses if x is not None]
         job = self.job
@@ -462,11 +542,13 @@ class Trainer:
                            * job.data.cutoff_len)
         return {
             "model": job.model.model, "num_params": num_params, "steps": job.optim.max_steps,
+            "steps_this_run": len(times),
             "tokens_per_step": tokens_per_step, "placement_map": self.planned.plan.placement_map(),
             "planner": self.planned.how, "budgets_bytes": self.planned.budgets,
             "first_loss": finite[0] if finite else None, "last_loss": finite[-1] if finite else None,
             "skipped_steps": self.state.skipped_steps,
-            "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+            "eval_loss_before": eval_before.loss, "eval_loss_after": eval_after.loss,
+            "eval_examples": eval_after.examples, "eval_tokens": eval_after.tokens,
             "median_step_s": median_step, "predicted_step_s": self.predicted_s,
             "median_tokens_per_s": tokens_per_step / median_step,
             "total_train_s": sum(times), "total_run_s": total_run_s,  # setup + loop + save

@@ -1,0 +1,384 @@
+"""Keys of LLaMA-Factory and the HF Trainer (`TrainingArguments`), each mapped to LazyTrain's or refused with why.
+
+A LLaMA-Factory `train_full` YAML or an HF Trainer config runs as it is wherever LazyTrain does the same thing:
+`bf16: true` is `dtype: bf16`, `ddp_timeout` is `collective_timeout_s`, `resume_from_checkpoint: true` is
+`auto`, `eval_strategy: steps` evaluates every `eval_steps`. A key for something LazyTrain does not do is refused
+in one sentence that says what it does instead (`finetuning_type: lora`, `deepspeed`, `quantization_bit`); a key
+that only tunes how the original tool runs (`dataloader_num_workers`, `ddp_find_unused_parameters`) is accepted
+with a note printed at the start of the run. Every other key of either tool is refused unless it is off (None,
+false, 0): no key is silently ignored. The table below is also docs/config.md's "Coming from LLaMA-Factory / HF
+Trainer" section (docs.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lazytrain.errors import LazyTrainError
+
+Translation = tuple[dict[str, Any], str | None]  # (our keys and values, a note to print or None)
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """One key of LLaMA-Factory (LF) or the HF Trainer (HF): `does` is the docs' sentence, `translate` turns a value
+    (and the other keys the user set) into ours, raising Refused when LazyTrain does not do what it asks."""
+
+    source: str
+    does: str
+    translate: Callable[[Any, Mapping[str, Any]], Translation]
+
+
+class Refused(LazyTrainError):
+    """A foreign key's value LazyTrain does not act on (the loader adds the key and where it came from)."""
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def flag(value: Any) -> bool | None:
+    """A YAML / command-line boolean, or None when the value is none/null; anything else is refused."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("none", "null", "~", ""):
+        return None
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise Refused("expected true or false")
+
+
+def is_off(value: Any) -> bool:
+    """None, false, 0 or an empty string: a value that asks for nothing."""
+    if value is None or value is False or (isinstance(value, int | float) and not isinstance(value, bool)
+                                           and value == 0):
+        return True
+    return isinstance(value, str) and value.strip().lower() in ("", "none", "null", "~", "false", "no", "0", "0.0")
+
+
+def _text(value: Any) -> str:
+    return str(value).strip().lower()
+
+
+# ---- kinds of entries --------------------------------------------------------------------------------
+def rename(source: str, ours: str, does: str = "") -> Foreign:
+    """The same setting under another name."""
+    return Foreign(source, does or f"`{ours}`", lambda value, _: ({ours: value}, None))
+
+
+def note(source: str, does: str) -> Foreign:
+    """Tunes how the original tool runs; LazyTrain has no such knob: accepted, the note printed."""
+    return Foreign(source, f"accepted, no effect: {does}", lambda value, _: ({}, None if is_off(value) else does))
+
+
+def refuse(source: str, why: str) -> Foreign:
+    """Refused unless off."""
+    def translate(value: Any, _: Mapping[str, Any]) -> Translation:
+        if is_off(value):
+            return {}, None
+        raise Refused(why)
+
+    return Foreign(source, f"refused: {why}", translate)
+
+
+def when_true(source: str, ours: dict[str, Any], does: str) -> Foreign:
+    """A boolean that, when true, sets our keys; false asks for nothing."""
+    return Foreign(source, does, lambda value, _: (dict(ours) if flag(value) else {}, None))
+
+
+def accept(source: str, allowed: dict[str, dict[str, Any]], why: str, does: str) -> Foreign:
+    """Values LazyTrain acts on (each with the keys it sets), any other refused with `why`; `does` for the docs."""
+    def translate(value: Any, _: Mapping[str, Any]) -> Translation:
+        if value is None or _text(value) in allowed:
+            return ({} if value is None else dict(allowed[_text(value)])), None
+        raise Refused(why)
+
+    return Foreign(source, does, translate)
+
+
+# ---- entries that read other keys -----------------------------------------------------------------------
+def _eval_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
+    strategy = "no" if value is None or value is False else _text(value)
+    if strategy == "no":
+        return {"eval_batches": 0}, None
+    if strategy == "steps":
+        if "eval_steps" in given:
+            return {}, None
+        if "logging_steps" in given:  # the HF Trainer's fallback
+            return {"eval_steps": given["logging_steps"]}, None
+        raise Refused("evaluating every N steps needs eval_steps (or logging_steps, as the HF Trainer takes); "
+                      "set eval_steps")
+    raise Refused("LazyTrain evaluates every eval_steps steps (eval_strategy steps) or before and after training "
+                  "only (leave eval_strategy out); set eval_strategy steps with eval_steps")
+
+
+def _save_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
+    strategy = _text(value)
+    if strategy == "steps" or value is None:
+        return {}, None
+    if strategy == "no":
+        return {"save_steps": 0}, "save_strategy no: only the final checkpoint is saved (save_steps 0)"
+    raise Refused("LazyTrain saves every save_steps steps and at the end; set save_strategy steps with save_steps")
+
+
+def _stage(value: Any, given: Mapping[str, Any]) -> Translation:
+    stage = _text(value)
+    if stage == "sft" or value is None:
+        return {}, None
+    if stage == "pt":
+        return ({} if "dataset_format" in given else {"dataset_format": "text"}), None
+    raise Refused(f"LazyTrain trains with the language-model loss (stage sft or pt); {stage} is not implemented: "
+                  "use LLaMA-Factory for it")
+
+
+def _finetuning_type(value: Any, given: Mapping[str, Any]) -> Translation:
+    kind = _text(value)
+    if kind == "full" or value is None:
+        return {}, None
+    raise Refused(f"LazyTrain trains every parameter (full fine-tuning, the layers streamed from host memory, so a "
+                  f"model larger than the GPU fits without adapters); {kind} is not implemented: set "
+                  "finetuning_type full, or use LLaMA-Factory for adapters")
+
+
+def _resume(value: Any, given: Mapping[str, Any]) -> Translation:
+    if isinstance(value, bool) or _text(value) in _TRUE | _FALSE:
+        return {"resume_from_checkpoint": "auto" if flag(value) else None}, None
+    return {"resume_from_checkpoint": value}, None
+
+
+def _report_to(value: Any, given: Mapping[str, Any]) -> Translation:
+    return {"report_to": "none" if value is None else value}, None
+
+
+def _optim(value: Any, given: Mapping[str, Any]) -> Translation:
+    name = _text(value)
+    if name in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"):
+        return {"optimizer": "adamw"}, None
+    if name in ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit"):
+        return {"optimizer": "8bit"}, None
+    raise Refused("LazyTrain's optimizers are adamw (torch AdamW), hybrid8bit and 8bit (its own 8-bit AdamW); set "
+                  "optimizer to one of them")
+
+
+LF, HF, BOTH = "LLaMA-Factory", "HF Trainer", "both"
+
+_PRECISION = "`dtype` (bf16: true -> bf16, fp16: true -> fp16; all false -> fp32)"
+_DDP = ("LazyTrain sums gradients itself, layer group by layer group, under torchrun (no DistributedDataParallel "
+        "to tune)")
+_LOADER = ("batches are laid out in the training process from the tokenized examples in memory (no DataLoader "
+           "workers)")
+_OPTIMIZERS = "LazyTrain's optimizers are adamw, hybrid8bit and 8bit (`optimizer`)"
+_RECOMPUTE = ("the plan decides which layers to recompute (planner auto: only where memory needs it; planner "
+              "recompute-all recomputes every layer)")
+_NO_UPLOAD = ("nothing leaves this machine during a run; upload the checkpoint folder afterwards (e.g. hf upload)")
+
+TABLE: dict[str, Foreign] = {
+    # ---- model ----
+    "model_name_or_path": rename(BOTH, "model"),
+    "trust_remote_code": note(LF, "LazyTrain loads only the model classes transformers ships and never runs a "
+                                  "model's own code; a model that needs it is refused when loaded"),
+    "flash_attn": accept(LF, {"auto": {}, "sdpa": {}},
+                         "LazyTrain runs attention through sdpa (or the implementation the model's config.json "
+                         "names); set flash_attn auto or sdpa", "auto, sdpa accepted (sdpa attention); fa2 refused"),
+    "quantization_bit": refuse(LF, "LazyTrain trains full-precision weights (bf16 / fp32) streamed from host memory; "
+                                   "quantized (QLoRA) training is not implemented: remove quantization_bit"),
+    "adapter_name_or_path": refuse(LF, "LazyTrain trains full models, not adapters: give the merged model as model"),
+    "cache_dir": refuse(LF, "models and datasets are read from the HF cache; set HF_HOME (or HF_HUB_CACHE / "
+                            "HF_DATASETS_CACHE) instead"),
+    "use_fast_tokenizer": accept(LF, {"true": {}}, "the tokenizer is AutoTokenizer's fast one; remove "
+                                 "use_fast_tokenizer", "true accepted (the fast tokenizer)"),
+    "train_from_scratch": when_true(LF, {"init": "random"}, "true: `init: random`"),
+    "disable_gradient_checkpointing": note(LF, _RECOMPUTE),
+    "gradient_checkpointing": note(HF, _RECOMPUTE),
+    "gradient_checkpointing_kwargs": note(HF, _RECOMPUTE),
+    "activation_checkpointing": note(HF, _RECOMPUTE),
+    "low_cpu_mem_usage": note(LF, "weights are loaded shard by shard into host memory in any case"),
+    "rope_scaling": refuse(LF, "set rope_scaling in the model's config.json"),
+    "use_unsloth": refuse(LF, "LazyTrain runs transformers' own layers, streamed; remove use_unsloth"),
+    "enable_liger_kernel": refuse(LF, "LazyTrain runs transformers' own layers, streamed; remove enable_liger_kernel"),
+    "use_liger_kernel": refuse(HF, "LazyTrain runs transformers' own layers, streamed; remove use_liger_kernel"),
+    # ---- method ----
+    "stage": Foreign(LF, "sft accepted; pt = `dataset_format: text` (loss on every token); rm, ppo, dpo, kto "
+                         "refused", _stage),
+    "do_train": accept(BOTH, {"true": {}}, "`lazytrain train` always trains (`lazytrain plan` plans without "
+                       "training); remove do_train false", "true accepted; false refused"),
+    "do_eval": Foreign(BOTH, "true accepted (held-out loss before, during and after training); false = "
+                             "`eval_batches: 0`", lambda v, _: ({} if flag(v) is not False else {"eval_batches": 0},
+                                                                None)),
+    "do_predict": refuse(BOTH, "LazyTrain does not generate predictions; evaluate the held-out loss with "
+                               "eval_dataset or val_size"),
+    "finetuning_type": Foreign(LF, "full accepted; lora, freeze, oft refused (LazyTrain trains every parameter)",
+                               _finetuning_type),
+    "pure_bf16": when_true(LF, {"dtype": "bf16", "master_weights": "bf16"},
+                           "true: `dtype: bf16` with `master_weights: bf16` (needs optimizer 8bit or hybrid8bit)"),
+    "use_galore": refuse(LF, _OPTIMIZERS), "use_apollo": refuse(LF, _OPTIMIZERS), "use_badam": refuse(LF, _OPTIMIZERS),
+    "use_adam_mini": refuse(LF, _OPTIMIZERS), "use_muon": refuse(LF, _OPTIMIZERS),
+    "use_llama_pro": refuse(LF, "LazyTrain trains every parameter of the model as it is; remove use_llama_pro"),
+    "use_swanlab": refuse(LF, "trackers are report_to wandb, mlflow or tensorboard; SwanLab is not integrated"),
+    "deepspeed": refuse(HF, "LazyTrain does not run DeepSpeed: its executor streams the layers between host and GPU "
+                            "itself (what ZeRO-3 offload does, planned per activation boundary); remove deepspeed, "
+                            "and for several GPUs launch with torchrun --nproc_per_node N"),
+    "fsdp": refuse(HF, "LazyTrain does not shard with FSDP: each rank streams the whole model from host memory shared "
+                       "per node; remove fsdp and launch with torchrun --nproc_per_node N"),
+    "fsdp_config": refuse(HF, "LazyTrain does not shard with FSDP; remove fsdp_config"),
+    "fp8": refuse(LF, "LazyTrain computes in bf16 or fp32 (`dtype`); remove fp8"),
+    "torch_compile": refuse(HF, "LazyTrain's executor runs the model's layers eagerly, one streamed layer at a time; "
+                                "remove torch_compile"),
+    # ---- dataset ----
+    "neat_packing": when_true(LF, {"packing": True}, "true: `packing: true` (LazyTrain's packing never attends "
+                                                     "across examples)"),
+    "mask_history": refuse(LF, "the loss covers every assistant turn; mask_history is not implemented"),
+    "streaming": refuse(LF, "datasets are read, tokenized and cached whole before training; remove streaming"),
+    "tokenized_path": refuse(LF, "the tokenized dataset is kept in the HF datasets cache (overwrite_cache "
+                                 "re-tokenizes); remove tokenized_path"),
+    "default_system": refuse(LF, "give the system prompt in the data (a system column or message)"),
+    "enable_thinking": accept(LF, {"true": {}}, "templates render as the tokenizer's chat template does; remove "
+                              "enable_thinking", "true accepted (the chat template as it is)"),
+    "tool_format": refuse(LF, "tool calls are not formatted by LazyTrain; remove tool_format"),
+    "media_dir": refuse(LF, "LazyTrain trains text models; remove media_dir"),
+    "ignore_pad_token_for_loss": accept(LF, {"true": {}}, "padding never carries loss", "true accepted"),
+    "eval_on_each_dataset": refuse(LF, "the held-out loss is one figure over all eval datasets"),
+    # ---- output, logging, saving ----
+    "resume_from_checkpoint": Foreign(BOTH, "a checkpoint folder, or true = `auto` (the newest in output_dir), "
+                                            "false = none", _resume),
+    "report_to": Foreign(BOTH, "none, all, tensorboard, wandb, mlflow (a name or a list)", _report_to),
+    "disable_tqdm": Foreign(HF, "true = `progress: false`", lambda v, _: ({"progress": not flag(v)}, None)),
+    "logging_strategy": accept(HF, {"steps": {}}, "metrics rows are written every logging_steps steps; set "
+                               "logging_strategy steps", "steps accepted"),
+    "eval_strategy": Foreign(HF, "steps = evaluate every `eval_steps` (else every logging_steps); no = "
+                                 "`eval_batches: 0`; epoch refused", _eval_strategy),
+    "evaluation_strategy": Foreign(HF, "as eval_strategy (its older name)", _eval_strategy),
+    "save_strategy": Foreign(HF, "steps = every `save_steps`; no = `save_steps: 0` (the final checkpoint only); "
+                                 "epoch, best refused", _save_strategy),
+    "save_only_model": accept(HF, {"false": {}}, "a checkpoint always holds the exact trainer state beside the model "
+                              "(its HF model folder is the model alone); remove save_only_model", "false accepted"),
+    "save_safetensors": accept(HF, {"true": {}}, "checkpoints are safetensors; remove save_safetensors",
+                               "true accepted"),
+    "save_on_each_node": accept(HF, {"false": {}}, "rank 0 writes each checkpoint", "false accepted"),
+    "load_best_model_at_end": accept(HF, {"false": {}}, "the run ends with the last step's model; trainer_state.json "
+                                     "records best_metric and best_model_checkpoint", "false accepted"),
+    "metric_for_best_model": accept(HF, {"eval_loss": {}, "loss": {}}, "the best metric is the held-out loss",
+                                    "eval_loss accepted"),
+    "greater_is_better": accept(HF, {"false": {}}, "the best metric is the held-out loss (lower is better)",
+                                "false accepted"),
+    "push_to_hub": refuse(HF, _NO_UPLOAD),
+    "log_level": note(HF, "LazyTrain prints its report lines on rank 0; transformers' own logging stays quiet"),
+    "log_level_replica": note(HF, "ranks other than 0 write their lines to output_dir/rank-<r>/console.log"),
+    "log_on_each_node": note(HF, "rank 0 alone prints; the others write output_dir/rank-<r>/console.log"),
+    "logging_nan_inf_filter": note(HF, "a non-finite step is skipped and logged as such (max_nonfinite_steps)"),
+    "include_num_input_tokens_seen": note(HF, "each metrics row holds its step's tokens"),
+    "include_effective_tokens_per_second": note(LF, "each metrics row holds tokens_per_s"),
+    "skip_memory_metrics": note(HF, "each metrics row holds the device peak (peak_device_bytes)"),
+    # ---- training ----
+    "bf16": Foreign(BOTH, _PRECISION, lambda v, _: ({"dtype": "bf16"} if flag(v) else {}, None)),
+    "fp16": Foreign(BOTH, _PRECISION, lambda v, _: ({"dtype": "fp16"} if flag(v) else {}, None)),
+    "tf32": refuse(HF, "matmuls run in `dtype` (bf16 or fp32); TF32 is not switched on"),
+    "bf16_full_eval": refuse(HF, "evaluation runs in the training dtype"),
+    "fp16_full_eval": refuse(HF, "evaluation runs in the training dtype"),
+    "optim": Foreign(HF, "adamw_torch, adamw_torch_fused = `optimizer: adamw`; adamw_8bit, adamw_bnb_8bit, "
+                         "paged_adamw_8bit = `optimizer: 8bit`; others refused", _optim),
+    "auto_find_batch_size": when_true(HF, {"per_device_train_batch_size": "auto"},
+                                      "true: `per_device_train_batch_size: auto` (the largest the planner admits)"),
+    "average_tokens_across_devices": accept(HF, {"true": {}}, "the loss is always the mean over the global batch's "
+                                            "tokens", "true accepted"),
+    "label_smoothing_factor": refuse(HF, "LazyTrain trains the plain cross-entropy; label smoothing is not "
+                                         "implemented"),
+    "neftune_noise_alpha": refuse(HF, "NEFTune noise is not implemented"),
+    "ignore_data_skip": accept(HF, {"false": {}}, "a resumed run continues at the checkpoint's exact data position",
+                               "false accepted"),
+    "full_determinism": note(HF, "a run is determined by seed and data_seed (same losses digit for digit on the same "
+                                 "machine)"),
+    "use_cpu": when_true(HF, {"device": "cpu"}, "true: `device: cpu` (the emulated device)"),
+    "disable_shuffling": accept(LF, {"false": {}}, "the batch order is shuffled per epoch from data_seed",
+                                "false accepted"),
+    "compute_accuracy": refuse(LF, "evaluation reports the held-out loss only"),
+    "early_stopping_steps": refuse(LF, "runs stop at max_steps (or num_train_epochs)"),
+    "eval_on_start": note(HF, "the held-out loss is computed before training in any case"),
+    "prediction_loss_only": note(HF, "evaluation computes the loss only in any case"),
+    # ---- distributed, data loading: knobs of the original tool's machinery ----
+    "ddp_timeout": rename(HF, "collective_timeout_s"),
+    "ddp_backend": rename(HF, "backend"),
+    "ddp_find_unused_parameters": note(HF, _DDP), "ddp_bucket_cap_mb": note(HF, _DDP),
+    "ddp_broadcast_buffers": note(HF, _DDP), "ddp_static_graph": note(HF, _DDP),
+    "local_rank": note(HF, "torchrun's LOCAL_RANK is read from the environment"),
+    "dataloader_num_workers": note(HF, _LOADER), "dataloader_pin_memory": note(HF, _LOADER),
+    "dataloader_persistent_workers": note(HF, _LOADER), "dataloader_prefetch_factor": note(HF, _LOADER),
+    "dataloader_drop_last": note(HF, _LOADER + "; the loader streams epochs without a last partial batch"),
+    "remove_unused_columns": note(HF, "the tokenized examples hold input_ids and labels only"),
+    "label_names": note(HF, "the labels are the tokenized examples' labels"),
+    "use_cache": note(HF, "the KV cache is off while training"),
+    "torch_empty_cache_steps": note(HF, "the device arena is planned; no cache to empty"),
+}
+
+# Every other key of either tool (LLaMA-Factory's hparams, transformers 5's TrainingArguments): refused unless it is
+# off (None, false, 0), with one generic sentence.
+OTHER_KEYS: dict[str, str] = dict.fromkeys((
+    "buffer_size eval_num_beams data_shared_file_system preserve_thinking "
+    "freeze_trainable_layers freeze_trainable_modules freeze_extra_modules additional_target lora_alpha lora_dropout "
+    "lora_rank lora_target loraplus_lr_ratio loraplus_lr_embedding use_rslora use_dora pissa_init pissa_iter "
+    "pissa_convert create_new_adapter module_dropout oft_rank oft_block_size oft_target pref_beta pref_ftx "
+    "pref_bco_weight pref_loss dpo_label_smoothing kto_chosen_weight kto_rejected_weight simpo_gamma ppo_buffer_size "
+    "ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards ref_model ref_model_adapters ref_model_quantization_bit "
+    "reward_model reward_model_adapters reward_model_quantization_bit reward_model_type ld_alpha galore_target "
+    "galore_rank galore_update_interval galore_scale galore_proj_type galore_layerwise apollo_target apollo_rank "
+    "apollo_update_interval apollo_scale apollo_proj apollo_proj_type apollo_scale_type apollo_layerwise "
+    "apollo_scale_front badam_mode badam_start_block badam_switch_mode badam_switch_interval badam_update_ratio "
+    "badam_mask_mode badam_verbose swanlab_project swanlab_workspace swanlab_run_name swanlab_mode swanlab_api_key "
+    "swanlab_logdir swanlab_lark_webhook_url swanlab_lark_secret use_mca use_megatron_bridge megatron_bridge_args "
+    "use_hyper_parallel hyper_parallel_args hyper_parallel_cp_size use_dft_loss use_asft_loss asft_alpha "
+    "use_eaft_loss eaft_alpha freeze_vision_tower freeze_multi_modal_projector freeze_language_model adapter_folder "
+    "resize_vocab split_special_tokens add_tokens add_special_tokens new_special_tokens_config init_special_tokens "
+    "model_revision shift_attn mixture_of_depths use_unsloth_gc moe_aux_loss_coef use_reentrant_gc upcast_layernorm "
+    "upcast_lmhead_output infer_backend offload_folder use_kv_cache use_v1_kernels infer_dtype hf_hub_token "
+    "ms_hub_token om_hub_token print_param_status quantization_method quantization_type double_quantization "
+    "quantization_device_map image_max_pixels image_min_pixels image_do_pan_and_scan crop_to_patches "
+    "video_max_pixels video_min_pixels video_fps video_maxlen use_audio_in_video audio_sampling_rate export_dir "
+    "export_size export_device export_quantization_bit export_quantization_dataset export_quantization_nsamples "
+    "export_quantization_maxlen export_legacy_format export_hub_model_id vllm_maxlen vllm_gpu_util "
+    "vllm_enforce_eager vllm_max_lora_rank vllm_config sglang_maxlen sglang_mem_fraction sglang_tp_size "
+    "sglang_config sglang_lora_backend use_kt kt_cpu_activation kt_weight_path kt_non_expert_weight_path "
+    "kt_expert_checkpoint_path kt_use_lora_experts kt_lora_expert_num kt_lora_expert_intermediate_size "
+    "compute_dtype device_map model_max_length block_diag_attn ray_num_workers ray_init_kwargs master_addr "
+    "master_port enable_torch_profiler profiler_output_dir profiler_wait_steps profiler_warmup_steps "
+    "profiler_active_steps profiler_repeat profiler_record_shapes profiler_profile_memory profiler_with_stack "
+    "profile_modules fp8_backend fp8_enable_fsdp_float8_all_gather"
+).split(), LF) | dict.fromkeys((
+    "optim_args optim_target_modules activation_checkpointing_kwargs torch_compile_backend torch_compile_mode "
+    "liger_kernel_config project trackio_space_id trackio_bucket_id trackio_static_space_id eval_delay "
+    "eval_do_concat_batches eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
+    "enable_jit_checkpoint hub_token hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision "
+    "restore_callback_states_from_checkpoint accelerator_config parallelism_config dataloader_multiprocessing_context "
+    "dataloader_in_order train_sampling_strategy length_column_name debug logging_dir group_by_length"
+).split(), HF)
+
+
+def translate(key: str, value: Any, given: Mapping[str, Any]) -> Translation | None:
+    """Our keys for a foreign key (and a note), None when `key` is neither tool's; Refused when LazyTrain does not
+    do what the value asks. `given`: every key the user set, as spelled (for keys that depend on others)."""
+    entry = TABLE.get(key)
+    if entry is not None:
+        return entry.translate(value, given)
+    if key in OTHER_KEYS:
+        if is_off(value):
+            return {}, None
+        raise Refused(f"a {OTHER_KEYS[key]} setting LazyTrain does not implement; remove it")
+    return None
+
+
+def precision(given: Mapping[str, Any]) -> dict[str, Any]:
+    """bf16 / fp16 / pure_bf16 all given and all false: fp32, as the HF Trainer then computes (a true one is
+    translated by its own entry)."""
+    named = [given[key] for key in ("bf16", "fp16", "pure_bf16") if key in given]
+    if named and "dtype" not in given and not any(_safe_flag(v) for v in named):
+        return {"dtype": "fp32"}
+    return {}
+
+
+def _safe_flag(value: Any) -> bool:
+    try:
+        return bool(flag(value))
+    except Refused:
+        return True  # its own entry reports it
