@@ -180,14 +180,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
         (lambda: load_sft(_write(tmp_path / "odd.jsonl", [{"question": "q", "answer": "a"}]), tok, cutoff_len=64),
          r"columns \(answer, question\).*dataset_format"),
         (lambda: tokenize_rows([{"question": "q"}], tok, dataset_format="alpaca", cutoff_len=64),
-         "needs the column.*instruction and output.*have question"),
-        (lambda: tokenize_rows([{"messages": CONVERSATION}], tok, template="vicuna", cutoff_len=64),
-         "unknown template 'vicuna'"),
+         "needs the column.*instruction.*have question"),
         (lambda: tokenize_rows([{"conversations": [{"from": "bot", "value": "x"}]}], tok, cutoff_len=64),
-         "from='bot'"),
+         'row 1 \\(sharegpt\\): turn 1 has from "bot"; expected one of'),
+        (lambda: tokenize_rows([{"messages": CONVERSATION}], tok, template="qwen2_vl", cutoff_len=64),
+         "template qwen2_vl is a vision / audio template"),
     ]
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    cases.append((lambda: load_rows(tmp_path / "bad.jsonl"), "cannot be read as json"))
+    cases.append((lambda: load_rows(tmp_path / "bad.jsonl"), "line 1: not JSON"))
     for call, message in cases:
         with pytest.raises(LazyTrainError, match=message) as err:
             call()
@@ -195,6 +195,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
     tok.chat_template = None
     with pytest.raises(LazyTrainError, match="no chat template; set template to one of chatml"):
         tokenize_rows([{"messages": CONVERSATION}], tok, cutoff_len=64)
+    with pytest.raises(LazyTrainError, match="unknown template 'vicuna' and the tokenizer has no chat template"):
+        tokenize_rows([{"messages": CONVERSATION}], tok, template="vicuna", cutoff_len=64)
     # plain text needs no template
     assert tokenize_rows([{"text": "Hi there"}], tok, cutoff_len=64).examples
 

@@ -1,178 +1,60 @@
-"""Supervised fine-tuning data: local files -> rows -> conversations -> tokenized `Example`s with response-only labels.
+"""Supervised fine-tuning data: datasets -> checked canonical rows -> tokenized `Example`s with response-only labels.
 
-Formats (LLaMA-Factory's conventions; `auto` picks one from the columns):
-- `alpaca`: `instruction`, `output`, optional `input` (appended to the instruction after a newline),
-  `system` and `history` (earlier `[instruction, output]` pairs).
-- `sharegpt`: `conversations` (or `messages`), a list of `{"from", "value"}` with `from` in human / gpt /
-  system (also user / assistant); optional `system` column.
-- `messages`: `messages` (or `conversations`), a list of `{"role", "content"}` (OpenAI / TRL).
-- `prompt_completion`: `prompt`, `completion`; strings are joined as they are (no template, the loss on the
-  completion), lists of messages go through the chat template.
-- `text`: `text`, plain language modelling (every token carries loss).
+The datasets of `dataset` (files, LLaMA-Factory's dataset_info.json names, HF cache ids: sources.py) are read and
+checked row by row (rows.py), mixed (`concat`, or HF datasets' `interleave_datasets` by `interleave_probs`), and
+tokenized through `datasets.map` (`preprocessing_num_workers` processes, `preprocessing_batch_size` rows a call)
+into a cache folder keyed by everything the tokens depend on: a resumed run, a second rank and the next run with
+the same data and tokenizer read the tokens back instead of tokenizing again (`overwrite_cache` forces it). A
+cache folder is written under a name of its own (`.<key>.tmp-<pid>`) and renamed when complete; one a killed
+process left behind is removed by the next run.
 
-A conversation is rendered with the tokenizer's chat template (`apply_chat_template`), or the named
-`template` (templates.py), which wins when given. The assistant spans come from rendering prefixes: the text up
-to an assistant turn (with the generation prompt) and the text through it; each piece is tokenized on its own,
+A conversation is rendered with the tokenizer's chat template (`apply_chat_template`), or ours of the named
+`template` when the tokenizer has none (templates.py). The assistant spans come from rendering prefixes: the text
+up to an assistant turn (with the generation prompt) and the text through it; each piece is tokenized on its own,
 as at inference time the prompt is. Labels are -100 everywhere but in assistant spans (their content and the
-template's end-of-turn marker), unless `train_on_prompt`. EOS ends every example: an assistant turn that
-already ends with the tokenizer's EOS keeps it (trailing whitespace after it is dropped), otherwise EOS is
-appended. Examples longer than `cutoff_len` are truncated (counted); rows with no assistant turn, and
-examples left with no loss-carrying token, are skipped (counted).
+template's end-of-turn marker), unless `train_on_prompt`. EOS ends every example: an assistant turn that already
+ends with the tokenizer's EOS keeps it (trailing whitespace after it is dropped), otherwise EOS is appended.
+Examples longer than `cutoff_len` are truncated (counted); rows with no assistant turn, and examples left with no
+loss-carrying token, are skipped (counted).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import tempfile
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
 
+from lazytrain.config.schema import names_in
 from lazytrain.data.loader import IGNORE_INDEX, Example
-from lazytrain.data.templates import TEMPLATES
+from lazytrain.data.rows import CANONICAL, FORMATS, Message, Row, canonical_rows, read_rows
+from lazytrain.data.sources import Source, resolve
+from lazytrain.data.templates import TEMPLATES, choose_template
 from lazytrain.errors import LazyTrainError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-FORMATS: tuple[str, ...] = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
-Message = dict[str, str]
-Row = dict[str, object]
+__all__ = ["FORMATS", "Row", "SftData", "load_rows", "load_sft", "split_off", "tokenize_rows"]
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
-
-
-# ---- files ----------------------------------------------------------------------------------------
-def load_rows(path: str | Path) -> list[Row]:
-    """The rows of a local json / jsonl / parquet / arrow file (or a `save_to_disk` folder), via HF `datasets`."""
-    path = Path(path)
-    if path.is_dir():
-        if not any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json")):
-            raise LazyTrainError(f"dataset {path} is a folder but not one written by datasets' save_to_disk (no "
-                                 "dataset_info.json or dataset_dict.json); set dataset to a json, jsonl, parquet or "
-                                 "arrow file, or such a folder")
-        table = datasets.load_from_disk(str(path), keep_in_memory=True)
-        if isinstance(table, datasets.DatasetDict):
-            table = table["train"] if "train" in table else next(iter(table.values()))
-        return _non_empty(table.to_list(), path)
-    if not path.is_file():
-        raise LazyTrainError(f"dataset file {path} does not exist; set dataset to a json, jsonl, parquet or arrow "
-                             "file (or a folder written by datasets' save_to_disk)")
-    builder = FILE_BUILDERS.get(path.suffix.lower())
-    if builder is None:
-        raise LazyTrainError(f"dataset file {path}: unknown extension {path.suffix!r}; use one of "
-                             f"{', '.join(FILE_BUILDERS)}")
-    if not path.read_bytes().strip():
-        raise LazyTrainError(f"dataset file {path} is empty; it needs at least one row")
-    datasets.disable_progress_bars()
-    with tempfile.TemporaryDirectory(prefix="lazytrain-datasets-") as cache_dir:  # leave no cache behind
-        try:
-            table = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir,
-                                          keep_in_memory=True)
-        except Exception as err:  # noqa: BLE001 - pyarrow/json raise many types; all mean "cannot parse this file"
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise LazyTrainError(f"dataset file {path} cannot be read as {builder}: {reason}") from None
-        return _non_empty(table.to_list(), path)
+CACHE_VERSION = 1  # bump when the tokenization below changes what it writes
+FEATURES = datasets.Features({
+    "kind": datasets.Value("string"),
+    "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+    "text": datasets.Value("string"), "prompt": datasets.Value("string"), "completion": datasets.Value("string"),
+})
 
 
-def _non_empty(rows: list[Row], path: Path) -> list[Row]:
-    if not rows:
-        raise LazyTrainError(f"dataset file {path} has no rows; it needs at least one")
-    return rows
-
-
-# ---- formats ----------------------------------------------------------------------------------------
-def detect_format(rows: Sequence[Row]) -> str:
-    """The format of rows from their columns (and, for a list of turns, the turns' keys)."""
-    columns = set(rows[0])
-    for name in ("messages", "conversations"):
-        turns = rows[0].get(name)
-        if isinstance(turns, list) and turns and isinstance(turns[0], dict):
-            if {"role", "content"} <= set(turns[0]):
-                return "messages"
-            if {"from", "value"} <= set(turns[0]):
-                return "sharegpt"
-    if {"instruction", "output"} <= columns:
-        return "alpaca"
-    if {"prompt", "completion"} <= columns:
-        return "prompt_completion"
-    if "text" in columns:
-        return "text"
-    raise LazyTrainError(
-        f"cannot tell the dataset format from its columns ({', '.join(sorted(columns))}); expected instruction+output "
-        "(alpaca), conversations (sharegpt), messages, prompt+completion or text; set dataset_format"
-    )
-
-
-REQUIRED_COLUMNS = {"alpaca": ("instruction", "output"), "prompt_completion": ("prompt", "completion"),
-                    "text": ("text",)}
-
-
-def _check_columns(rows: Sequence[Row], fmt: str) -> None:
-    columns = set(rows[0])
-    if fmt in ("sharegpt", "messages"):
-        ok = bool(columns & {"messages", "conversations"})
-        need = "messages or conversations"
-    else:
-        ok = set(REQUIRED_COLUMNS[fmt]) <= columns
-        need = " and ".join(REQUIRED_COLUMNS[fmt])
-    if not ok:
-        raise LazyTrainError(f"dataset_format {fmt} needs the column(s) {need}, but the rows have "
-                             f"{', '.join(sorted(columns))}; set dataset_format (or auto)")
-
-
-def _text(value: object) -> str:
-    return "" if value is None else str(value)  # a column missing from some rows of a file reads as None
-
-
-def to_messages(row: Row, fmt: str) -> list[Message]:
-    """A conversation from one row of a chat format (alpaca, sharegpt, messages, list-valued prompt_completion)."""
-    if fmt == "alpaca":
-        messages = [{"role": "system", "content": _text(row["system"])}] if row.get("system") else []
-        for prompt, response in row.get("history") or []:
-            messages += [{"role": "user", "content": _text(prompt)}, {"role": "assistant", "content": _text(response)}]
-        instruction = _text(row["instruction"]) + (f"\n{row['input']}" if row.get("input") else "")
-        messages.append({"role": "user", "content": instruction})
-        if row["output"] is not None:  # a row without output has no response to learn: skipped
-            messages.append({"role": "assistant", "content": _text(row["output"])})
-        return messages
-    if fmt == "prompt_completion":
-        return [*row["prompt"], *row["completion"]]
-    turns = row.get("messages") if row.get("messages") is not None else row.get("conversations")
-    if not isinstance(turns, list):
-        raise LazyTrainError(f"a {fmt} row has no list of turns: {json.dumps(row, default=str)[:120]}")
-    messages = [{"role": "system", "content": _text(row["system"])}] if row.get("system") else []
-    for turn in turns:
-        if fmt == "sharegpt":
-            role = SHAREGPT_ROLES.get(str(turn.get("from")))
-            if role is None:
-                raise LazyTrainError(f"sharegpt turn with from={turn.get('from')!r}; expected one of "
-                                     f"{', '.join(SHAREGPT_ROLES)}")
-            messages.append({"role": role, "content": _text(turn.get("value"))})
-        else:
-            messages.append({"role": _text(turn.get("role")), "content": _text(turn.get("content"))})
-    return messages
-
-
-# ---- tokenization ---------------------------------------------------------------------------------
-def use_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
-    """Give the tokenizer the named chat template (so checkpoints save it with the tokenizer), or check that it
-    has its own."""
-    if template is not None:
-        if template not in TEMPLATES:
-            raise LazyTrainError(f"unknown template {template!r}; use one of {', '.join(TEMPLATES)} or none to use "
-                                 "the tokenizer's chat template")
-        tokenizer.chat_template = TEMPLATES[template]
-    elif not tokenizer.chat_template:
-        raise LazyTrainError(f"the tokenizer has no chat template; set template to one of {', '.join(TEMPLATES)}")
-
-
+# =====================================================================================================
+# rendering and tokenizing one batch of canonical rows
+# =====================================================================================================
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -213,22 +95,24 @@ class Layout:
     append_eos: bool  # the last piece does not already end with EOS
 
 
-def layout_row(tokenizer: PreTrainedTokenizerBase, row: Row, fmt: str, *, train_on_prompt: bool) -> Layout | None:
-    """The pieces of one row; None for a conversation with no assistant turn.
+def layout_row(tokenizer: PreTrainedTokenizerBase, row: Row, *, train_on_prompt: bool) -> Layout | None:
+    """The pieces of one canonical row; None for a conversation with no assistant turn.
 
     Nothing after the last trained piece is kept (a template's trailing newline): EOS ends the example. When
     the last trained piece already ends with EOS (ChatML with EOS `<|im_end|>`), whitespace after it is dropped
     and no second EOS is appended.
     """
-    if fmt == "text":
-        pieces, templated = [(str(row["text"]), True)], False
-    elif fmt == "prompt_completion" and isinstance(row["prompt"], str):
-        pieces, templated = [(row["prompt"], False), (str(row["completion"]), True)], False
+    if row["kind"] == "text":
+        pieces, templated = [(row["text"], True)], False
+    elif row["kind"] == "completion":
+        pieces, templated = [(row["prompt"], False), (row["completion"], True)], False
     else:
-        messages = to_messages(row, fmt)
+        messages = row["messages"]
         if not any(m["role"] == "assistant" for m in messages):
             return None
         pieces, templated = conversation_pieces(tokenizer, messages), True
+    if not any(trained for _, trained in pieces):  # an empty response rendered as nothing
+        return None
     last = max(i for i, (_, trained) in enumerate(pieces) if trained)
     texts = [text for text, _ in pieces[: last + 1]]
     trained = [trained or train_on_prompt for _, trained in pieces[: last + 1]]
@@ -263,6 +147,30 @@ def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout]
     return examples
 
 
+def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool,
+                   cutoff_len: int) -> dict[str, list[Any]]:
+    """datasets.map's function: a batch of canonical rows -> input_ids, labels (at most cutoff_len tokens),
+    truncated, skipped (no assistant turn, or no loss-carrying token left; its ids empty)."""
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    layouts = [layout_row(tokenizer, row, train_on_prompt=train_on_prompt) for row in rows]
+    encoded = iter(encode_layouts(tokenizer, [lay for lay in layouts if lay is not None]))
+    out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "truncated": [], "skipped": []}
+    for lay in layouts:
+        example = next(encoded) if lay is not None else None
+        truncated = example is not None and len(example.input_ids) > cutoff_len
+        if example is not None:
+            example = Example(example.input_ids[:cutoff_len], example.labels[:cutoff_len])
+        skipped = example is None or all(label == IGNORE_INDEX for label in example.labels[1:])
+        out["input_ids"].append([] if skipped else example.input_ids)
+        out["labels"].append([] if skipped else example.labels)
+        out["truncated"].append(truncated)
+        out["skipped"].append(skipped)
+    return out
+
+
+# =====================================================================================================
+# the data of a run
+# =====================================================================================================
 @dataclass
 class SftData:
     """Tokenized examples and what happened on the way, for the trainer's log."""
@@ -272,42 +180,215 @@ class SftData:
     num_rows: int
     num_truncated: int = 0  # examples cut to cutoff_len
     num_skipped: int = 0  # rows with no assistant turn, or no loss-carrying token left after truncation
-    val: list[Example] = field(default_factory=list)  # held-out examples (val_size or an eval file)
+    val: list[Example] = field(default_factory=list)  # held-out examples (val_size or an eval dataset)
+    template: str = ""  # which chat template rendered the conversations (empty: none needed)
+    cached: bool = False  # the tokens were read back from the cache
 
     def summary(self) -> str:
         tokens = sum(len(ex.input_ids) for ex in self.examples)
         return (f"{self.dataset_format}: {len(self.examples):,} train / {len(self.val):,} held-out examples, "
-                f"{tokens:,} train tokens; {self.num_truncated} truncated to cutoff_len, {self.num_skipped} skipped")
+                f"{tokens:,} train tokens; {self.num_truncated} truncated to cutoff_len, {self.num_skipped} skipped"
+                + ("; tokens from the cache" if self.cached else "")
+                + (f"; template: {self.template}" if self.template else ""))
+
+
+@dataclass(frozen=True)
+class Tokenization:
+    """How rows become tokens (everything the tokenized cache depends on besides the rows)."""
+
+    cutoff_len: int
+    train_on_prompt: bool = False
+    template: str | None = None
+    num_proc: int | None = None
+    batch_size: int = 1000
+    cache_dir: Path | None = None  # None: tokenize in memory, cache nothing
+    overwrite_cache: bool = False
+
+
+def load_rows(path: str | Path) -> list[Row]:
+    """The rows of one local file or save_to_disk folder, as read (for tests and tools)."""
+    path = Path(path)
+    if not path.exists():
+        raise LazyTrainError(f"dataset file {path} does not exist; set dataset to a json, jsonl, parquet or arrow "
+                             "file (or a folder written by datasets' save_to_disk)")
+    if path.is_file() and not path.read_bytes().strip():
+        raise LazyTrainError(f"dataset file {path} is empty; it needs at least one row")
+    return read_rows(Source(name=str(path), path=path))
 
 
 def tokenize_rows(rows: Sequence[Row], tokenizer: PreTrainedTokenizerBase, *, dataset_format: str = "auto",
                   template: str | None = None, train_on_prompt: bool = False, cutoff_len: int) -> SftData:
-    """Rows of one format -> Examples of at most `cutoff_len` tokens, each with at least one loss token."""
+    """Rows of one format -> Examples of at most `cutoff_len` tokens, each with at least one loss token (in
+    memory, no cache)."""
     if not rows:
         raise LazyTrainError("the dataset has no rows; it needs at least one")
-    fmt = detect_format(rows) if dataset_format == "auto" else dataset_format
-    if fmt not in FORMATS:
-        raise LazyTrainError(f"unknown dataset_format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
-    _check_columns(rows, fmt)
-    needs_template = fmt in ("alpaca", "sharegpt", "messages") or (
-        fmt == "prompt_completion" and not isinstance(rows[0]["prompt"], str))
-    if needs_template:
-        use_template(tokenizer, template)
-    data = SftData(examples=[], dataset_format=fmt, num_rows=len(rows))
-    layouts = [layout_row(tokenizer, row, fmt, train_on_prompt=train_on_prompt) for row in rows]
-    data.num_skipped = sum(lay is None for lay in layouts)
-    for example in encode_layouts(tokenizer, [lay for lay in layouts if lay is not None]):
-        if len(example.input_ids) > cutoff_len:
-            data.num_truncated += 1
-            example = Example(example.input_ids[:cutoff_len], example.labels[:cutoff_len])
-        if all(label == IGNORE_INDEX for label in example.labels[1:]):
-            data.num_skipped += 1
-            continue
-        data.examples.append(example)
-    if not data.examples:
-        raise LazyTrainError(f"none of the {len(rows)} rows gives an example with a response token within "
-                             f"cutoff_len {cutoff_len}; raise cutoff_len or check the dataset")
+    canonical, fmt = canonical_rows(rows, Source(name="rows"), dataset_format)
+    table = datasets.Dataset.from_list(canonical, features=FEATURES)
+    how = Tokenization(cutoff_len=cutoff_len, train_on_prompt=train_on_prompt, template=template)
+    return _tokenize(table, tokenizer, how, fmt, key=None)
+
+
+def load_sft(dataset: str | Path | Sequence[Source], tokenizer: PreTrainedTokenizerBase, *,
+             dataset_format: str = "auto", template: str | None = None, train_on_prompt: bool = False,
+             cutoff_len: int, val_size: float | int | None = None,
+             eval_dataset: str | Path | Sequence[Source] | None = None, seed: int = 0,
+             max_samples: int | None = None, mix_strategy: str = "concat",
+             interleave_probs: Sequence[float] | None = None, dataset_dir: str = "data",
+             how: Tokenization | None = None) -> SftData:
+    """The datasets tokenized for training, with the held-out part: an eval dataset, else `val_size` of the
+    training examples (a fraction or a count), else none."""
+    how = how or Tokenization(cutoff_len=cutoff_len, train_on_prompt=train_on_prompt, template=template)
+    data = _load(dataset, tokenizer, how, dataset_format=dataset_format, seed=seed, max_samples=max_samples,
+                 mix_strategy=mix_strategy, interleave_probs=interleave_probs, dataset_dir=dataset_dir,
+                 key="dataset")
+    if eval_dataset is not None:
+        held_out = _load(eval_dataset, tokenizer, how, dataset_format=dataset_format, seed=seed,
+                         max_samples=max_samples, mix_strategy="concat", interleave_probs=None,
+                         dataset_dir=dataset_dir, key="eval_dataset")
+        data.val = held_out.examples
+        data.num_truncated += held_out.num_truncated
+        data.num_skipped += held_out.num_skipped
+    elif val_size:
+        data.examples, data.val = split_off(data.examples, val_size, seed)
     return data
+
+
+def _load(dataset: str | Path | Sequence[Source], tokenizer: PreTrainedTokenizerBase, how: Tokenization, *,
+          dataset_format: str, seed: int, max_samples: int | None, mix_strategy: str,
+          interleave_probs: Sequence[float] | None, dataset_dir: str, key: str) -> SftData:
+    sources = (resolve(names_in(str(dataset)), dataset_dir, key) if isinstance(dataset, str | Path)
+               else list(dataset))
+    if interleave_probs is not None and len(interleave_probs) != len(sources):
+        raise LazyTrainError(f"interleave_probs has {len(interleave_probs)} weights for {len(sources)} datasets; give "
+                             "one per dataset")
+    tables, formats, described = [], [], []
+    for source in sources:
+        canonical, fmt = canonical_rows(read_rows(source, max_samples=max_samples, seed=seed), source,
+                                        dataset_format)
+        tables.append(datasets.Dataset.from_list(canonical, features=FEATURES))
+        formats.append(fmt)
+        described.append(source.describe())
+    if len(tables) == 1:
+        table = tables[0]
+    elif mix_strategy == "concat":
+        table = datasets.concatenate_datasets(tables)
+    else:
+        weights = None if interleave_probs is None else [p / sum(interleave_probs) for p in interleave_probs]
+        table = datasets.interleave_datasets(tables, probabilities=weights, seed=seed, stopping_strategy=(
+            "first_exhausted" if mix_strategy == "interleave_under" else "all_exhausted"))
+    key_of = {"sources": described, "dataset_format": dataset_format, "max_samples": max_samples,
+              "mix": mix_strategy, "probs": list(interleave_probs or []), "seed": seed}
+    return _tokenize(table, tokenizer, how, "+".join(dict.fromkeys(formats)), key=key_of)
+
+
+def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: Tokenization, fmt: str,
+              key: dict[str, Any] | None) -> SftData:
+    """Tokenize `table` (through the cache when `how.cache_dir` is set and `key` names the rows) into SftData."""
+    note = _use_template(tokenizer, how.template, table)
+    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt, cutoff_len=how.cutoff_len)
+    datasets.disable_progress_bars()
+    cached = False
+    if how.cache_dir is None or key is None:
+        tokens = table.map(tokenize_batch, batched=True, batch_size=how.batch_size, fn_kwargs=kwargs,
+                           remove_columns=list(CANONICAL), keep_in_memory=True, new_fingerprint="in-memory")
+    else:
+        fingerprint = _fingerprint(key, tokenizer, how)
+        tokens, cached = _cached_map(table, fingerprint, how, kwargs)
+    data = SftData(examples=[], dataset_format=fmt, num_rows=len(table), template=note, cached=cached)
+    columns = tokens.data
+    data.num_truncated = sum(columns.column("truncated").to_pylist())
+    skipped = columns.column("skipped").to_pylist()
+    data.num_skipped = sum(skipped)
+    for ids, labels, skip in zip(columns.column("input_ids").to_pylist(), columns.column("labels").to_pylist(),
+                                 skipped, strict=True):
+        if not skip:
+            data.examples.append(Example(input_ids=ids, labels=labels))
+    if not data.examples:
+        raise LazyTrainError(f"none of the {len(table)} rows gives an example with a response token within "
+                             f"cutoff_len {how.cutoff_len}; raise cutoff_len or check the dataset")
+    return data
+
+
+def _use_template(tokenizer: PreTrainedTokenizerBase, template: str | None, table: datasets.Dataset) -> str:
+    """Give the tokenizer the chat template its conversations need (saved with every checkpoint); what was used
+    ("" when no row is a conversation)."""
+    kinds = set(table.unique("kind"))
+    if "chat" not in kinds:
+        return ""
+    ours, note = choose_template(template, has_own=bool(tokenizer.chat_template))
+    if ours is not None:
+        tokenizer.chat_template = ours
+    return note
+
+
+def _fingerprint(key: dict[str, Any], tokenizer: PreTrainedTokenizerBase, how: Tokenization) -> str:
+    """What the tokens depend on: the rows (sources, their files' sizes and times, how they were chosen), the
+    tokenizer (its vocabulary and merges, specials, chat template) and the tokenization."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    described = {**key, "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
+                 "specials": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token],
+                 "chat_template": tokenizer.chat_template, "cutoff_len": how.cutoff_len,
+                 "train_on_prompt": how.train_on_prompt, "version": CACHE_VERSION}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _cached_map(table: datasets.Dataset, fingerprint: str, how: Tokenization, kwargs: dict[str, Any]
+                ) -> tuple[datasets.Dataset, bool]:
+    """The tokens from `cache_dir/<fingerprint>/`, or tokenized into `.<fingerprint>.tmp-<pid>/` and renamed there
+    once complete (a killed run leaves only its tmp folder, which the next run removes)."""
+    assert how.cache_dir is not None
+    root = how.cache_dir
+    root.mkdir(parents=True, exist_ok=True)
+    remove_dead_tmp(root)
+    final = root / fingerprint
+    if final.is_dir() and not how.overwrite_cache:
+        return _read_tokens(final), True
+    tmp = root / f".{fingerprint}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        table.map(tokenize_batch, batched=True, batch_size=how.batch_size, fn_kwargs=kwargs,
+                  remove_columns=list(CANONICAL), num_proc=how.num_proc, cache_file_name=str(tmp / "tokens.arrow"),
+                  load_from_cache_file=False, new_fingerprint=fingerprint)
+        for leftover in tmp.glob("tmp*"):  # datasets' own temporary files (none once it finished)
+            leftover.unlink()
+        if final.exists():  # overwrite_cache, or another process finished first
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process renamed its copy in between: use that one
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _read_tokens(final), False
+
+
+def _read_tokens(folder: Path) -> datasets.Dataset:
+    files = sorted(folder.glob("tokens*.arrow"))  # one file, or one per worker (tokens_00000_of_00004, ...)
+    if not files:
+        raise LazyTrainError(f"the tokenized cache {folder} holds no tokens; remove it (or set overwrite_cache)")
+    parts = [datasets.Dataset.from_file(str(f)) for f in files]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def remove_dead_tmp(root: Path) -> None:
+    """Remove `.*.tmp-<pid>` folders whose process is gone (a run killed while it tokenized)."""
+    for tmp in root.glob(".*.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def split_off(examples: list[Example], val_size: float | int, seed: int) -> tuple[list[Example], list[Example]]:
@@ -319,20 +400,3 @@ def split_off(examples: list[Example], val_size: float | int, seed: int) -> tupl
     held_out = set(np.random.default_rng([seed, 1]).choice(len(examples), size=count, replace=False).tolist())
     return ([ex for i, ex in enumerate(examples) if i not in held_out],
             [ex for i, ex in enumerate(examples) if i in held_out])
-
-
-def load_sft(dataset: str | Path, tokenizer: PreTrainedTokenizerBase, *, dataset_format: str = "auto",
-             template: str | None = None, train_on_prompt: bool = False, cutoff_len: int,
-             val_size: float | int | None = None, eval_dataset: str | Path | None = None, seed: int = 0) -> SftData:
-    """A dataset file tokenized for training, with its held-out part (an eval file wins over val_size)."""
-    kwargs = dict(dataset_format=dataset_format, template=template, train_on_prompt=train_on_prompt,
-                  cutoff_len=cutoff_len)
-    data = tokenize_rows(load_rows(dataset), tokenizer, **kwargs)
-    if eval_dataset is not None:
-        held_out = tokenize_rows(load_rows(eval_dataset), tokenizer, **kwargs)
-        data.val = held_out.examples
-        data.num_truncated += held_out.num_truncated
-        data.num_skipped += held_out.num_skipped
-    elif val_size:
-        data.examples, data.val = split_off(data.examples, val_size, seed)
-    return data

@@ -14,6 +14,7 @@ import os
 import sys
 
 from lazytrain.config import add_job_arguments, job_config_from_args
+from lazytrain.data.sources import check_names
 from lazytrain.train.metrics import resolve_trackers
 from lazytrain.train.signals import Interrupted
 
@@ -27,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     job = job_config_from_args(args, notes)
     resolve_trackers(job.metrics.report_to)  # a tracker's missing package: one line, before anything runs
+    check_names(job.data.dataset, job.data.eval_dataset, job.data.dataset_dir)  # every dataset name means something
     # the job is sound: now the heavy imports (torch, transformers, datasets)
     from lazytrain.train.trainer import train
 

@@ -14,16 +14,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from lazytrain.config import MODEL_PRESETS, JobConfig
-from lazytrain.data.corpus import CORPORA, ByteTokenizer, TokenData
+from lazytrain.data.corpus import ByteTokenizer, TokenData
 from lazytrain.data.default_job import prepare_default_job, read_jsonl
 from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens, eval_batches, eval_rows
-from lazytrain.data.sft import Row, load_sft
+from lazytrain.data.sft import Row, Tokenization, load_sft
+from lazytrain.data.sources import check_names
 from lazytrain.data.tokenizer import load_tokenizer
 from lazytrain.errors import LazyTrainError
 from lazytrain.paths import cache_dir
@@ -74,9 +74,13 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
         raise LazyTrainError(f"model {job.model.model}: an SFT dataset needs a model directory with its tokenizer")
     tokenizer = load_tokenizer(source.directory)
     d = job.data
-    sft = load_sft(d.dataset, tokenizer, dataset_format=d.dataset_format, template=d.template,
-                   train_on_prompt=d.train_on_prompt, cutoff_len=seq_len, val_size=d.val_size,
-                   eval_dataset=d.eval_dataset, seed=data_seed)
+    how = Tokenization(cutoff_len=seq_len, train_on_prompt=d.train_on_prompt, template=d.template,
+                       num_proc=d.preprocessing_num_workers, batch_size=d.preprocessing_batch_size,
+                       cache_dir=cache_dir() / "tokenized", overwrite_cache=d.overwrite_cache)
+    sft = load_sft(d.dataset, tokenizer, dataset_format=d.dataset_format, cutoff_len=seq_len, val_size=d.val_size,
+                   eval_dataset=d.eval_dataset, seed=data_seed, max_samples=d.max_samples,
+                   mix_strategy=d.mix_strategy, interleave_probs=d.interleave_probs, dataset_dir=d.dataset_dir,
+                   how=how)
     loader = Loader(sft.examples, batch_size=batch_size * world_size, seq_len=seq_len, packing=d.packing,
                     pad_token_id=tokenizer.pad_token_id, seed=data_seed)
     rows = eval_rows(sft.val, seq_len=seq_len, packing=d.packing)
@@ -110,14 +114,8 @@ def _eval_note(job: JobConfig, kept: int, num_rows: int, kept_items: int, num_it
 
 
 def check_data_files(job: JobConfig) -> None:
-    """The files `dataset` and `eval_dataset` name exist (the cheapest check, and the root cause when they do not:
-    later checks of the model and tokenizer they would be read with would name a symptom instead)."""
-    for key in ("dataset", "eval_dataset"):
-        value = getattr(job.data, key)
-        if value is None or value == MATH or value in CORPORA or value.endswith(".txt") or Path(value).exists():
-            continue  # a .txt corpus is read first, with its own message
-        raise LazyTrainError(f"{key} {value}: no such file or directory; set {key} to a json, jsonl, parquet or "
-                             f"arrow file, a save_to_disk folder, or one of {MATH}, {', '.join(CORPORA)}")
+    """The names `dataset` and `eval_dataset` give mean something (data/sources.py)."""
+    check_names(job.data.dataset, job.data.eval_dataset, job.data.dataset_dir)
 
 
 def _corpus_data(job: JobConfig, world_size: int) -> RunData:
