@@ -7,6 +7,7 @@ import glob
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 
@@ -228,6 +229,40 @@ def test_rank_0_alone_prints_and_the_others_write_their_console_log(two_rank_run
     assert any(line.startswith("model    ") for line in console) and any(line.startswith("plan     ")
                                                                         for line in console)
     assert not any(line in output for line in console if "rank 1" in line)  # rank 1's own lines stay in its file
+
+
+def test_an_sft_dataset_is_tokenized_once_by_rank_0_and_read_back_by_the_other(tmp_path):
+    """torchrun, 2 ranks, an SFT file: rank 0 tokenizes into the cache first, rank 1 reads its tokens back (its
+    console.log says so); the terminal shows rank 0's lines once."""
+    from lazytrain.data.tokenizer import train_bpe_tokenizer
+
+    words = "the cat sat on a mat and the dog ran to see what it was doing".split()
+    gen = random.Random(7)
+    tokenizer = train_bpe_tokenizer([" ".join(gen.choices(words, k=12)) for _ in range(50)], vocab_size=300)
+    model_dir = tmp_path / "model"
+    tokenizer.save_pretrained(str(model_dir))
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, tie_word_embeddings=True,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(model_dir))
+    rows = [{"instruction": " ".join(gen.choices(words, k=4)), "output": " ".join(gen.choices(words, k=5))}
+            for _ in range(40)]
+    (tmp_path / "sft.json").write_text(json.dumps(rows))
+    job = _yaml(tmp_path / "job.yaml", dict(model=str(model_dir), dataset=str(tmp_path / "sft.json"), cutoff_len=32,
+                                            per_device_train_batch_size=2, max_steps=2, dtype="fp32",
+                                            planner="megatrain", progress=False, val_size=4))
+    out = tmp_path / "run"
+    proc = _torchrun(job, out)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    mine = [line for line in stdout.splitlines() if line.startswith("dataset  ")]
+    assert len(mine) == 1 and "tokens from the cache" not in mine[0], stdout
+    theirs = [line for line in (out / "rank-1" / "console.log").read_text().splitlines()
+              if line.startswith("dataset  ")]
+    assert len(theirs) == 1 and "tokens from the cache" in theirs[0]
+    assert theirs[0].replace("; tokens from the cache", "") == mine[0]  # the same examples
 
 
 @pytest.mark.parametrize(("model", "mode", "nodes"), [("tiny-qwen2", "overlap", 1)])

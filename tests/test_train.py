@@ -370,3 +370,17 @@ def test_eval_scores_the_whole_held_out_split_unless_capped_and_says_when_it_cut
     capped = train(job(**{**base, "eval_batches": 1, "output_dir": str(tmp_path / "b")}))
     assert capped.summary["eval_examples"] == 2  # one batch of 2 windows
     assert f"eval     eval_batches 1 scores 2 of the {windows} held-out windows of 8 tokens" in capsys.readouterr().out
+
+
+def test_a_resumed_runs_summary_counts_its_own_steps(tmp_path):
+    """The resumed process ran steps 3 and 4 only: its "time in the steps" and medians are theirs."""
+    base = {**GOLDEN_CONFIG, "steps": 4, "save_steps": 2, "output_dir": str(tmp_path / "run")}
+    first = train(job(**base))
+    import shutil
+
+    shutil.rmtree(first.output_dir / "checkpoint-4")
+    resumed = train(job(**base, resume_from_checkpoint="auto"))
+    assert first.summary["steps_this_run"] == 4 and resumed.summary["steps_this_run"] == 2
+    assert resumed.summary["total_train_s"] < first.summary["total_train_s"] * 2  # not 4 steps' worth plus 2
+    state = transformers.TrainerState.load_from_json(str(resumed.output_dir / "checkpoint-4" / "trainer_state.json"))
+    assert state.global_step == 4 and [e["step"] for e in state.log_history] == [1, 2, 3, 4]  # across the resume
