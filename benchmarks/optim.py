@@ -7,27 +7,39 @@ bitsandbytes AdamW8bit, side by side in one run.
     python benchmarks/optim.py --shapes qwen2.5-7b-layer --fractions 1 --rounds 9   # one 7B layer: 233 M params, 11 GB
     GOMP_SPINCOUNT=0 python benchmarks/optim.py  # torch's OpenMP workers sleep at once after each op
     python benchmarks/optim.py --kernel 131072 --rounds 300   # the 8-bit kernel alone, one thread, data in L2
+    python benchmarks/optim.py --shapes flat16m --fractions 1 --isas native,avx2 --runs 7   # both ISAs, 7 runs each
+
+`--isas` runs the table in fresh processes, alternating the instruction sets run by run (native, avx2, native,
+...): `avx2` compiles the 8-bit kernels for an AVX2-only CPU (NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2) and
+makes torch pick its AVX2 kernels (ATEN_CPU_CAPABILITY=avx2), so an AVX-512 machine measures both side by side;
+`znver3` is the same with the code an AMD Zen 3 gets (exact roots, optim/quant.py). It prints each run's ratios
+and their medians.
 
 Every round times one step of every optimizer in turn, in a shuffled order (interleaved, so load from
 other processes hits all of them alike) and the table reports the median over rounds. All optimizers update the
 same parameter tensors; before each timed step the gradients are restored from a pristine copy
 (untimed), because clip_grad_norm_ and fused AdamW's grad_scale rescale gradients in place.
-Prints a markdown table: M params/s (wall clock, median), ratio to fused fp32 AdamW (median of the
-per-round ratios), CPU time per parameter (all threads of this process, spin-waiting included),
-optimizer-state bytes per parameter.
+Prints a markdown table: M params/s (wall clock, median), ratio to fused fp32 AdamW without clipping and to
+the like-for-like fused fp32 step (the same clipping: `clip_grad_norm_` for the norm computed inside,
+`clip_grads_with_norm_` for the norm handed in; medians of the per-round ratios), CPU time per parameter (all
+threads of this process, spin-waiting included), optimizer-state bytes per parameter.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numba
 import torch
@@ -41,7 +53,15 @@ MIXED_SHAPES = [(4096, 1024)] * 4 + [(1000, 1001), (4097, 333), (384, 1000), (40
 # One Qwen2.5-7B decoder layer (233 M params): the tensor sizes the executor's per-layer step really sees.
 H, FF, KV = 3584, 18944, 512
 QWEN7B_LAYER_SHAPES = [(H, H), (KV, H), (KV, H), (H, H), (FF, H), (FF, H), (H, FF), (H,), (KV,), (KV,), (H,), (H,)]
-SHAPE_SETS = {"mixed": MIXED_SHAPES, "qwen2.5-7b-layer": QWEN7B_LAYER_SHAPES}
+SHAPE_SETS = {"mixed": MIXED_SHAPES, "qwen2.5-7b-layer": QWEN7B_LAYER_SHAPES, "flat16m": [(4096, 4096)]}
+#: Environment of each instruction set for `--isas` (set before numba and torch load).
+ISA_ENV = {
+    "native": {},
+    "avx2": {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "znver3": {"NUMBA_CPU_NAME": "znver3", "NUMBA_CPU_FEATURES": "+avx2", "ATEN_CPU_CAPABILITY": "avx2"},
+}
+#: Clipping forms: (torch's fused fp32 step, Hybrid8bitAdamW's) of each like-for-like pair.
+NONE, INSIDE, HANDED_IN = "none", "norm inside", "norm handed in"
 
 
 def _cpu_name() -> str:
@@ -100,6 +120,150 @@ def kernel_only(numel: int, rounds: int, threads: int) -> None:
     print(f"ns/element: min {min(ns):.3f}, median {statistics.median(ns):.3f}")
 
 
+@dataclass
+class Row:
+    name: str
+    share: str  # 8-bit share of the parameters
+    clip: str  # NONE, INSIDE or HANDED_IN
+    opt: torch.optim.Optimizer
+    step: Callable[[], None]
+
+
+def contenders(params: list[torch.nn.Parameter], fractions: tuple[float, ...]) -> tuple[list[Row], str]:
+    """Fused fp32 AdamW in the three clipping forms, foreach, Hybrid8bitAdamW per 8-bit share in the three forms,
+    bitsandbytes where installed; and bitsandbytes' version."""
+    rows: list[Row] = []
+
+    def norm_now() -> float:  # what the executor accumulates as gradients arrive
+        return math.sqrt(float(sum(per_tensor_sq_norms([p.grad]).sum() for p in params)))
+
+    precomputed_norm = norm_now()
+    fused = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    rows.append(Row("torch AdamW fused", "0%", NONE, fused, fused.step))
+    fused_in = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def fused_inside() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        fused_in.step()
+
+    rows.append(Row("torch AdamW fused + clip_grad_norm_", "0%", INSIDE, fused_in, fused_inside))
+    fused_handed = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    norm_tensor = torch.tensor(precomputed_norm)
+
+    def fused_handed_in() -> None:
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm_tensor, foreach=True)
+        fused_handed.step()
+
+    rows.append(Row("torch AdamW fused + clip_grads_with_norm_", "0%", HANDED_IN, fused_handed, fused_handed_in))
+    foreach = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    rows.append(Row("torch AdamW foreach", "0%", NONE, foreach, foreach.step))
+    for frac in fractions:
+        share = f"{frac:.0%}"
+        o_in = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=1.0)
+        rows.append(Row("Hybrid8bitAdamW", share, INSIDE, o_in, o_in.step))
+        for clip, max_norm in ((HANDED_IN, 1.0), (NONE, None)):
+            o = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=max_norm)
+            # with clipping off the norm is the finite check's input only
+            rows.append(Row("Hybrid8bitAdamW", share, clip, o, lambda o=o: o.step(grad_norm=precomputed_norm)))
+    bnb_version = "not installed"
+    try:
+        # its CPU backend warns at import that an optional 4-bit GEMM kernel is missing; not used here
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        import bitsandbytes as bnb
+
+        bnb_version = bnb.__version__
+        b8 = bnb.optim.AdamW8bit(params, lr=1e-4)
+        rows.append(Row(f"bitsandbytes {bnb_version} AdamW8bit", "100%", NONE, b8, b8.step))
+    except Exception as exc:  # noqa: BLE001 - optional comparison: any import/runtime failure skips it
+        print(f"(bitsandbytes skipped: {type(exc).__name__}: {exc})")
+    return rows, bnb_version
+
+
+def table(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Time every contender in interleaved rounds, print the table, return {row label: figures}."""
+    shapes = SHAPE_SETS[args.shapes]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)  # also the 8-bit kernel's thread count
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    n = sum(p.numel() for p in params)
+    pristine = [torch.randn(s) * 0.01 for s in shapes]  # N(0, 0.01): global norm ~44, so clip 1.0 acts
+    for p, g in zip(params, pristine, strict=True):
+        p.grad = g.clone()
+    rows, bnb_version = contenders(params, args.fractions)
+
+    times: list[list[float]] = [[] for _ in rows]
+    cpu_times: list[list[float]] = [[] for _ in rows]  # CPU seconds of all threads of this process
+    shuffle = random.Random(0)
+    for r in range(args.warmup + args.rounds):
+        for i in shuffle.sample(range(len(rows)), len(rows)):  # a new order each round: no position bias
+            for p, g in zip(params, pristine, strict=True):  # clipping rescales gradients in place
+                p.grad.copy_(g)
+            c0, t0 = time.process_time(), time.perf_counter()
+            rows[i].step()
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if r >= args.warmup:
+                times[i].append(dt)
+                cpu_times[i].append(dc)
+
+    # ratios per round, then the median: both steps ran within milliseconds of each other, so slow drifts (other
+    # tenants' memory traffic) cancel out of the ratio
+    def ratio(base: list[float], ts: list[float]) -> float:
+        return statistics.median(b / t for b, t in zip(base, ts, strict=True))
+
+    peer = {r.clip: times[k] for k, r in enumerate(rows[:3])}  # torch fused in the three forms
+    spin = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ} or "libgomp default"
+    print(f"\nOpenMP wait: {spin} (torch's OpenMP workers spin after each parallel op; see docs)")
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"{n / 1e6:.1f} M params in {len(shapes)} tensors; {_cpu_name()}, {torch.get_num_threads()} torch threads, "
+          f"8-bit kernel on the same OpenMP threads; torch {torch.__version__} "
+          f"({torch.backends.cpu.get_cpu_capability()}), numba {numba.__version__} "
+          f"(CPU {numba.config.CPU_NAME or 'host'}), bitsandbytes {bnb_version}; "
+          f"median of {args.rounds} steps\n")
+    print("| optimizer | 8-bit share | clipping | M params/s | vs fused fp32 | vs fused fp32, same clipping "
+          "| CPU ns/param | state bytes/param |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    out = {}
+    for row, ts, cs in zip(rows, times, cpu_times, strict=True):
+        figures = {"mparams_per_s": n / statistics.median(ts) / 1e6, "vs_fused": ratio(times[0], ts),
+                   "vs_same_clip": ratio(peer[row.clip], ts), "cpu_ns": statistics.median(cs) / n * 1e9}
+        out[f"{row.name} | {row.share} | {row.clip}"] = figures
+        print(f"| {row.name} | {row.share} | {row.clip} | {figures['mparams_per_s']:,.0f} | {figures['vs_fused']:.2f} "
+              f"| {figures['vs_same_clip']:.2f} | {figures['cpu_ns']:.2f} | {_state_bytes(row.opt) / n:.3f} |")
+    return out
+
+
+def compare_isas(args: argparse.Namespace) -> None:
+    """`--runs` runs per instruction set, alternating, each a fresh process; per-run ratios and medians."""
+    isas = args.isas.split(",")
+    unknown = sorted(set(isas) - set(ISA_ENV))
+    if unknown:
+        raise SystemExit(f"--isas: unknown {unknown}; known: {', '.join(ISA_ENV)}")
+    keep = ["--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
+            "--fractions", ",".join(map(str, args.fractions)), "--shapes", args.shapes]
+    results: dict[str, list[dict[str, dict[str, float]]]] = {isa: [] for isa in isas}
+    loads = []
+    for run in range(args.runs):
+        for isa in isas:
+            loads.append(os.getloadavg()[0])
+            done = subprocess.run([sys.executable, __file__, *keep, "--json"], env={**os.environ, **ISA_ENV[isa]},
+                                  capture_output=True, text=True, check=True)
+            results[isa].append(json.loads(done.stdout.splitlines()[-1]))
+            print(f"run {run + 1} {isa} done (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
+    print(f"{args.runs} runs per ISA, alternating; load average at the starts {min(loads):.1f}-{max(loads):.1f}; "
+          f"{_cpu_name()}\n")
+    print("| ISA | row | vs fused fp32, per run | median | vs same clipping, per run | median |")
+    print("|---|---|---|---:|---|---:|")
+    for isa in isas:
+        for label in results[isa][0]:
+            if label.startswith("torch") or "bitsandbytes" in label:
+                continue
+            a = [r[label]["vs_fused"] for r in results[isa]]
+            b = [r[label]["vs_same_clip"] for r in results[isa]]
+            print(f"| {isa} | {label} | {', '.join(f'{x:.2f}' for x in a)} | **{statistics.median(a):.2f}** "
+                  f"| {', '.join(f'{x:.2f}' for x in b)} | **{statistics.median(b):.2f}** |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per optimizer (median reported)")
@@ -109,118 +273,24 @@ def main() -> None:
                     help="eightbit_fraction values of the Hybrid8bitAdamW rows, comma-separated (default 0,0.02,1; "
                     "each fp32-state row holds 8 bytes/param, so '1' keeps the 233 M layer within 24 GB)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="mixed",
-                    help="parameter tensors: 'mixed' (19.5 M, odd sizes) or one Qwen2.5-7B layer (233 M)")
+                    help="parameter tensors: 'mixed' (19.5 M, odd sizes), one Qwen2.5-7B layer (233 M), or one "
+                    "4096 x 4096 tensor ('flat16m', 16.8 M)")
     ap.add_argument("--kernel", type=int, default=0, metavar="N",
                     help="instead of the table: time the 8-bit kernel alone on N elements (one thread unless "
                     "--threads), ns/element min and median over --rounds calls")
+    ap.add_argument("--isas", default="", help="comma-separated instruction sets (native, avx2, znver3) to run "
+                    "side by side, each --runs times in fresh processes")
+    ap.add_argument("--runs", type=int, default=7, help="runs per instruction set with --isas")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --isas' child processes
     args = ap.parse_args()
-    if args.kernel > 0:
+    if args.isas:
+        compare_isas(args)
+    elif args.kernel > 0:
         kernel_only(args.kernel, args.rounds, args.threads or 1)
-        return
-    shapes = SHAPE_SETS[args.shapes]
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)  # also the 8-bit kernel's thread count
-
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-    n = sum(p.numel() for p in params)
-    pristine = [torch.randn(s) * 0.01 for s in shapes]  # N(0, 0.01): global norm ~44, so clip 1.0 acts
-    for p, g in zip(params, pristine, strict=True):
-        p.grad = g.clone()
-
-    def restore_grads() -> None:
-        for p, g in zip(params, pristine, strict=True):
-            p.grad.copy_(g)
-
-    # ---------------------------------------------------------------- contenders
-    rows: list[tuple[str, str, str, torch.optim.Optimizer, Callable[[], None]]] = []
-
-    def add(name: str, share: str, clip: str, opt: torch.optim.Optimizer, step: Callable[[], None]) -> None:
-        rows.append((name, share, clip, opt, step))
-
-    fused = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    add("torch AdamW fused", "0%", "none", fused, fused.step)
-    fused_c = torch.optim.AdamW(params, lr=1e-4, fused=True)
-
-    def fused_clip_step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        fused_c.step()
-
-    add("torch AdamW fused", "0%", "clip_grad_norm_", fused_c, fused_clip_step)
-    foreach = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    add("torch AdamW foreach", "0%", "none", foreach, foreach.step)
-
-    def norm_now() -> float:  # what the executor accumulates as gradients arrive
-        return math.sqrt(float(sum(per_tensor_sq_norms([p.grad]).sum() for p in params)))
-
-    precomputed_norm = norm_now()
-    for frac in args.fractions:
-        share = f"{frac:.0%}"
-        o_clip = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=1.0)
-        add("Hybrid8bitAdamW", share, "fused, norm inside", o_clip, o_clip.step)
-        o_pre = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=1.0)
-
-        def pre_step(o: Hybrid8bitAdamW = o_pre) -> None:
-            o.step(grad_norm=precomputed_norm)
-
-        add("Hybrid8bitAdamW", share, "fused, norm precomputed", o_pre, pre_step)
-        o_none = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=frac, max_grad_norm=None)
-
-        def none_step(o: Hybrid8bitAdamW = o_none) -> None:
-            o.step(grad_norm=precomputed_norm)  # finite-check input only; no scaling
-
-        add("Hybrid8bitAdamW", share, "none", o_none, none_step)
-    bnb_version = "not installed"
-    try:
-        # its CPU backend warns at import that an optional 4-bit GEMM kernel is missing; not used here
-        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-        import bitsandbytes as bnb
-
-        bnb_version = bnb.__version__
-        b8 = bnb.optim.AdamW8bit(params, lr=1e-4)
-        add(f"bitsandbytes {bnb_version} AdamW8bit", "100%", "none", b8, b8.step)
-    except Exception as exc:  # noqa: BLE001 - optional comparison: any import/runtime failure skips it
-        print(f"(bitsandbytes skipped: {type(exc).__name__}: {exc})")
-
-    # ---------------------------------------------------------------- timing
-    times: list[list[float]] = [[] for _ in rows]
-    cpu_times: list[list[float]] = [[] for _ in rows]  # CPU seconds of all threads of this process
-    shuffle = random.Random(0)
-    for r in range(args.warmup + args.rounds):
-        for i in shuffle.sample(range(len(rows)), len(rows)):  # a new order each round: no position bias
-            step = rows[i][-1]
-            restore_grads()
-            c0, t0 = time.process_time(), time.perf_counter()
-            step()
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if r >= args.warmup:
-                times[i].append(dt)
-                cpu_times[i].append(dc)
-
-    # ---------------------------------------------------------------- report
-    med = [statistics.median(t) for t in times]
-    # ratio to fused fp32 per round, then the median: both ran within milliseconds of each other, so
-    # slow drifts (other tenants' memory traffic) cancel out of the ratio
-    ratios = [statistics.median(f / t for f, t in zip(times[0], ts, strict=True)) for ts in times]
-    spin = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ} or "libgomp default"
-    print(f"\nOpenMP wait: {spin} (torch's OpenMP workers spin after each parallel op; see docs)")
-    load_1min = os.getloadavg()[0]
-    print(
-        f"load average (1 min) at the end: {load_1min:.2f} on {os.cpu_count()} cores (other processes skew timings)"
-    )
-    print(
-        f"{n / 1e6:.1f} M params in {len(shapes)} tensors; {_cpu_name()}, {torch.get_num_threads()} torch threads, "
-        f"8-bit kernel on the same OpenMP threads; torch {torch.__version__}, numba {numba.__version__}, "
-        f"bitsandbytes {bnb_version}; median of {args.rounds} steps\n"
-    )
-    print("| optimizer | 8-bit share | clipping | M params/s | vs fused fp32 | CPU ns/param | state bytes/param |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for (name, share, clip, opt, _), m, ratio, c in zip(rows, med, ratios, cpu_times, strict=True):
-        cpu_ns = statistics.median(c) / n * 1e9
-        print(
-            f"| {name} | {share} | {clip} | {n / m / 1e6:,.0f} | {ratio:.2f} | {cpu_ns:.2f} "
-            f"| {_state_bytes(opt) / n:.3f} |"
-        )
+    else:
+        out = table(args)
+        if args.json:
+            print(json.dumps(out))
 
 
 if __name__ == "__main__":

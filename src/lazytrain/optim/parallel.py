@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import llvmlite.binding as llvm_binding
+import numba
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
@@ -122,10 +123,19 @@ def _openmp_runtime_paths() -> list[str]:
 
 
 # ---------------------------------------------------------------- compiling
+def target_cpu() -> tuple[str, str]:
+    """(LLVM CPU name, feature string) numba compiles for: NUMBA_CPU_NAME / NUMBA_CPU_FEATURES where set (another
+    CPU's code on this one, e.g. `NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2` for an AVX2-only CPU), else
+    this host's. The kernels' code choices below follow it, so an emulated CPU gets the code it would get."""
+    name = numba.config.CPU_NAME or llvm_binding.get_host_cpu_name()
+    features = numba.config.CPU_FEATURES
+    return name, llvm_binding.get_host_cpu_features().flatten() if features is None else features
+
+
 # LLVM's cost model picks 256-bit vectors, interleave 4 for these loops on Zen 4/5; 512-bit vectors,
 # interleave 2 take ~20% less CPU per element. The options are global to LLVM, so they are set only
 # around the calls that compile (or load from numba's on-disk cache) the kernels, then reset.
-_WIDE_VECTORS = "+avx512f" in llvm_binding.get_host_cpu_features().flatten()
+_WIDE_VECTORS = "+avx512f" in target_cpu()[1]
 _lock = threading.Lock()
 
 

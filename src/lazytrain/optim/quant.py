@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from functools import cache
 
-import llvmlite.binding as llvm_binding
 import numpy as np
 import torch
 from llvmlite import ir as llvm_ir
@@ -36,7 +35,7 @@ from numba import carray, cfunc, njit, types
 from numba.core.ccallback import CFunc
 from numba.extending import intrinsic
 
-from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel, wide_vectors
+from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel, target_cpu, wide_vectors
 
 # ---------------------------------------------------------------- maps
 M_LEVELS = 127  # magnitude steps of the signed map
@@ -225,8 +224,10 @@ def _stack_scratch(typingctx):  # pragma: no cover - compiled
 # estimated on the vector ports instead: the m code's root as x * rsqrt(x) and the update's division as
 # a multiply by rsqrt(d)^2 (LLVM: vrsqrt14ps + one Newton step, ~1e-7 relative). The other two roots
 # (sqrt(v) and the v code's) stay exact on the divider, which then runs beside the ports. AMD's Zen 4 was
-# measured slower with estimated roots, so Zen keeps exact roots and the division.
-ESTIMATE_ROOTS = not llvm_binding.get_host_cpu_name().startswith("znver")
+# measured slower with estimated roots, so Zen keeps exact roots and the division; so does AVX2 code (256-bit
+# roots cost the divider half as much, and the estimate is a longer sequence without AVX-512's rsqrt14: 8% slower
+# with it on Intel, haswell code, docs/benchmarks.md).
+ESTIMATE_ROOTS = "+avx512f" in target_cpu()[1] and not target_cpu()[0].startswith("znver")
 _TINY = np.float32(1e-30)  # keeps rsqrt(0) finite: y * rsqrt(y) is ~1e-15 at y = 0
 
 
