@@ -49,6 +49,10 @@ def make_model(kind: str, num_layers: int = 6, attn: str = "eager", seed: int = 
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+    # As LazyTrain builds its training model (runtime/weights.py): no cache. With one, a reference forward takes
+    # the decoding path: Gated DeltaNet layers prepend a zero conv state and slice it off again, which sums the
+    # conv's backward in another fp32 order (2e-4 apart in dt_bias, whose gradient is a near-cancelling sum).
+    model.config.use_cache = False
     return model
 
 
