@@ -3,11 +3,20 @@
 Here: the program's fenced windows; the MILP's step against the simulated step of the program over drawn
 instances; and the simulated peak under the cap the plan was solved for.
 The executor side (measured arena peak == the program's count) is in test_executor.py.
+
+`test_the_programs_are_the_golden_ones` compares drawn programs with tests/golden/step_programs.json, op for op
+and action for action; regenerate it (only after a deliberate change of the step program) with
+`python tests/test_schedule.py --regen`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import random
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +25,7 @@ from hypothesis import strategies as st
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
-from lazytrain.costmodel.topology import Topology
+from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
@@ -25,6 +34,7 @@ from lazytrain.plan.plan import Plan
 from lazytrain.plan.schedule import Shapes, build_program
 from lazytrain.plan.sim import simulate
 
+GOLDEN = Path(__file__).parent / "golden" / "step_programs.json"
 SHAPES = Shapes(boundary_bytes=(100,) * 7, param_bytes=(1000,) * 6, head_param_bytes=1000, working_bytes=(50,) * 6,
                 head_working_bytes=40, constant_bytes=7)
 TIERS = ("gpu", "cpu", "recompute", "nvme", "recompute", "cpu", "gpu")
@@ -312,3 +322,43 @@ def test_the_head_slots_live_only_around_the_windows_that_use_them(tiers) -> Non
     assert _ran(e, "forward", 4) < _buffer_at(e, "alloc", "head_weights") < _ran(e, "forward", 5)
     assert _ran(e, "loss", 6) < _buffer_at(e, "free", "head_weights")
     assert not any(a.buffer[0] == "head_grads" for a in e.actions)
+
+
+def _drawn_programs(count: int = 400, seed: int = 1234) -> list[str]:
+    """Digests of `count` drawn programs: 1-9 layers, every tier, kept layers, a head larger or smaller than a
+    layer, tied or not, both optimizer modes, with and without updates, evaluation, one rank or several."""
+    rng, out = random.Random(seed), []
+    for _ in range(count):
+        L = rng.randint(1, 9)
+        tiers = ("gpu", *(rng.choice(["gpu", "cpu", "nvme", "recompute"]) for _ in range(L - 1)), "gpu")
+        kept = 0
+        while kept < L and tiers[L - kept - 1] == "gpu" and rng.random() < 0.5:
+            kept += 1
+        per_layer = [tuple(rng.randint(1, 50) for _ in range(L)) for _ in range(3)]
+        shapes = Shapes(boundary_bytes=tuple(rng.randint(10, 300) for _ in range(L + 1)),
+                        param_bytes=tuple(rng.randint(100, 1000) for _ in range(L)),
+                        head_param_bytes=rng.choice([rng.randint(50, 900), rng.randint(1001, 3000)]),
+                        working_bytes=tuple(rng.randint(1, 99) for _ in range(L)),
+                        head_working_bytes=rng.randint(1, 99),
+                        constant_bytes=rng.randint(0, 20), tied_head=rng.random() < 0.5, dtype_bytes=rng.choice([2, 4]),
+                        graph_bytes=per_layer[0], graph_forward_bytes=per_layer[1], graph_backward_bytes=per_layer[2])
+        p = build_program(tiers, shapes, optimizer_mode=rng.choice(["overlap", "serial"]), updates=rng.random() < 0.7,
+                          forward_only=rng.random() < 0.15, kept_layers=kept,
+                          topology=ONE_RANK if rng.random() < 0.6 else Topology(world_size=rng.choice([2, 4, 8])))
+        text = repr((p.tiers, p.ops, p.actions, p.uses, p.optimizer_mode, p.kept_layers, p.topology))
+        out.append(hashlib.sha256(text.encode()).hexdigest()[:16])
+    return out
+
+
+def test_the_programs_are_the_golden_ones() -> None:
+    """The step program is what it was (the executor, the simulator, the memory count and the MILP all read it):
+    drawn programs equal the golden file's, op for op and action for action."""
+    golden = json.loads(GOLDEN.read_text())["digests"]
+    drawn = _drawn_programs()
+    differ = [k for k, (a, b) in enumerate(zip(golden, drawn, strict=True)) if a != b]
+    assert not differ, f"{len(differ)} of {len(drawn)} drawn programs changed (first: draw {differ[0]}); if the " \
+        "step program changed on purpose, regenerate the golden file (see the module docstring)"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--regen"]:
+    GOLDEN.write_text(json.dumps({"digests": _drawn_programs()}, indent=0) + "\n")

@@ -1,8 +1,8 @@
 """The step program (Contract 2): one training step of a Plan as ops on lanes, written once.
 
 The executor runs it (`lazytrain.runtime.executor`), the simulator times it on a CostModel (`plan/sim.py`),
-the device-memory count walks its alloc/free actions (`StepProgram.device_peak_bytes`). The program is a list
-of *actions* in the order the host thread performs them:
+the device-memory count walks its alloc/free actions (`StepProgram.device_peak_bytes`) and the MILP adds up its
+windows (`plan/milp.py`). The program is a list of *actions* in the order the host thread performs them:
 
     issue op   enqueue a job on its lane (FIFO); it starts once its lane is free and its `after` ops are done
     run op     the host thread runs a compute op (lane `compute`)
@@ -11,78 +11,18 @@ of *actions* in the order the host thread performs them:
 
 Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: the previous step's group updates,
 then this step's gradient accumulation into `.grad`; with ranks also each group's sum over the ranks,
-costmodel/topology.py).
-
-Optimizer modes. "overlap" (overlapped-exact, the default; it clips): the global gradient norm and the
-non-finite check need every gradient, so a step's update runs at the start of the NEXT step on the optimizer
-lane, one op "update j" per group in forward order (target -1 = the untied embedding, 0..L-1 the layers, L the
-head; a tied head's group owns the embedding and goes first), each clipping with the step's one coefficient,
-stepping that group and refreshing its compute-dtype copy. The h2d of boundary 0 (the embedding gather) and
-each forward weight h2d of group j carry `after=(update j,)`, and update j joins that window's fence (so its
-lateness is the optimizer lane's exposed time): the first group's update is exposed, the rest hide under the
-forward as far as it goes. Only a step's first micro-batch carries them (`updates=True`): the program is the
-steady state, step k timing step k-1's update. "serial" (MegaTrain's code): one op "step", the whole
-optimizer, waited for after the backward.
-
-Program (u indexes weight uses: forward 0..L-1, head, then per segment (s, e) last to first: recompute
-s..e-2, backward e-1..s; use u streams into weight slot u % 2, the loss head into its own slot when it is
-larger than a layer, and its gradients likewise: those two exist only while live, the weight slot from its
-h2d's issue in F_{L-1} to the end of the head's compute, the gradient slot from H to the fence of the window that
-sends it). Every compute op is one *window*: the jobs the
-window issues start as it starts, and the window ends with a wait for all of them (a fence), so a window lasts
-max(its compute, each lane's chain of jobs) and the step is the sum of its windows -- exactly what the MILP
-(plan/milp.py) adds up. No transfer runs across a window boundary. The optimizer lane is the exception: its jobs
-(released as their gradients land) queue across windows and are waited for at the end; a FIFO queue with
-release times is also exactly linear.
-  updates   (overlap, first micro-batch) "update j" for every group on the optimizer lane, forward order.
-  start     alloc 2 weight slots and boundary 0; h2d boundary 0 and the weights of use 0; fence; alloc the
-            constants (rotary tables, positions, masks).
-  F_j       h2d of use j+1's weights (into the slot use j-1 freed; F_{L-1} allocs the head's own slot first);
-            d2h of boundary j if it is offloaded; the
-            nvme write of boundary j-1 if it is on nvme (its d2h was done in F_{j-1}); alloc working set; run;
-            alloc boundary j+1; free working set (and boundary j if recomputed); fence; an offloaded boundary j
-            leaves the device.
-  H         alloc 2 gradient slots (and the head's own), the device buffer of the last segment's start if
-            offloaded; h2d of the next use's weights; nvme write of boundary L-1; the nvme read staged for
-            B_{L-1}; the reload h2d of the last segment's start (after its read, in this window, if it is on
-            nvme); alloc the head working set and the gradient of boundary L; run; free the working set and the
-            head's weight slot; fence.
-  R_j, B_j  per segment (s, e), last first: each window issues the next use's weights and
-            the d2h of the previous window's weight gradients (head or B), with their optimizer-lane job after
-            it (accumulation into .grad, and in overlap mode the group's optimizer step; not fenced); B_j
-            also stages the nvme read of the start of the segment ending at j-1 into the host buffer (one
-            window before its h2d), and B_s allocates the device buffer of the next segment's start s' and
-            issues its reload h2d (if offloaded). R_j: alloc working set, run, alloc
-            boundary j+1, free working set. B_j: alloc working set, run, alloc the gradient of boundary j,
-            free working set, boundary j+1 and its gradient. Fence; the window that sent the head's gradients
-            frees its gradient slot.
-  end       d2h of B_0's gradients and their optimizer job, d2h of the gradient of boundary 0 and the embedding
-            backward on the optimizer lane; fence; wait for every optimizer-lane job; free boundary 0, its
-            gradient, constants and slots.
-            Mode "serial": then the optimizer step of every group on the optimizer lane, waited for
-            (MegaTrain's code; the executor leaves it to its caller).
-  ranks     (Topology.world_size > 1; distributed/grads.py) every micro-batch, each group's landed gradient is
-            summed into its owners by a "reduce j" op on the optimizer lane, after its d2h and before its land
-            (its bytes in fp32), and boundary 0's gradient rows are gathered to the embedding's owners by a
-            "gather" op before the embedding backward. Like every optimizer-lane job they are not fenced: the
-            backward runs on while they queue.
-
-Kept layers (`kept_layers` = K, Plan.kept_layers; boundaries L-K..L gpu): layer j >= L-K is use "keep" in
-the forward: its weight h2d (in F_{j-1}) allocates its own slot ("kept_weights" j), F_j allocates its forward's
-peak (graph_forward_bytes), runs it with autograd, frees that, allocates boundary j+1 and its graph ("graph" j).
-Its backward is use "backprop" (B_j): no weights are issued for it, it allocates its backward's peak beyond the
-graph (graph_backward_bytes), runs through the graph, allocates the gradient of boundary j, frees its graph and
-its slot. The windows are otherwise the same, so the MILP's step (y[j]) stays the simulated one.
-
-Transfer windows (what `Plan.transfers` records): the d2h of boundary i in F_i, its nvme write in F_{i+1} (H
-for i = L-1), its nvme read in B_{e+1} (H for e = L-1) and its h2d in B_e, with (i, e) its segment; the last
-segment's start reloads in H.
+costmodel/topology.py). Every compute op is one fenced *window* (it waits for every job it issued), so a window
+lasts its longest lane and the step is the sum of its windows; the optimizer lane's jobs alone queue across
+windows. `_StepBuilder` writes the windows in order, one method each (start, forward j, head, recompute j,
+backward j, end); what each window issues, holds and frees, the optimizer modes ("overlap": the previous step's
+update group by group under the forward; "serial": MegaTrain's one step after the backward) and the kept layers
+are described in docs/executor.md, "The step program, window by window".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
@@ -258,35 +198,6 @@ def weight_uses(tiers: tuple[str, ...], forward_only: bool = False, kept_layers:
     return uses
 
 
-@dataclass
-class _Builder:
-    ops: list[Op] = field(default_factory=list)
-    actions: list[Action] = field(default_factory=list)
-
-    def issue(self, lane: str, kind: str, target: int = -1, num_bytes: int = 0, after: tuple[int | None, ...] = (),
-              use: int = -1) -> int:
-        op = Op(len(self.ops), lane, kind, target, int(num_bytes), tuple(a for a in after if a is not None), use)
-        self.ops.append(op)
-        self.actions.append(Action("issue", op.index))
-        return op.index
-
-    def run(self, kind: str, target: int, use: int) -> int:
-        op = Op(len(self.ops), "compute", kind, target, 0, (), use)
-        self.ops.append(op)
-        self.actions.append(Action("run", op.index))
-        return op.index
-
-    def wait(self, op: int | None) -> None:
-        if op is not None:
-            self.actions.append(Action("wait", op))
-
-    def alloc(self, kind: str, index: int, num_bytes: int) -> None:
-        self.actions.append(Action("alloc", buffer=(kind, index), num_bytes=int(num_bytes)))
-
-    def free(self, kind: str, index: int, num_bytes: int) -> None:
-        self.actions.append(Action("free", buffer=(kind, index), num_bytes=int(num_bytes)))
-
-
 def update_order(num_layers: int, tied_head: bool) -> list[int]:
     """The groups' update targets in forward order: -1 (untied embedding) or L (a tied head, which owns the
     embedding) first, then layers 0..L-1, then the untied head."""
@@ -297,7 +208,8 @@ def update_order(num_layers: int, tied_head: bool) -> list[int]:
 def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimizer_mode: str = "overlap",
                   updates: bool = True, forward_only: bool = False, topology: Topology = ONE_RANK,
                   kept_layers: int = 0) -> StepProgram:
-    """The step program of `tiers` (L+1 entries) with `shapes`' bytes; see the module docstring.
+    """The step program of `tiers` (L+1 entries) with `shapes`' bytes, window by window (docs/executor.md,
+    "The step program, window by window").
 
     kept_layers: K, the last K layers keep their graph and weights from forward to backward (Plan.kept_layers;
     boundaries L-K..L must be gpu).
@@ -315,204 +227,308 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
     if not 0 <= kept_layers <= L or any(t != "gpu" for t in tiers[L - kept_layers:]):
         raise LazyTrainError(f"kept_layers={kept_layers} needs 0..{L} and boundaries {L - kept_layers}..{L} on gpu")
-    A, P, W, HS = shapes.boundary_bytes, shapes.param_bytes, shapes.slots_bytes, shapes.head_slot_bytes
-    G, GF, GB = shapes.graph_bytes, shapes.graph_forward_bytes, shapes.graph_backward_bytes
-    first_kept = L - kept_layers
-    segments = segments_of(tiers)
     uses = weight_uses(tiers, forward_only, kept_layers)
-    b = _Builder()
     if forward_only:
-        return _forward_only(tiers, shapes, uses, b)
-    start_of = {e: s for s, e in segments}  # segment end -> its start
+        return _forward_only(tiers, shapes, uses)
+    step = _StepBuilder(tiers, shapes, uses, topology, kept_layers)
+    if optimizer_mode == "overlap" and updates:
+        step.updates()
+    step.start()
+    for j in range(L):
+        step.forward(j)
+    step.head()
+    for s, e in reversed(segments_of(tiers)):
+        for j in range(s, e - 1):  # regenerate boundaries s+1..e-1
+            step.recompute(j)
+        for j in range(e - 1, s - 1, -1):
+            step.backward(j)
+    step.end()
+    if optimizer_mode == "serial":
+        step.optimizer_step()
+    return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(step.ops), actions=tuple(step.actions),
+                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology, kept_layers=kept_layers)
 
-    # ---- one fenced window per compute op ---------------------------------------------------------------
-    window: list[int] = []  # jobs issued in the current window; all are waited for at its end
-    offload_d2h: dict[int, int] = {}
-    reads: dict[int, int] = {}
-    weights: dict[int, int] = {}
-    grads: list[tuple[int, int]] = []  # (group, bytes) whose gradients wait in a gradient slot
-    landing: list[int] = []  # optimizer-lane jobs: a FIFO queue across windows, waited for at the end
-    released: list[tuple[str, int, int]] = []  # buffers freed at the next fence (once their transfer is done)
 
-    def issue(lane: str, kind: str, target: int = -1, num_bytes: int = 0, after: tuple[int | None, ...] = (),
-              use: int = -1) -> int:
-        op = b.issue(lane, kind, target, num_bytes, after, use)
-        window.append(op)
+class _Program:
+    """The op list and the host thread's actions as they are written."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.actions: list[Action] = []
+
+    def enqueue(self, lane: str, kind: str, target: int = -1, num_bytes: int = 0,
+                after: tuple[int | None, ...] = (), use: int = -1) -> int:
+        """Issue a job on `lane` that no window fences (the optimizer lane's, the evaluation's)."""
+        op = Op(len(self.ops), lane, kind, target, int(num_bytes), tuple(a for a in after if a is not None), use)
+        self.ops.append(op)
+        self.actions.append(Action("issue", op.index))
+        return op.index
+
+    def run_op(self, kind: str, target: int, use: int) -> int:
+        op = Op(len(self.ops), "compute", kind, target, 0, (), use)
+        self.ops.append(op)
+        self.actions.append(Action("run", op.index))
+        return op.index
+
+    def wait(self, op: int) -> None:
+        self.actions.append(Action("wait", op))
+
+    def alloc(self, kind: str, index: int, num_bytes: int) -> None:
+        self.actions.append(Action("alloc", buffer=(kind, index), num_bytes=int(num_bytes)))
+
+    def free(self, kind: str, index: int, num_bytes: int) -> None:
+        self.actions.append(Action("free", buffer=(kind, index), num_bytes=int(num_bytes)))
+
+
+class _StepBuilder(_Program):
+    """Writes a training step's program one window at a time, in the order the host thread runs them: `updates`
+    (overlap), `start`, `forward` j, `head`, then per segment `recompute` j and `backward` j, `end`. Each window
+    issues its jobs, runs its compute and ends with a fence: a wait for every job it issued, so it lasts its
+    longest lane (the MILP's T[w]). Optimizer-lane jobs are the exception: they queue across windows and `end`
+    waits for them."""
+
+    def __init__(self, tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], topology: Topology,
+                 kept_layers: int) -> None:
+        super().__init__()
+        self.tiers, self.shapes, self.uses, self.topology = tiers, shapes, uses, topology
+        self.L = len(tiers) - 1
+        self.first_kept = self.L - kept_layers  # layers first_kept..L-1 keep their graph and weights
+        self.start_of = {e: s for s, e in segments_of(tiers)}  # segment end -> its start
+        self.use = 0  # the weight use of the next compute op
+        self.window: list[int] = []  # jobs issued in the current window; all are waited for at its end
+        self.released: list[tuple[str, int, int]] = []  # buffers freed at the next fence (their transfer done)
+        self.offload_d2h: dict[int, int] = {}  # offloaded boundary -> its d2h (nvme: then its write)
+        self.reads: dict[int, int] = {}  # nvme boundary -> its read into the host buffer
+        self.grads: list[tuple[int, int]] = []  # (group, bytes) whose gradients wait in a gradient slot
+        self.landing: list[int] = []  # optimizer-lane jobs: a FIFO queue across windows, waited for at the end
+        self.update: dict[int, int] = {}  # group target -> its update op, until the window that fences it
+
+    # ---- the windows ----------------------------------------------------------------------------------------
+    def updates(self) -> None:
+        """Overlap mode, a step's first micro-batch: the previous step's update of every group on the optimizer
+        lane, in forward order; each joins the fence of the window that streams its group."""
+        for j in update_order(self.L, self.shapes.tied_head):
+            self.update[j] = self.enqueue("optimizer", "update", j)
+
+    def start(self) -> None:
+        """Two weight slots and boundary 0 (the embedding gather, after the embedding's update); h2d of boundary 0
+        and of use 0's weights; fence; then the step's constants (rotary tables, positions, masks)."""
+        shapes, A = self.shapes, self.shapes.boundary_bytes
+        self.alloc("weight_slots", -1, shapes.slots_bytes)
+        self.alloc("boundary", 0, A[0])
+        first = self._fence_update(self.L if shapes.tied_head else -1)
+        self.issue("h2d", "boundary0", 0, A[0], after=(first,))
+        self._issue_weights(0)
+        self.fence()
+        self.alloc("constants", -1, shapes.constant_bytes)
+
+    def forward(self, j: int) -> None:
+        """F_j: the next use's weights, the d2h of boundary j if offloaded, the nvme write of boundary j-1; layer
+        j's forward (with autograd for a kept layer, whose graph stays until its backward); boundary j+1. A
+        recomputed boundary j goes with the compute, an offloaded one once the fence saw its d2h."""
+        tiers, A, W = self.tiers, self.shapes.boundary_bytes, self.shapes.working_bytes
+        self._next_weights()
+        if j > 0 and tiers[j] in OFFLOADED:
+            self.offload_d2h[j] = self.issue("d2h", "offload", j, A[j])
+        if j > 1 and tiers[j - 1] == "nvme":
+            self._spill(j - 1)
+        if j >= self.first_kept:
+            forward_bytes = self.shapes.graph_forward_bytes[j]
+            self.alloc("working", j, forward_bytes)
+            self.run("keep", j)
+            self.free("working", j, forward_bytes)
+            self.alloc("boundary", j + 1, A[j + 1])
+            self.alloc("graph", j, self.shapes.graph_bytes[j])
+            self.fence()
+            return
+        self.alloc("working", j, W[j])
+        self.run("forward", j)
+        self.alloc("boundary", j + 1, A[j + 1])
+        self.free("working", j, W[j])
+        if j > 0 and tiers[j] == "recompute":
+            self.free("boundary", j, A[j])  # consumed by layer j, regenerated in the backward
+        self.fence()
+        if j > 0 and tiers[j] in OFFLOADED:
+            self.free("boundary", j, A[j])  # its d2h is done: the host holds it
+
+    def head(self) -> None:
+        """H: two gradient slots (and the head's own), the next use's weights, the nvme write of boundary L-1, the
+        nvme read staged for B_{L-1}, the reload of the last segment's start; the loss head forward + backward,
+        which writes the gradient of boundary L and the head's weight gradients (sent in the next window)."""
+        tiers, shapes, L = self.tiers, self.shapes, self.L
+        A, HS = shapes.boundary_bytes, shapes.head_slot_bytes
+        self.alloc("grad_slots", -1, shapes.slots_bytes)
+        if HS:
+            self.alloc("head_grads", L, HS)
+        last_start = self.start_of[L]
+        reloads = last_start > 0 and tiers[last_start] in OFFLOADED
+        if reloads:
+            self.alloc("boundary", last_start, A[last_start])  # the device buffer exists from the reload's issue
+        self._next_weights()
+        if L > 1 and tiers[L - 1] == "nvme":
+            self._spill(L - 1)
+        self._stage(L - 1)
+        if reloads:
+            self._reload(last_start)
+        self.alloc("working", L, shapes.head_working_bytes)
+        self.alloc("grad", L, A[L])
+        self.run("head", L)
+        self.free("working", L, shapes.head_working_bytes)
+        if HS:
+            self.free("head_weights", L, HS)
+        self.fence()
+        self.grads.append((L, shapes.head_param_bytes))
+
+    def recompute(self, j: int) -> None:
+        """R_j: the next use's weights, the d2h of the previous window's weight gradients; layer j's forward
+        again, which regenerates boundary j+1."""
+        A, W = self.shapes.boundary_bytes, self.shapes.working_bytes
+        self._next_weights()
+        self._send_grads()
+        self.alloc("working", j, W[j])
+        self.run("recompute", j)
+        self.alloc("boundary", j + 1, A[j + 1])
+        self.free("working", j, W[j])
+        self.fence()
+
+    def backward(self, j: int) -> None:
+        """B_j: the next use's weights, the d2h of the previous window's weight gradients, the nvme read staged for
+        the next segment; at a segment's start (its last window) the reload of the start of the segment before
+        it. Layer j's backward (re-forward + backward, or a kept layer's through its graph) writes the gradient
+        of boundary j; boundary j+1 and its gradient go."""
+        tiers, shapes, A = self.tiers, self.shapes, self.shapes.boundary_bytes
+        self._next_weights()
+        self._send_grads()
+        self._stage(j - 1)
+        previous = self.start_of.get(j, 0) if tiers[j] != "recompute" else 0  # the segment that runs next
+        if previous > 0 and tiers[previous] in OFFLOADED:
+            self.alloc("boundary", previous, A[previous])  # its reload's device buffer, from its window on
+            self._reload(previous)
+        if j >= self.first_kept:  # through the kept graph: no re-forward
+            backward_bytes = shapes.graph_backward_bytes[j]
+            self.alloc("working", j, backward_bytes)
+            self.run("backprop", j)
+            self.alloc("grad", j, A[j])
+            self.free("working", j, backward_bytes)
+            self.free("graph", j, shapes.graph_bytes[j])
+            self.free("kept_weights", j, shapes.param_bytes[j])
+        else:
+            self.alloc("working", j, shapes.working_bytes[j])
+            self.run("backward", j)
+            self.alloc("grad", j, A[j])
+            self.free("working", j, shapes.working_bytes[j])
+        self.free("boundary", j + 1, A[j + 1])
+        self.free("grad", j + 1, A[j + 1])
+        self.fence()
+        self.grads.append((j, shapes.param_bytes[j]))
+
+    def end(self) -> None:
+        """The last gradients' d2h, the gradient of boundary 0's d2h and the embedding backward on the optimizer
+        lane (with ranks, after the gather of every rank's rows); fence; wait for every optimizer-lane job; the
+        step's buffers go."""
+        shapes, A = self.shapes, self.shapes.boundary_bytes
+        self._send_grads()
+        grad0 = self.issue("d2h", "grad0", 0, A[0])
+        if self.topology.parallel:  # every rank's boundary-0 gradient rows to the embedding's owners
+            grad0 = self.enqueue("optimizer", "gather", 0, A[0], after=(grad0,))
+            self.landing.append(grad0)
+        self.landing.append(self.enqueue("optimizer", "embedding", 0, after=(grad0,)))
+        self.fence()
+        for op in self.landing:
+            self.wait(op)
+        self.free("grad", 0, A[0])
+        self.free("boundary", 0, A[0])
+        self.free("constants", -1, shapes.constant_bytes)
+        self.free("grad_slots", -1, shapes.slots_bytes)
+        self.free("weight_slots", -1, shapes.slots_bytes)
+
+    def optimizer_step(self) -> None:
+        """Serial mode (MegaTrain): the whole optimizer step after the backward, waited for."""
+        self.wait(self.enqueue("optimizer", "step"))
+
+    # ---- what the windows are made of ------------------------------------------------------------------------
+    def issue(self, lane: str, kind: str, target: int = -1, num_bytes: int = 0,
+              after: tuple[int | None, ...] = (), use: int = -1) -> int:
+        """Issue a job of this window: the window's fence waits for it."""
+        op = self.enqueue(lane, kind, target, num_bytes, after, use)
+        self.window.append(op)
         return op
 
-    def fence() -> None:
-        for op in window:
-            b.wait(op)
-        window.clear()
-        for buffer in released:
-            b.free(*buffer)
-        released.clear()
+    def run(self, kind: str, j: int) -> None:
+        """Run this window's compute op, the next weight use."""
+        self.run_op(kind, j, self.use)
+        self.use += 1
 
-    def issue_weights(u: int) -> None:
-        if u < len(uses):
-            kind, j = uses[u]
-            if kind == "backprop":
-                return  # a kept layer's weights stayed on the device since its forward
-            if kind == "keep":
-                b.alloc("kept_weights", j, P[j])  # its own slot, until its backward
-            if kind == "head" and HS:
-                b.alloc("head_weights", L, HS)  # its own slot, until its compute ends
-            fence_update = update.pop(j, None) if u <= L else None  # a forward use waits for its group's update
-            if fence_update is not None:
-                window.append(fence_update)
-            weights[u] = issue("h2d", "weights", j, shapes.head_param_bytes if kind == "head" else P[j],
-                               after=(fence_update,), use=u)
+    def fence(self) -> None:
+        """The window ends: wait for every job it issued, then free what waited for them."""
+        for op in self.window:
+            self.wait(op)
+        self.window.clear()
+        for buffer in self.released:
+            self.free(*buffer)
+        self.released.clear()
 
-    def send_grads() -> None:
+    def _fence_update(self, j: int) -> int | None:
+        """Group j's pending update joins this window's fence (its lateness is the optimizer lane's exposed
+        time); the h2d that reads the group issues after it."""
+        update = self.update.pop(j, None)
+        if update is not None:
+            self.window.append(update)
+        return update
+
+    def _next_weights(self) -> None:
+        self._issue_weights(self.use + 1)
+
+    def _issue_weights(self, u: int) -> None:
+        """h2d of use u's weights into its slot (u % 2, a kept layer's own, the head's own when larger than a
+        layer); a forward use after its group's update."""
+        if u >= len(self.uses):
+            return
+        kind, j = self.uses[u]
+        if kind == "backprop":
+            return  # a kept layer's weights stayed on the device since its forward
+        if kind == "keep":
+            self.alloc("kept_weights", j, self.shapes.param_bytes[j])  # its own slot, until its backward
+        if kind == "head" and self.shapes.head_slot_bytes:
+            self.alloc("head_weights", self.L, self.shapes.head_slot_bytes)  # its own slot, until its compute ends
+        update = self._fence_update(j) if u <= self.L else None
+        num_bytes = self.shapes.head_param_bytes if kind == "head" else self.shapes.param_bytes[j]
+        self.issue("h2d", "weights", j, num_bytes, after=(update,), use=u)
+
+    def _send_grads(self) -> None:
         """d2h of the last gradient-producing use's gradients (in this window), then their optimizer-lane jobs
         (with ranks the sum over the ranks, then the land), which queue behind the earlier ones, not fenced."""
-        if not grads:
+        if not self.grads:
             return
-        j, nbytes = grads.pop()
-        landed = issue("d2h", "grads", j, nbytes)
-        if j == L and HS:
-            released.append(("head_grads", L, HS))  # its own gradient slot, once this window's fence saw the d2h
-        if topology.parallel:  # summed into the group's owners once the whole gradient is on the host
-            landed = b.issue("optimizer", "reduce", j, shapes.reduce_bytes(nbytes), after=(landed,))
-            landing.append(landed)
-        landing.append(b.issue("optimizer", "land", j, after=(landed,)))
+        j, num_bytes = self.grads.pop()
+        landed = self.issue("d2h", "grads", j, num_bytes)
+        if j == self.L and self.shapes.head_slot_bytes:
+            # its own gradient slot, once this window's fence saw the d2h
+            self.released.append(("head_grads", self.L, self.shapes.head_slot_bytes))
+        if self.topology.parallel:  # summed into the group's owners once the whole gradient is on the host
+            landed = self.enqueue("optimizer", "reduce", j, self.shapes.reduce_bytes(num_bytes), after=(landed,))
+            self.landing.append(landed)
+        self.landing.append(self.enqueue("optimizer", "land", j, after=(landed,)))
 
-    def reload(s: int) -> None:
-        """h2d of offloaded boundary s into its device buffer (allocated when its segment's successor began)."""
-        ready = reads.get(s, offload_d2h[s])
-        if tiers[s] == "nvme" and s not in reads:  # read and copy chained in one window
-            ready = reads[s] = issue("nvme_read", "read", s, A[s], after=(offload_d2h[s],))
-        issue("h2d", "reload", s, A[s], after=(ready,))
+    def _spill(self, i: int) -> None:
+        """nvme write of boundary i, after its d2h (issued in the window before)."""
+        A = self.shapes.boundary_bytes
+        self.offload_d2h[i] = self.issue("nvme_write", "spill", i, A[i], after=(self.offload_d2h[i],))
 
-    def stage(e: int) -> None:
+    def _stage(self, e: int) -> None:
         """nvme read of the start of the segment ending at e into the host buffer, a window before its h2d."""
-        s = start_of.get(e, 0)
-        if s > 0 and tiers[s] == "nvme":
-            reads[s] = issue("nvme_read", "read", s, A[s], after=(offload_d2h[s],))
+        s = self.start_of.get(e, 0)
+        if s > 0 and self.tiers[s] == "nvme":
+            A = self.shapes.boundary_bytes
+            self.reads[s] = self.issue("nvme_read", "read", s, A[s], after=(self.offload_d2h[s],))
 
-    def compute(kind: str, j: int, u: int) -> None:
-        b.alloc("working", j, shapes.working_bytes[j])
-        b.run(kind, j, u)
-
-    # ---- the previous step's update, group by group in forward order (overlap) ----------------------------
-    update: dict[int, int] = {}  # group target -> its update op, until the window that fences it
-    if optimizer_mode == "overlap" and updates:
-        for j in update_order(L, shapes.tied_head):
-            update[j] = b.issue("optimizer", "update", j)
-
-    # ---- step start: boundary 0 and the first weights ----------------------------------------------------
-    b.alloc("weight_slots", -1, W)
-    b.alloc("boundary", 0, A[0])
-    first = update.pop(L if shapes.tied_head else -1, None)  # the embedding gather reads the updated embedding
-    if first is not None:
-        window.append(first)
-    issue("h2d", "boundary0", 0, A[0], after=(first,))
-    issue_weights(0)
-    fence()
-    b.alloc("constants", -1, shapes.constant_bytes)
-
-    # ---- forward: window F_j --------------------------------------------------------------------------------
-    for j in range(L):
-        issue_weights(j + 1)
-        if j > 0 and tiers[j] in OFFLOADED:
-            offload_d2h[j] = issue("d2h", "offload", j, A[j])
-        if j > 1 and tiers[j - 1] == "nvme":
-            offload_d2h[j - 1] = issue("nvme_write", "spill", j - 1, A[j - 1], after=(offload_d2h[j - 1],))
-        if j >= first_kept:  # with autograd: its graph stays until its backward
-            b.alloc("working", j, GF[j])
-            b.run("keep", j, j)
-            b.free("working", j, GF[j])
-            b.alloc("boundary", j + 1, A[j + 1])
-            b.alloc("graph", j, G[j])
-            fence()
-            continue
-        compute("forward", j, j)
-        b.alloc("boundary", j + 1, A[j + 1])
-        b.free("working", j, shapes.working_bytes[j])
-        if j > 0 and tiers[j] == "recompute":
-            b.free("boundary", j, A[j])  # consumed by layer j, regenerated in the backward
-        fence()
-        if j > 0 and tiers[j] in OFFLOADED:
-            b.free("boundary", j, A[j])  # its d2h is done: the host holds it
-
-    # ---- loss head: window H ----------------------------------------------------------------------------
-    b.alloc("grad_slots", -1, W)
-    if HS:
-        b.alloc("head_grads", L, HS)
-    last_start = segments[-1][0]
-    if last_start > 0 and tiers[last_start] in OFFLOADED:
-        b.alloc("boundary", last_start, A[last_start])  # the device buffer exists from the reload's issue
-    issue_weights(L + 1)
-    if L > 1 and tiers[L - 1] == "nvme":
-        offload_d2h[L - 1] = issue("nvme_write", "spill", L - 1, A[L - 1], after=(offload_d2h[L - 1],))
-    stage(L - 1)
-    if last_start > 0 and tiers[last_start] in OFFLOADED:
-        reload(last_start)
-    b.alloc("working", L, shapes.head_working_bytes)
-    b.alloc("grad", L, A[L])
-    b.run("head", L, L)
-    b.free("working", L, shapes.head_working_bytes)
-    if HS:
-        b.free("head_weights", L, HS)
-    fence()
-    grads.append((L, shapes.head_param_bytes))
-
-    # ---- backward: per segment (s, e), last first; windows R_s..R_{e-2}, B_{e-1}..B_s ----------------------
-    u = L + 1
-    for idx in range(len(segments) - 1, -1, -1):
-        s, e = segments[idx]
-        previous = segments[idx - 1][0] if idx > 0 else 0  # the start of the segment that runs next
-        for j in range(s, e - 1):  # regenerate boundaries s+1..e-1
-            issue_weights(u + 1)
-            send_grads()
-            compute("recompute", j, u)
-            b.alloc("boundary", j + 1, A[j + 1])
-            b.free("working", j, shapes.working_bytes[j])
-            fence()
-            u += 1
-        for j in range(e - 1, s - 1, -1):
-            issue_weights(u + 1)
-            send_grads()
-            stage(j - 1)
-            if j == s and previous > 0 and tiers[previous] in OFFLOADED:
-                b.alloc("boundary", previous, A[previous])  # its reload's device buffer, from its window on
-                reload(previous)
-            if j >= first_kept:  # through the kept graph: no re-forward
-                b.alloc("working", j, GB[j])
-                b.run("backprop", j, u)
-                b.alloc("grad", j, A[j])
-                b.free("working", j, GB[j])
-                b.free("graph", j, G[j])
-                b.free("kept_weights", j, P[j])
-            else:
-                compute("backward", j, u)
-                b.alloc("grad", j, A[j])
-                b.free("working", j, shapes.working_bytes[j])
-            b.free("boundary", j + 1, A[j + 1])
-            b.free("grad", j + 1, A[j + 1])
-            fence()
-            grads.append((j, P[j]))
-            u += 1
-
-    # ---- end: the last gradients, the embedding backward on the host -------------------------------------
-    send_grads()
-    grad0 = issue("d2h", "grad0", 0, A[0])
-    if topology.parallel:  # every rank's boundary-0 gradient rows to the embedding's owners
-        grad0 = b.issue("optimizer", "gather", 0, A[0], after=(grad0,))
-        landing.append(grad0)
-    landing.append(b.issue("optimizer", "embedding", 0, after=(grad0,)))
-    fence()
-    for op in landing:
-        b.wait(op)
-    b.free("grad", 0, A[0])
-    b.free("boundary", 0, A[0])
-    b.free("constants", -1, shapes.constant_bytes)
-    b.free("grad_slots", -1, W)
-    b.free("weight_slots", -1, W)
-    if optimizer_mode == "serial":  # MegaTrain: the whole optimizer step after the backward
-        b.wait(b.issue("optimizer", "step"))
-    return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(b.ops), actions=tuple(b.actions),
-                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology, kept_layers=kept_layers)
+    def _reload(self, s: int) -> None:
+        """h2d of offloaded boundary s into its device buffer (allocated in this window)."""
+        A = self.shapes.boundary_bytes
+        ready = self.reads.get(s, self.offload_d2h[s])
+        if self.tiers[s] == "nvme" and s not in self.reads:  # read and copy chained in one window
+            ready = self.reads[s] = self.issue("nvme_read", "read", s, A[s], after=(self.offload_d2h[s],))
+        self.issue("h2d", "reload", s, A[s], after=(ready,))
 
 
 def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str = "overlap",
@@ -524,7 +540,10 @@ def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str =
                          kept_layers=getattr(plan_or_tiers, "kept_layers", 0))
 
 
-def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], b: _Builder) -> StepProgram:
+def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]]) -> StepProgram:
+    """Evaluation: each use waits for its own weights (issued one use ahead), every boundary is freed once the
+    next exists, the loss head runs forward only ("loss")."""
+    b = _Program()
     L, A, W, HS = len(tiers) - 1, shapes.boundary_bytes, shapes.slots_bytes, shapes.head_slot_bytes
     weights: dict[int, int] = {}
 
@@ -534,26 +553,26 @@ def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, 
                 nbytes = shapes.head_param_bytes if v == L else shapes.param_bytes[v]
                 if v == L and HS:
                     b.alloc("head_weights", L, HS)  # its own slot, until the loss
-                weights[v] = b.issue("h2d", "weights", uses[v][1], nbytes, use=v)
+                weights[v] = b.enqueue("h2d", "weights", uses[v][1], nbytes, use=v)
         b.wait(weights.pop(u))
 
     b.alloc("weight_slots", -1, W)
     b.alloc("boundary", 0, A[0])
-    upload0 = b.issue("h2d", "boundary0", 0, A[0])
-    begin_use_0 = b.issue("h2d", "weights", 0, shapes.param_bytes[0], use=0)
+    upload0 = b.enqueue("h2d", "boundary0", 0, A[0])
+    begin_use_0 = b.enqueue("h2d", "weights", 0, shapes.param_bytes[0], use=0)
     weights[0] = begin_use_0
     b.wait(upload0)
     b.alloc("constants", -1, shapes.constant_bytes)
     for j in range(L):
         begin_use(j)
         b.alloc("working", j, shapes.working_bytes[j])
-        b.run("forward", j, j)
+        b.run_op("forward", j, j)
         b.alloc("boundary", j + 1, A[j + 1])
         b.free("working", j, shapes.working_bytes[j])
         b.free("boundary", j, A[j])
     begin_use(L)
     b.alloc("working", L, shapes.head_working_bytes)
-    b.run("loss", L, L)
+    b.run_op("loss", L, L)
     b.free("working", L, shapes.head_working_bytes)
     if HS:
         b.free("head_weights", L, HS)
