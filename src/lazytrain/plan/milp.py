@@ -51,10 +51,13 @@ Variables
 Constraints (one `_add_<family>` each; equations repeated there)
     path, placement, capacity (cpu, nvme), kept (the suffix), gpu_memory (the forward windows, the loss head and
     every backward segment, each with its own working set and the kept layers' graphs and slots: the transient
-    memory of recompute blocks, reload buffers and working sets, the paper's weak spot 3), windows (each T[w] at
-    least its compute and each lane's load: weights, activations, gradients; the step S at least the sum of the windows
-    and at least each optimizer-lane release plus the host work queued behind it; a release's row is left out where
-    the step's end row implies it), counts (cardinality: at most as many boundaries per home as its rows admit).
+    memory of recompute blocks, reload buffers and working sets, the paper's weak spot 3), nvme_reads (vn, and the
+    last segment's start off nvme), the windows forward_windows, head_window, recompute_windows, backward_windows
+    (each T[w] at least its compute and each lane's load: weights, activations, gradients), updates (overlap: the
+    forward's weight h2d after each group's update), step (Q: the end of each backward window; the step S at least
+    the sum of the windows and at least each optimizer-lane release plus the host work queued behind it; a
+    release's row is left out where the step's end row implies it), counts (cardinality: at most as many
+    boundaries per home as its rows admit).
 
 Objective (seconds)
     min S + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i] (+ the whole optimizer step in serial mode)
@@ -388,8 +391,15 @@ class _Formulation:
         self.fixed = tuple(fixed_tiers) if fixed_tiers is not None else None
         self.fixed_kept = fixed_kept
         self.build_s: dict[str, float] = {}
+        # a_X: seconds per model unit on link X; p[L] the loss head's bytes; d[k] = a_D p[k], group k's gradient d2h
+        self.aH, self.aD = self._inverse(inst.h2d_bytes_per_s), self._inverse(inst.d2h_bytes_per_s)
+        self.aW, self.aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
+        self.p = [*inst.param_bytes, inst.head_param_bytes]
+        self.send = [self.aD * p for p in self.p]
         for family in (self._add_variables, self._add_path, self._add_placement, self._add_kept, self._add_capacity,
-                       self._add_gpu_memory, self._add_windows, self._add_counts):
+                       self._add_gpu_memory, self._add_nvme_reads, self._add_forward_windows, self._add_head_window,
+                       self._add_recompute_windows, self._add_backward_windows, self._add_updates, self._add_step,
+                       self._add_counts):
             t0 = time.perf_counter()
             family()
             self.build_s[family.__name__.removeprefix("_add_")] = time.perf_counter() - t0
@@ -588,47 +598,16 @@ class _Formulation:
                 m.row(f"gpu_bwd_reload[{s}]", {**below, self.z[s]: inst.head_grad_bytes(s, s + 1), **buffers},
                       hi=room - inst.bwd_transient_bytes - always)
 
-    def _add_windows(self) -> None:
-        """The step program (plan/schedule.py) in time. Each window is fenced: it lasts the longest of its compute
-        and each lane's chain of transfers, T[w] >= each. Bytes in model units over rates in units/s are seconds;
-        a_X = 1 / rate. The loads, linear in x, z, c, n:
-
-          F_j   T >= rho[j], a_H p[j+1] (the next weights; the head's after F_{L-1}), a_D A[j] (c[j] + n[j]),
-                a_W A[j-1] n[j-1]
-          H     T >= rho[L], a_H (sum_s x[s,L] p[s] + sum_s A[s] v[s,L]), a_W A[L-1] n[L-1], a_R sum_s A[s] vn[s,L-1]
-          R_j   T >= max(rho[j], a_H p[j+1]) (1 - z[j+1]),  sum_{e >= j+2} x[j,e] d[e]   (j+1 recomputed)
-          B_j   T >= beta[j], a_H (p[j-1] (1 - z[j]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j]),
-                d[j+1] (1 - z[j+1] + x[j,j+1]),  a_R sum_s A[s] vn[s,j-1]
-        with p[L] the loss head's; a kept layer j (y[j] = 1) streams no weights for its backward and runs it
-        through its graph: H and B_{j+1} lose a_H p[j] y[j], and B_j's compute is beta[j] - (beta[j] - kb[j]) y[j]
-        with kb[j] = max(0, beta[j] - rho[j]); v[s,e] >= x[s,e] + c[s] + n[s] - 1 (s is reloaded in B_e, or in
-        H when e = L), vn[s,e] >= x[s,e] + n[s] - 1 (its nvme read is staged a window earlier, in B_{e+1} or H).
-        The last segment's start cannot be on nvme (its read would chain with its h2d in H): n[s] + x[s,L] <= 1.
-        Rows on binaries that exclude one another are lifted by the window's lower bound lb, T >= lb + sum
-        (load - lb)+ x (the convex hull of T >= max(lb, load x), the same integer points): F_j's d2h and nvme
-        write, R_j's gradient d2h over busy (1 - z[j+1]), B_j's gradient d2h; without it a fractional x hides
-        most of a slow link's seconds from the LP bound (27B with d2h 1.5 GB/s).
-
-        The step: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
-        Q[L] = start + sum_j T[F_j] + T[H], Q[k] = Q[k+1] + T[B_k] + T[R_k]. The optimizer lane is a FIFO queue:
-        group k's jobs (land[k], with ranks red[k] + its land) are released when its gradients' d2h ends, d[k]
-        after the end of B_k (of H for the head), and the groups arrive in the order L, L-1, .., 0, then the
-        embedding backward (released d0 after the end window starts, when boundary 0's gradient d2h, queued behind
-        B_0's gradients, ends; with ranks after the gather of every rank's rows, gath). So the step S is at least
-        each release plus the work queued from there on (emb = gath + the embedding backward):
-          S >= Q[0] + d0 + emb,   d0 = a_D (p[0] + A[0])
-          S >= Q[k] + sum_{j=s..k-1} T[R_j] + d[k] + sum_{k' <= k} land[k'] + emb - M (1 - sum_{e>k} x[s,e])
-        for every s <= k that may start B_k's segment (s = k needs no M: the sum is empty). In serial mode the
-        whole optimizer step follows: the objective's offset."""
-        inst, m, L, x, A = self.inst, self.m, self.L, self.x, self.inst.boundary_bytes
-        aH, aD = self._inverse(inst.h2d_bytes_per_s), self._inverse(inst.d2h_bytes_per_s)
-        aW, aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
-        p = [*inst.param_bytes, inst.head_param_bytes]  # p[L]: the loss head
-        land = inst.land_seconds()
-        if inst.topology.parallel:  # each group's sum over the ranks, queued before its land
-            land = tuple(a + r for a, r in zip(land, inst.reduce_s, strict=True))
-        send, grad0 = [aD * p[k] for k in range(L + 1)], aD * (p[0] + A[0])
-        use_nvme = inst.nvme_act_bytes > 0
+    # -- the step in time: the step program's windows (plan/schedule.py). Each window is fenced: it lasts the
+    # longest of its compute and each lane's chain of transfers, T[w] >= each. Bytes in model units over rates in
+    # units/s are seconds (a_X = 1 / rate); the loads are linear in x, z, c, n, y, v, vn. --
+    def _add_nvme_reads(self) -> None:
+        """An offloaded segment start's nvme read is staged a window before its h2d, in B_{e+1} (H when e = L-1):
+            vn[s,e] >= x[s,e] + n[s] - 1      (s > 0, e < L)
+        The last segment's start cannot be on nvme (its read would chain with its h2d in H):
+            n[s] + x[s,L] <= 1"""
+        m, L, x = self.m, self.L, self.x
+        use_nvme = self.inst.nvme_act_bytes > 0
         for (s0, s1), xv in x.items():  # the last segment's start (reloaded in the head window) is not on nvme
             if s0 > 0 and s1 == L and use_nvme:
                 m.row(f"last_start_not_nvme[{s0}]", {self.n[s0]: 1.0, xv: 1.0}, hi=1.0)
@@ -639,51 +618,67 @@ class _Formulation:
                     vn = self.vn[s0, s1] = m.var(f"vn[{s0},{s1}]")
                     m.row(f"nvme_reload[{s0},{s1}]", {vn: -1.0, xv: 1.0, self.n[s0]: 1.0}, hi=1.0)
 
-        def window(name: str, lb: float, loads: list[tuple[float, dict[int, float]]], ub: float = INF) -> int:
-            """T >= lb and T >= const + sum coef var for every (const, coefs) in loads."""
-            T = m.var(name, lb=lb, ub=ub)
-            for k, (const, coefs) in enumerate(loads):
-                coefs = {var: -coef for var, coef in coefs.items() if coef != 0.0}
-                if coefs:
-                    m.row(f"{name}_{k}", {T: 1.0, **coefs}, lo=const)
-                elif const > lb:
-                    m.lb[T] = const
-            return T
-
-        def lifted(lb: float, loads: dict[int, float]) -> tuple[float, dict[int, float]]:
-            """T >= lb + sum (load - lb)+ x for binaries x of which at most one is 1 in any plan, each x = 1 meaning
-            T >= its load: the convex hull of T >= max(lb, load x) (T >= load x alone lets a fractional x hide
-            the window's compute in the LP relaxation)."""
-            return lb, {var: load - lb for var, load in loads.items() if load > lb}
-
-        def reads(e: int) -> dict[int, float]:
-            return {vn: aR * A[s] for (s, e2), vn in self.vn.items() if e2 == e}
-
-        F, R, B = [], [], []
-        self.lifted_long: list[int] = []  # long edges whose gradients' d2h outlasts R_s's compute (_add_counts)
-        for j in range(L):
-            lb = max(inst.forward_s[j], aH * p[j + 1])
-            loads = [lifted(lb, {self.c[j]: aD * A[j], self.n[j]: aD * A[j]})] if j > 0 else []
+    def _add_forward_windows(self) -> None:
+        """F_j: layer j's forward, the next weights (the head's after F_{L-1}), the d2h of boundary j if
+        offloaded and the nvme write of boundary j-1:
+            T[F_j] >= lb = max(rho[j], a_H p[j+1]),   T[F_j] >= lb + (a_D A[j] - lb)+ (c[j] + n[j]),
+            T[F_j] >= lb + (a_W A[j-1] - lb)+ n[j-1]
+        (the d2h and write rows lifted by lb, `_lifted`)."""
+        inst, A = self.inst, self.inst.boundary_bytes
+        self.F: list[int] = []
+        for j in range(self.L):
+            lb = max(inst.forward_s[j], self.aH * self.p[j + 1])
+            loads = [self._lifted(lb, {self.c[j]: self.aD * A[j], self.n[j]: self.aD * A[j]})] if j > 0 else []
             if j > 1:
-                loads.append(lifted(lb, {self.n[j - 1]: aW * A[j - 1]}))
-            F.append(window(f"T[F{j}]", lb, loads))
-        head_h2d = {xv: aH * p[s] for (s, e), xv in x.items() if e == L}
+                loads.append(self._lifted(lb, {self.n[j - 1]: self.aW * A[j - 1]}))
+            self.F.append(self._window(f"T[F{j}]", lb, loads))
+
+    def _add_head_window(self) -> None:
+        """H: the loss head, the weights of the last segment's first use, the reload of its start (v[s,L]), the
+        nvme write of boundary L-1 and the read staged for B_{L-1}:
+            T[H] >= rho[L],   T[H] >= a_H (sum_s x[s,L] p[s] + sum_s A[s] v[s,L] - p[L-1] y[L-1]),
+            T[H] >= a_R sum_s A[s] vn[s,L-1],   T[H] >= a_W A[L-1] n[L-1]
+        (a kept layer L-1 streams no weights for its backward)."""
+        inst, L, A, aH = self.inst, self.L, self.inst.boundary_bytes, self.aH
+        head_h2d = {xv: aH * self.p[s] for (s, e), xv in self.x.items() if e == L}
         head_h2d.update({v: aH * A[s] for (s, e), v in self.v.items() if e == L})
-        _add(head_h2d, self.y[L - 1], -aH * p[L - 1])  # B_{L-1} kept: no weights to stream
-        loads = [(0.0, head_h2d), (0.0, reads(L - 1))]
+        _add(head_h2d, self.y[L - 1], -aH * self.p[L - 1])  # B_{L-1} kept: no weights to stream
+        loads = [(0.0, head_h2d), (0.0, self._reads(L - 1))]
         if L > 1:
-            loads.append((0.0, {self.n[L - 1]: aW * A[L - 1]}))
-        H = window("T[H]", inst.head_s, loads)
-        for j in range(L - 1):  # R_j runs only when boundary j+1 is recomputed
-            busy = max(inst.forward_s[j], aH * p[j + 1])
-            grads = {xv: send[e] for (s, e), xv in x.items() if s == j and e >= j + 2}
-            # an edge (j, e >= j+2) recomputes j+1: T >= busy (1 - z[j+1]) + sum_e (d[e] - busy)+ x[j,e]
+            loads.append((0.0, {self.n[L - 1]: self.aW * A[L - 1]}))
+        self.H = self._window("T[H]", inst.head_s, loads)
+
+    def _add_recompute_windows(self) -> None:
+        """R_j runs only when boundary j+1 is recomputed: layer j's forward again, the next weights, and the d2h
+        of the gradients of the segment's end e (d[e] = a_D p[e]) when (j, e) is a segment:
+            T[R_j] >= busy (1 - z[j+1]) + sum_{e >= j+2} (d[e] - busy)+ x[j,e],   busy = max(rho[j], a_H p[j+1])
+            T[R_j] >= sum_{e >= j+2} x[j,e] d[e]
+        The lifted edges (d[e] > busy) are the long edges `_add_counts` counts."""
+        inst, L = self.inst, self.L
+        self.R: list[int] = []
+        self.lifted_long: list[int] = []  # long edges whose gradients' d2h outlasts R_s's compute (_add_counts)
+        for j in range(L - 1):
+            busy = max(inst.forward_s[j], self.aH * self.p[j + 1])
+            grads = {xv: self.send[e] for (s, e), xv in self.x.items() if s == j and e >= j + 2}
             lift = {xv: d - busy for xv, d in grads.items() if d > busy}
             self.lifted_long.extend(lift)
-            R.append(window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy, **lift}), (0.0, grads)],
-                            ub=max([busy, *grads.values()])))
-        for j in range(L):
-            g = send[j + 1]
+            self.R.append(self._window(f"T[R{j}]", 0.0, [(busy, {self.z[j + 1]: -busy, **lift}), (0.0, grads)],
+                                       ub=max([busy, *grads.values()])))
+
+    def _add_backward_windows(self) -> None:
+        """B_j: layer j's backward (kb[j] = max(0, beta[j] - rho[j]) through a kept layer's graph), the next
+        weights (layer j-1's unless j is recomputed or j-1 kept; a segment ending at j streams its start's first
+        use and reloads it, v[s,j]), the d2h of layer j+1's gradients when j+1's backward ran just before
+        (w = 1 - z[j+1] + x[j,j+1], a 0/1 value) and the nvme read staged for B_{j-1}:
+            T[B_j] >= lb = beta[j] (kb[j] when j may be kept),   T[B_j] >= beta[j] - (beta[j] - kb[j]) y[j]
+            T[B_j] >= lb + (d[j+1] - lb)+ w
+            T[B_j] >= a_H (p[j-1] (1 - z[j] - y[j-1]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j])
+            T[B_j] >= a_R sum_s A[s] vn[s,j-1]"""
+        inst, m, x, A, aH = self.inst, self.m, self.x, self.inst.boundary_bytes, self.aH
+        p = self.p
+        self.B: list[int] = []
+        for j in range(self.L):
+            g = self.send[j + 1]
             beta = inst.backward_s[j]
             kb = max(0.0, beta - inst.forward_s[j])  # through the kept graph
             lb = kb if m.ub[self.y[j]] > 0 else beta  # a layer that cannot be kept runs its whole backward
@@ -701,31 +696,53 @@ class _Formulation:
                 _add(h2d, self.y[j - 1], -aH * p[j - 1])  # B_{j-1} kept: no weights to stream
                 loads.append((aH * p[j - 1], h2d))
             if j > 1:
-                loads.append((0.0, reads(j - 1)))
+                loads.append((0.0, self._reads(j - 1)))
             if inst.graph_bytes and kb < beta:
                 loads.append((beta, {self.y[j]: -(beta - kb)}))
-            B.append(window(f"T[B{j}]", lb, loads))
+            self.B.append(self._window(f"T[B{j}]", lb, loads))
 
-        # overlap: the previous step's updates run from the step's start in forward order; the h2d of boundary 0
-        # and of group j's forward weights start after update j ends (ends[j]), the FIFO h2d lane in order:
-        #   start = max(ends[first] + a_H A[0], ends[0]) + a_H p[0]
-        #   start + sum_{i<=j} T[F_i] >= ends[j+1] + a_H p[j+1]
-        start = aH * (A[0] + p[0])
-        if inst.update_s:
-            ends, t = {}, 0.0
-            for target in update_order(L, inst.tied_head):
-                t += inst.update_s[target + 1]
-                ends[target] = t
-            first = ends[L] if inst.tied_head else ends[-1]
-            start = max(first + aH * A[0], ends[0]) + aH * p[0]
-            for j in range(L):
-                due = ends[j + 1] + aH * p[j + 1] - start
-                if due > 0:
-                    m.row(f"update[{j + 1}]", {T: 1.0 for T in F[:j + 1]}, lo=due)
+    def _add_updates(self) -> None:
+        """Overlap mode: the previous step's updates run from the step's start in forward order; the h2d of
+        boundary 0 and of group j's forward weights start after update j ends (ends[j]), the FIFO h2d lane in
+        order (the start window's length is `start_s`):
+            start = max(ends[first] + a_H A[0], ends[0]) + a_H p[0]
+            start + sum_{i<=j} T[F_i] >= ends[j+1] + a_H p[j+1]"""
+        inst, m, L, A, aH = self.inst, self.m, self.L, self.inst.boundary_bytes, self.aH
+        self.start_s = aH * (A[0] + self.p[0])
+        if not inst.update_s:
+            return
+        ends, t = {}, 0.0
+        for target in update_order(L, inst.tied_head):
+            t += inst.update_s[target + 1]
+            ends[target] = t
+        first = ends[L] if inst.tied_head else ends[-1]
+        self.start_s = max(first + aH * A[0], ends[0]) + aH * self.p[0]
+        for j in range(L):
+            due = ends[j + 1] + aH * self.p[j + 1] - self.start_s
+            if due > 0:
+                m.row(f"update[{j + 1}]", {T: 1.0 for T in self.F[:j + 1]}, lo=due)
 
-        # the step: Q chain and the optimizer queue
+    def _add_step(self) -> None:
+        """The step S: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
+            Q[L] = start + sum_j T[F_j] + T[H],   Q[k] = Q[k+1] + T[B_k] + T[R_k].
+        The optimizer lane is a FIFO queue: group k's jobs (land[k], with ranks red[k] + its land) are released
+        when its gradients' d2h ends, d[k] after the end of B_k (of H for the head), and the groups arrive in the
+        order L, L-1, .., 0, then the embedding backward (released d0 after the end window starts, when boundary
+        0's gradient d2h, queued behind B_0's gradients, ends; with ranks after the gather of every rank's rows,
+        gath). So S is at least each release plus the work queued from there on (emb = gath + the embedding
+        backward):
+            S >= Q[0] + d0 + emb,   d0 = a_D (p[0] + A[0])
+            S >= Q[k] + sum_{j=s..k-1} T[R_j] + d[k] + sum_{k' <= k} land[k'] + emb - M (1 - sum_{e>k} x[s,e])
+        for every s <= k that may start B_k's segment (s = k needs no M: the sum is empty); a release's row is left
+        out where S_end implies it. In serial mode the whole optimizer step follows: the objective's offset."""
+        inst, m, L, x, A = self.inst, self.m, self.L, self.x, self.inst.boundary_bytes
+        F, R, B, send = self.F, self.R, self.B, self.send
+        land = inst.land_seconds()
+        if inst.topology.parallel:  # each group's sum over the ranks, queued before its land
+            land = tuple(a + r for a, r in zip(land, inst.reduce_s, strict=True))
+        grad0 = self.aD * (self.p[0] + A[0])
         Q = [m.var(f"Q[{k}]") for k in range(L + 1)]
-        m.row(f"Q[{L}]", {Q[L]: 1.0, H: -1.0, **{T: -1.0 for T in F}}, start, start)
+        m.row(f"Q[{L}]", {Q[L]: 1.0, self.H: -1.0, **{T: -1.0 for T in F}}, self.start_s, self.start_s)
         for k in range(L):
             m.row(f"Q[{k}]", {Q[k]: 1.0, Q[k + 1]: -1.0, B[k]: -1.0, **({R[k]: -1.0} if k < L - 1 else {})}, 0, 0)
         S = self.S = m.var("S", cost=1.0)
@@ -756,6 +773,31 @@ class _Formulation:
                 m.row(f"S_land[{k},{s}]", coefs, lo=send[k] + queued[k] - M)
         m.offset = inst.optimizer_step_s if inst.optimizer_mode == "serial" else 0.0
 
+    def _window(self, name: str, lb: float, loads: list[tuple[float, dict[int, float]]], ub: float = INF) -> int:
+        """T >= lb and T >= const + sum coef var for every (const, coefs) in loads."""
+        m = self.m
+        T = m.var(name, lb=lb, ub=ub)
+        for k, (const, coefs) in enumerate(loads):
+            coefs = {var: -coef for var, coef in coefs.items() if coef != 0.0}
+            if coefs:
+                m.row(f"{name}_{k}", {T: 1.0, **coefs}, lo=const)
+            elif const > lb:
+                m.lb[T] = const
+        return T
+
+    @staticmethod
+    def _lifted(lb: float, loads: dict[int, float]) -> tuple[float, dict[int, float]]:
+        """T >= lb + sum (load - lb)+ x for binaries x of which at most one is 1 in any plan, each x = 1 meaning
+        T >= its load: the convex hull of T >= max(lb, load x), the same integer points (T >= load x alone lets a
+        fractional x hide the window's compute in the LP relaxation: most of a slow link's seconds, 27B with d2h
+        1.5 GB/s)."""
+        return lb, {var: load - lb for var, load in loads.items() if load > lb}
+
+    def _reads(self, e: int) -> dict[int, float]:
+        """a_R A[s] vn[s,e]: the nvme reads staged in the window before B_e."""
+        A = self.inst.boundary_bytes
+        return {vn: self.aR * A[s] for (s, e2), vn in self.vn.items() if e2 == e}
+
     def _add_counts(self) -> None:
         """Integer counts of the binaries with the cardinality bounds the capacity and memory rows imply:
             N_c = sum_i c[i] <= floor(M_C / a)      N_n = sum_i n[i] <= floor(M_N / a)
@@ -769,7 +811,7 @@ class _Formulation:
         single binary gives it. The bounds are below what each count's own row implies, so presolve keeps the
         counts (HiGHS substitutes an integer column that only sums others and is bounded by them).
         N_long counts only the lifted long edges: (s, e >= s+2) whose end's gradient d2h outlasts R_s's compute
-        (`_add_windows`), the rows where a fractional spread hides seconds. Elsewhere the count's bound is the
+        (`_add_recompute_windows`), the rows where a fractional spread hides seconds. Elsewhere the count's bound is the
         path rows' own (a unit path has at most L / 2 long edges in the LP too) and it only fed HiGHS's root cut
         loop: counting every long edge took 1.7-12x the LP iterations on the 27B at 128 layers (seeds 0-2; 42
         nodes / 56349 iterations vs 1 / 4667 on seed 0). Any subset of a path's long edges has at most
