@@ -18,6 +18,7 @@ from typing import Any, Literal
 from lazytrain.config.values import ConfigErrors, Names, check, convert, raise_all
 from lazytrain.costmodel.model import MAX_DIM, MAX_LAYERS
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.milp import DEFAULT_MAX_SEGMENT, DEFAULT_MIP_REL_GAP, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "bf16", "fp32", "fp16"]
@@ -180,14 +181,14 @@ class PlanConfig:
     or workload."""
     interval: int = 4
     """MegaTrain rule: keep every K-th boundary on the device (>= 1)."""
-    solver: Literal["highs", "scip"] = "highs"
+    solver: Literal["highs", "scip"] = DEFAULT_SOLVER
     """MILP solver: highs, or scip (needs PySCIPOpt)."""
-    max_segment: int = 8
+    max_segment: int = DEFAULT_MAX_SEGMENT
     """Longest recompute segment the MILP considers, in layers (>= 1)."""
-    time_limit_s: float = 60.0
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
     """Wall-time bound on the whole planning (model and cost building included), seconds; the best plan found
     by then is used, with its gap."""
-    mip_rel_gap: float = 0.0
+    mip_rel_gap: float = DEFAULT_MIP_REL_GAP
     """Relative MIP gap at which the solver stops, in [0, 1); 0 = optimal."""
     gpu_mem_cap_bytes: int | None = None
     """Peak device memory cap, e.g. 70GB. None = the device's memory; on the emulated device the static device

@@ -97,7 +97,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEGMENT = 8
+# The solver's defaults, written once: the job schema (config.PlanConfig) takes them for its fields.
+DEFAULT_SOLVER = "highs"
+DEFAULT_MAX_SEGMENT = 8  # layers: the longest recompute segment the MILP considers
+DEFAULT_TIME_LIMIT_S = 60.0
+DEFAULT_MIP_REL_GAP = 0.0  # 0 = optimal
 INF = math.inf
 LINK_RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
               "nvme_write": "nvme_write_bytes_per_s"}
@@ -968,8 +972,9 @@ SOLVERS = {"highs": _solve_highs, "scip": _solve_scip}
 
 
 # ---- public entry points ------------------------------------------------------------------------------
-def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT, time_limit_s: float = 60.0,
-                   mip_rel_gap: float = 0.0, solver: str = "highs", fixed_tiers: Sequence[str] | None = None,
+def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEGMENT,
+                   time_limit_s: float = DEFAULT_TIME_LIMIT_S, mip_rel_gap: float = DEFAULT_MIP_REL_GAP,
+                   solver: str = DEFAULT_SOLVER, fixed_tiers: Sequence[str] | None = None,
                    start_tiers: Sequence[str] | None = None, deadline_s: float | None = None,
                    kept_layers: int | None = None, start_kept: int = 0) -> MilpSolution:
     """Build and solve the MILP for `inst`. Infeasible (or no incumbent in time) -> LazyTrainError with numbers.
@@ -1075,7 +1080,8 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
 
 
 def solve_milp(cost: CostModel, budgets: Budgets | None = None, *, max_segment: int = DEFAULT_MAX_SEGMENT,
-               time_limit_s: float = 60.0, mip_rel_gap: float = 0.0, solver: str = "highs",
+               time_limit_s: float = DEFAULT_TIME_LIMIT_S, mip_rel_gap: float = DEFAULT_MIP_REL_GAP,
+               solver: str = DEFAULT_SOLVER,
                fixed_tiers: Sequence[str] | None = None, start_tiers: Sequence[str] | None = None,
                deadline_s: float | None = None, optimizer_mode: str = "overlap",
                topology: Topology = ONE_RANK, kept_layers: int | None = None, start_kept: int = 0) -> Plan:
