@@ -79,7 +79,7 @@ EAGER_SAVED_BYTES = {4: 4, 2: 6}  # of which saved through the layer's backward:
 # (largest measured: 24.3-25.1 and 26.6 B per hidden element; tests/test_live_bytes.py, docs/cost_model.md).
 NORM_BACKWARD_BYTES, HYBRID_NORM_BACKWARD_BYTES = 26, 28
 ATTN_BACKWARD_Q = 3
-HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head; the executor uses the same number
+HEAD_CHUNK_TOKENS = 1024  # tokens per chunk of the loss head (the executor's default too)
 LOSS_BYTES = 4  # the step's fp32 loss (runtime/hf.py StepConstants.loss)
 
 

@@ -51,6 +51,7 @@ from numba.extending import intrinsic
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.hf import find_parts, head_named_params
+from lazytrain.runtime.store import ALIGN_BYTES
 from lazytrain.runtime.weights import init_buffers
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     from lazytrain.runtime.store import WeightGroup
 
 SHM_DIR = Path("/dev/shm")
-ALIGN_BYTES = 4096
 KEPT_STATE = ("step", "eightbit")  # per-parameter entries a rank keeps for groups it does not own
 FENCE_POLL_S = 0.0002  # how often a rank waiting at the fence reads its group's counter
 ALIVE_CHECK_S = 1.0  # how often it checks that the group's owner still runs (and the timeout)

@@ -80,6 +80,7 @@ from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import TIERS, Plan, SolveReport, Transfer
 from lazytrain.plan.schedule import (
+    OFFLOADED,
     OPTIMIZER_MODES,
     Op,
     Shapes,
@@ -1049,7 +1050,7 @@ def plan_transfers(tiers: Sequence[str], inst: PlanningInstance) -> tuple[Transf
     L, A = inst.num_layers, inst.boundary_bytes
     out: list[Transfer] = []
     for i, e in segments_of(tuple(tiers)):
-        if i == 0 or tiers[i] not in ("cpu", "nvme"):
+        if i == 0 or tiers[i] not in OFFLOADED:
             continue
         num_bytes = int(round(A[i]))
         out.append(Transfer(boundary=i, window=i, link="d2h", num_bytes=num_bytes))

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.cost import HEAD_CHUNK_TOKENS, CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.topology import ONE_RANK, Topology
@@ -55,8 +55,6 @@ from lazytrain.runtime.hf import (
 from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
 
-OFFLOADED = ("cpu", "nvme")
-HEAD_CHUNK_TOKENS = 1024  # tokens per loss-head chunk (lazytrain.costmodel.cost uses the same default)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

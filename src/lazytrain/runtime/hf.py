@@ -18,10 +18,8 @@ from torch.func import functional_call
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, find_packed_sequence_indices
 
 from lazytrain.costmodel.cost import step_constant_bytes
+from lazytrain.data.loader import IGNORE_INDEX
 from lazytrain.errors import LazyTrainError
-
-IGNORE_INDEX = -100
-
 
 ATTENTION = ("eager", "sdpa")  # attention implementations whose masks `Rotary` builds (and counts)
 
