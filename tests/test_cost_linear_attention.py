@@ -73,7 +73,7 @@ def test_linear_attention_working_set_bounds_the_measured_peak(hidden, value_hea
     at head dims beyond the tiny models': never above the formula, within 1.35x of it."""
     model = hybrid(hidden, value_heads, head_dim)
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 3), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
-    measured = ex.measured_working_bytes(batch, seq_len)[0][0]
+    measured = ex.shapes.measured_working_bytes(batch, seq_len)[0][0]
     workload = Workload(batch, seq_len, "bf16" if dtype == torch.bfloat16 else "fp32")
     predicted = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload).working_bytes[0]
     assert measured <= predicted <= 1.35 * measured, (predicted, measured)

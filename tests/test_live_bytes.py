@@ -102,7 +102,7 @@ def test_working_set_formulas_are_never_below_the_measured(kind, attn, dtype, sh
     model = type(model)(config)
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 3), EmulatedDevice(measure_memory=True), compute_dtype=dtype,
                   head_chunk_tokens=chunk)
-    working, head = ex.measured_working_bytes(batch, seq_len)
+    working, head = ex.shapes.measured_working_bytes(batch, seq_len)
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name),
                      head_chunk_tokens=chunk)
@@ -126,7 +126,7 @@ def test_working_set_formulas_bound_the_hybrid_and_gpt_oss_families(kind, dtype,
     MoE terms are sized for the backward's peak, not for what the forward saves)."""
     model = tiny_models.make_model(kind, num_layers=3, attn="eager" if kind == "gpt_oss" else "sdpa")
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
-    working, head = ex.measured_working_bytes(batch, seq_len)
+    working, head = ex.shapes.measured_working_bytes(batch, seq_len)
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name))
     for j, (formula, measured) in enumerate(zip(cost.working_bytes, working, strict=True)):
@@ -167,7 +167,7 @@ def test_moe_working_sets_bound_the_measured(kind, hidden, top_k, more_experts, 
     torch.manual_seed(seed)
     model = type(model)(model.config)
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
-    working, _ = ex.measured_working_bytes(batch, seq_len)
+    working, _ = ex.shapes.measured_working_bytes(batch, seq_len)
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(batch, seq_len, name))
     assert any(cost.spec.moe_layers)
@@ -210,7 +210,7 @@ def test_masked_working_sets_and_constants_bound_the_measured(kind, dtype, batch
     what the executor allocates for the batch (above it by the partial rotary's cos/sin only)."""
     model = tiny_models.make_model(kind, num_layers=3, attn="eager" if kind == "gpt_oss" else "sdpa")
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
-    working, _ = ex.measured_working_bytes(batch, seq_len, masked=True)
+    working, _ = ex.shapes.measured_working_bytes(batch, seq_len, masked=True)
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"),
                      Workload(batch, seq_len, name, masked=True))
@@ -239,7 +239,7 @@ def _formula_over_measured(kind: str, over: dict, attn: str, dtype: torch.dtype,
     torch.manual_seed(seed)
     model = type(model)(model.config)
     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True), compute_dtype=dtype)
-    working, _ = ex.measured_working_bytes(batch, seq_len, masked=masked)
+    working, _ = ex.shapes.measured_working_bytes(batch, seq_len, masked=masked)
     graphs = ex.memory_sizes(batch, seq_len, masked=masked).graph_bytes
     name = "fp32" if dtype == torch.float32 else "bf16"
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"),

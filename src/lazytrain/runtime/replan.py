@@ -33,7 +33,7 @@ from lazytrain.runtime.calibrate import calibrate, quantize_s, rebuilt
 if TYPE_CHECKING:
     from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.plan import Plan
-    from lazytrain.runtime.executor import StepStats
+    from lazytrain.runtime.step import StepStats
 
 log = logging.getLogger(__name__)
 
