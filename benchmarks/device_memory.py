@@ -55,7 +55,7 @@ def family_table(masked: bool = False) -> None:
                     model = tiny_models.make_model(kind, num_layers=3, attn=attn)
                     ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(measure_memory=True),
                                   compute_dtype=dtype)
-                    working, head = ex.measured_working_bytes(batch, seq, masked=masked)
+                    working, head = ex.shapes.measured_working_bytes(batch, seq, masked=masked)
                     graphs = ex.memory_sizes(batch, seq, masked=masked).graph_bytes
                     name = "fp32" if dtype == torch.float32 else "bf16"
                     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"),
