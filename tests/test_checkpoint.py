@@ -24,6 +24,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.train import checkpoint as checkpoint_module
 from lazytrain.train import train
 from lazytrain.train.checkpoint import incomplete_reason
+from lazytrain.train.metrics import read_rows
 
 RNG = random.Random(20261203)
 # fp32 and a rule plan: the executor is exact and no solver is involved, so runs compare to 1e-6.
@@ -34,7 +35,7 @@ ARGV = ["--model", "debug", "--corpus", "zen", "--batch-size", "4", "--seq-len",
 
 
 def _losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in read_rows(out / "metrics.jsonl")}
 
 
 def _run(**values: object):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from lazytrain.cli import main
 from lazytrain.config import load_job_config
+from lazytrain.train.metrics import read_rows
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
@@ -34,5 +34,5 @@ def test_tiny_example_trains(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     assert main(["train", str(EXAMPLES[[p.stem for p in EXAMPLES].index("tiny")]), "max_steps=2",
                  f"output_dir={out}", "--no-progress"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out / "metrics.jsonl")
     assert len(rows) == 2 and all(r["loss"] > 0 for r in rows)

@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-import tiny_models
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import VOCAB, assert_matches, make_batch, make_model, reference
 
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.config import load_job_config
@@ -19,38 +19,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import build_program
 from lazytrain.train.optimizer import build_optimizer, optimizer_step, step_param_groups
 
-VOCAB = 61
 NUM_LAYERS = 6
-
-
-def make_model(kind: str, num_layers: int = NUM_LAYERS, attn: str = "eager", seed: int = 0) -> torch.nn.Module:
-    """A tiny random-weight causal LM of the given family (tests/tiny_models.py builds every family)."""
-    return tiny_models.make_model(kind, num_layers=num_layers, attn=attn, seed=seed)
-
-
-def make_batch(batch: int = 3, seq_len: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
-    labels = ids.clone()
-    labels[0, : seq_len // 2] = -100  # padding labels
-    if batch > 1:
-        labels[-1, -3:] = -100
-    return ids, labels
-
-
-def reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, dict]:
-    ref = copy.deepcopy(model)
-    out = ref(input_ids=ids, labels=labels)
-    out.loss.backward()
-    return float(out.loss.detach()), {n: p.grad.clone() for n, p in ref.named_parameters()}
-
-
-def assert_matches(model, loss, ref_loss, ref_grads, tol=1e-5) -> None:
-    assert abs(float(loss) - ref_loss) <= tol * abs(ref_loss), (float(loss), ref_loss)
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        err = float((p.grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30))
-        assert err <= tol, f"{name}: relative error {err:.2e}"
 
 
 def megatrain(num_layers: int, interval: int) -> list[str]:
@@ -72,7 +41,7 @@ PLANS = {
 def test_loss_and_grads_match_transformers(kind: str, plan_name: str) -> None:
     model = make_model(kind)
     ids, labels = make_batch()
-    ref_loss, ref_grads = reference(model, ids, labels)
+    ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     ex = Executor(model, Plan.from_tiers(model, PLANS[plan_name]), EmulatedDevice(), head_chunk_tokens=7)
     loss = ex.forward_backward(ids, labels)
     assert_matches(model, loss, ref_loss, ref_grads)
@@ -89,7 +58,7 @@ def test_loss_and_grads_match_transformers(kind: str, plan_name: str) -> None:
 def test_random_tier_lists_match(inner, kind, seq_len, batch) -> None:
     model = make_model(kind)
     ids, labels = make_batch(batch, seq_len, seed=seq_len)
-    ref_loss, ref_grads = reference(model, ids, labels)
+    ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     tiers = ["gpu", *inner, "gpu"]
     ex = Executor(model, Plan.from_tiers(model, tiers), EmulatedDevice(), head_chunk_tokens=4)
     assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
@@ -99,7 +68,7 @@ def test_random_tier_lists_match(inner, kind, seq_len, batch) -> None:
 def test_sdpa_attention_matches() -> None:
     model = make_model("llama", attn="sdpa")
     ids, labels = make_batch()
-    ref_loss, ref_grads = reference(model, ids, labels)
+    ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     ex = Executor(model, Plan.from_tiers(model, PLANS["megatrain-3"]), EmulatedDevice())
     assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
 
@@ -108,7 +77,7 @@ def test_chunk_with_no_labels_and_all_ignored() -> None:
     model = make_model("llama")
     ids, labels = make_batch(2, 9)
     labels[0, :] = -100  # a whole chunk (head_chunk_tokens=9) ignored
-    ref_loss, ref_grads = reference(model, ids, labels)
+    ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     ex = Executor(model, Plan.from_tiers(model, PLANS["all-cpu"]), EmulatedDevice(), head_chunk_tokens=9)
     assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
     model.zero_grad(set_to_none=True)
@@ -179,7 +148,7 @@ def test_deferred_update_runs_in_forward_order_before_each_groups_weights(kind: 
 def test_bf16_compute_tracks_fp32() -> None:
     model = make_model("llama")
     ids, labels = make_batch()
-    ref_loss, ref_grads = reference(model, ids, labels)
+    ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     ex = Executor(model, Plan.from_tiers(model, PLANS["mix-nvme"]), EmulatedDevice(),
                   compute_dtype=torch.bfloat16)
     loss = ex.forward_backward(ids, labels)
@@ -399,7 +368,7 @@ def test_kept_layers_match_transformers(kind: str, kept: int, tmp_path) -> None:
     layer's backward runs through its graph (no re-forward), its weights are streamed once."""
     model = make_model(kind)
     ids, labels = make_batch()
-    ref_loss, ref_grads = reference(model, ids, labels)
+    ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
     plan = Plan.from_tiers(model, KEPT[kept], kept_layers=kept)
     ex = Executor(model, plan, EmulatedDevice(nvme_dir=tmp_path), head_chunk_tokens=7)
     assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)

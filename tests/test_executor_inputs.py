@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import VOCAB, make_batch, make_model, num_label_tokens, pack, unpacked
+from tiny_models import VOCAB, assert_matches, make_batch, make_model, num_label_tokens, pack, reference, unpacked
 
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.errors import LazyTrainError
@@ -20,21 +20,6 @@ KINDS = ["llama", "qwen2", "qwen3", "mistral"]
 INNER = st.lists(st.sampled_from(["gpu", "cpu", "nvme", "recompute"]), min_size=NUM_LAYERS - 1,
                  max_size=NUM_LAYERS - 1)
 FEW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def reference(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-    ref = copy.deepcopy(model)
-    out = ref(**inputs)
-    out.loss.backward()
-    return float(out.loss.detach()), {n: p.grad.clone() for n, p in ref.named_parameters()}
-
-
-def assert_matches(model: torch.nn.Module, loss: float, ref_loss: float, ref_grads: dict, tol: float) -> None:
-    assert abs(float(loss) - ref_loss) <= tol * abs(ref_loss), (float(loss), ref_loss)
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        err = float((p.grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30))
-        assert err <= tol, f"{name}: relative error {err:.2e}"
 
 
 def executor(model: torch.nn.Module, inner: list[str], **kwargs) -> Executor:

@@ -7,13 +7,11 @@ Non-finite gradients are injected where a real one appears: in the host gradient
 
 from __future__ import annotations
 
-import json
 import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from lazytrain.runtime import store
 from lazytrain.train import train
 from lazytrain.train import trainer as trainer_module
 from lazytrain.train.checkpoint import incomplete_reason
+from lazytrain.train.metrics import read_rows
 
 RNG = random.Random(20261203)
 BASE = dict(model="debug", corpus="zen", batch_size=4, seq_len=32, lr=3e-3, warmup_steps=1, dtype="fp32",
@@ -64,10 +63,6 @@ def _instrument(monkeypatch, group: str, steps: set[int], value: float) -> list[
     return taken
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("mode", ["serial", "overlap"])
 @pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit", "8bit"])
 def test_a_non_finite_gradient_step_is_skipped_bit_for_bit(tmp_path, monkeypatch, optimizer, mode):
@@ -82,7 +77,7 @@ def test_a_non_finite_gradient_step_is_skipped_bit_for_bit(tmp_path, monkeypatch
         assert torch.equal(a, b)
     assert len(s1) == len(s2) and all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(p2, p3, strict=True))  # the run continues
-    rows = _rows(out)
+    rows = read_rows(out / "metrics.jsonl")
     assert rows[2]["skipped"] and group in rows[2]["skipped"] and rows[2]["loss"] is not None
     assert rows[3]["lr"] == rows[2]["lr"]  # the schedule did not move
     assert [r["skipped"] for r in rows].count(None) == 3
@@ -102,7 +97,8 @@ def test_three_non_finite_steps_in_a_row_stop_the_run_and_save_nothing_new(tmp_p
     assert "\n" not in err
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert incomplete_reason(out / "checkpoint-2") is None
-    assert [r["step"] for r in _rows(out) if r["skipped"]] == [3, 4, 5]  # the 3rd to 5th steps (1-based)
+    skipped = [r["step"] for r in read_rows(out / "metrics.jsonl") if r["skipped"]]
+    assert skipped == [3, 4, 5]  # the 3rd to 5th steps (1-based)
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143),
@@ -135,5 +131,5 @@ def test_a_signal_mid_run_saves_a_checkpoint_and_exits_with_one_line(tmp_path, s
     assert "\n" not in line and line.startswith(f"interrupted: {signal.Signals(signum).name} after step "), line
     step = int(line.split("after step ")[1].split(":")[0])
     assert (out / f"checkpoint-{step}").is_dir() and incomplete_reason(out / f"checkpoint-{step}") is None
-    assert len(_rows(out)) == step
+    assert len(read_rows(out / "metrics.jsonl")) == step
     assert not list(nvme.iterdir()), "spill files left behind"

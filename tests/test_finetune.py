@@ -16,6 +16,7 @@ import yaml
 
 from lazytrain.cli import main
 from lazytrain.data.tokenizer import train_bpe_tokenizer
+from lazytrain.train.metrics import read_rows
 
 RNG = random.Random(20261203)
 WORDS = "the cat sat on a mat and the dog ran to see what it was doing while birds sang all day long".split()
@@ -82,7 +83,7 @@ def test_fine_tune_a_model_directory_on_an_sft_file(tmp_path, capsys, family, fm
     printed = capsys.readouterr().out
     assert f"weights from {model_dir}" in printed and f"{fmt}: 32 train / 8 held-out examples" in printed
     out = tmp_path / "run"
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 and r["tokens"] > 0 for r in rows)
     ck = out / "checkpoint-3"
     tokenizer = transformers.AutoTokenizer.from_pretrained(ck)

@@ -28,6 +28,7 @@ from lazytrain.distributed import RankBatches, RankLost, Ranks  # noqa: E402
 from lazytrain.errors import LazyTrainError  # noqa: E402
 from lazytrain.plan.planner import resolve_batch  # noqa: E402
 from lazytrain.train import train  # noqa: E402
+from lazytrain.train.metrics import read_rows  # noqa: E402
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
 # (model, optimizer mode, nodes). Either mode: one host copy per node, the optimizer sharded over its ranks, each
@@ -63,10 +64,6 @@ def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
     for f in sorted(glob.glob(str(checkpoint / "*.safetensors"))):
         out.update(load_file(f))
     return out
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _torchrun(config: Path, out: Path, *extra: str) -> subprocess.Popen:
@@ -120,7 +117,7 @@ def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, mode
     goes on as if it had never stopped: the losses, every parameter and every optimizer state of checkpoint-5."""
     out, _ = two_rank_runs[model, mode, nodes]
     resumed = out.with_name(out.name + "-resumed")
-    rows, rows_resumed = _rows(out / "metrics.jsonl"), _rows(resumed / "metrics.jsonl")
+    rows, rows_resumed = read_rows(out / "metrics.jsonl"), read_rows(resumed / "metrics.jsonl")
     assert [r["step"] for r in rows_resumed] == [3, 4, 5]
     for a, b in zip(rows[2:], rows_resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"])
@@ -150,7 +147,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     g = WORLD // nodes
     assert f"shared by the {g} ranks of this node; rank 0 steps" in output
     assert "rank 1 steps" in (two / "rank-1" / "console.log").read_text()  # rank 1's lines: its own file
-    rows_one, rows_two = _rows(one.output_dir / "metrics.jsonl"), _rows(two / "metrics.jsonl")
+    rows_one, rows_two = read_rows(one.output_dir / "metrics.jsonl"), read_rows(two / "metrics.jsonl")
     assert [r["step"] for r in rows_two] == list(range(1, JOB["max_steps"] + 1))
     for a, b in zip(rows_one, rows_two, strict=True):
         assert b["tokens"] == a["tokens"]  # the global token count, summed over the ranks
@@ -185,7 +182,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
         assert all(set(shard[k]["state"]) <= set(sd_one["state"]) for shard in shards)
     # rank 0 writes the export and the trainer state: rank 1 logs under rank-1/ and makes no checkpoint of its own
     assert not list((two / "rank-1").glob("checkpoint-*"))
-    assert _rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
+    assert read_rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
     # the same losses: one plot, by rank 0 (with the viz extra; the README's `.[test]` install has no matplotlib)
     assert (two / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert not (two / "rank-1" / "loss.png").exists()
@@ -676,7 +673,7 @@ def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path, mode, accu
         assert "resume   from" in stdout
     one = train(load_job_config(dict(job, per_device_train_batch_size=JOB["per_device_train_batch_size"] * WORLD,
                                      output_dir=str(tmp_path / "one"))))
-    for a, b in zip(_rows(one.output_dir / "metrics.jsonl"), _rows(out / "metrics.jsonl"), strict=True):
+    for a, b in zip(read_rows(one.output_dir / "metrics.jsonl"), read_rows(out / "metrics.jsonl"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
     expected, got = _params(one.output_dir / "checkpoint-5"), _params(out / "checkpoint-5")

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from lazytrain.config import JobConfig, load_job_config  # noqa: E402  (after the importorskip guards)
 from lazytrain.train import train  # noqa: E402
+from lazytrain.train.metrics import read_rows  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "train_loss.json"
 RNG = random.Random(20261202)
@@ -38,15 +39,11 @@ def job(**values) -> JobConfig:
     return load_job_config(values)
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_cli_run_writes_metrics_plan_and_a_loadable_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--steps", "3", "--output-dir", str(out), *TINY]) == 0
     printed = capsys.readouterr().out
-    rows = _rows(out / "metrics.jsonl")
+    rows = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps count from 1, as the HF Trainer's global_step
     for r in rows:
         assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["step_s"] > 0
@@ -308,7 +305,7 @@ def test_optimizer_choice_sets_the_state_bytes(optimizer, lo, hi):
 def test_cuda_run_uses_the_gpu(tmp_path, capsys):
     assert main(["train", "--steps", "3", "--device", "auto", "--output-dir", str(tmp_path / "run"), *TINY]) == 0
     assert "CudaDevice" in capsys.readouterr().out
-    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    rows = read_rows(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
 
 

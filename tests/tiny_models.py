@@ -1,6 +1,9 @@
-"""Tiny random-weight causal LMs of every supported family, and batches for them (shared by the executor tests)."""
+"""Tiny random-weight causal LMs of every supported family, batches for them, and the plain transformers
+forward/backward every executor test compares with (loss and every gradient)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import transformers as tf
@@ -65,7 +68,7 @@ def random_labels(ids: torch.Tensor, gen: torch.Generator, ignore_fraction: floa
     return labels
 
 
-def make_batch(batch: int, seq_len: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(batch: int = 3, seq_len: int = 11, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch, seq_len), generator=gen)
     return ids, random_labels(ids, gen)
@@ -103,3 +106,21 @@ def unpacked(examples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         mask[r, :len(e)] = 1
     labels = ids.masked_fill(mask == 0, -100)
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def reference(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and every parameter's gradient of the model's own forward/backward, on a copy of it."""
+    ref = copy.deepcopy(model)
+    out = ref(**inputs)
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def assert_matches(model: torch.nn.Module, loss: float, ref_loss: float, ref_grads: dict[str, torch.Tensor],
+                   tol: float = 1e-5) -> None:
+    """The loss and every gradient within `tol` (relative; a gradient by its norm) of `reference`'s."""
+    assert abs(float(loss) - ref_loss) <= tol * abs(ref_loss), (float(loss), ref_loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        err = float((p.grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30))
+        assert err <= tol, f"{name}: relative error {err:.2e}"
