@@ -84,7 +84,6 @@ from lazytrain.viz import write_trace
 
 # Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
 # never ignored.
-EXACT_MATCH_NEW_TOKENS = 40  # a solution ("... so 7 + 5 = 12. The answer is 12.") is ~35 tokens
 NOT_YET = ("hardware", "cpu_mem_bytes")
 
 @dataclass(frozen=True)
