@@ -27,7 +27,7 @@ from lazytrain.costmodel.workload import Workload
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.sim import simulate
 
-# reference §4: MegaTrain, fixed interval 4, DeepSpeed CPUAdam, H800, seq 1024
+# the MegaTrain baseline rows of LazyTrain (arXiv 2608.11919): fixed interval 4, DeepSpeed CPUAdam, H800, seq 1024
 ROWS = [  # model, batch, TFLOPS, GPU GB, CPU GB, tok/s
     ("qwen2.5-3b", 192, 142.80, 35.72, 49.31, 7933),
     ("qwen2.5-7b", 144, 161.35, 43.26, 95.74, 3842),

@@ -1,5 +1,5 @@
-"""Checkpoints (Contract 5): the layout, exact resume (also after SIGKILL), truncated checkpoints, rotation, a failed
-save that leaves the previous checkpoint intact, and the output-directory rules."""
+"""Checkpoints (Contract 5, docs/architecture.md): the layout, exact resume (also after SIGKILL), truncated
+checkpoints, rotation, a failed save that leaves the previous checkpoint intact, and the output-directory rules."""
 
 from __future__ import annotations
 

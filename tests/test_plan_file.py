@@ -1,4 +1,5 @@
-"""Plan files (Contract 1) made by the planners: round trip, refusal of a foreign plan, malformed files."""
+"""Plan files (Contract 1, docs/architecture.md) made by the planners: round trip, refusal of a foreign plan,
+malformed files."""
 
 from __future__ import annotations
 

@@ -239,8 +239,8 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 
 # ---- presets ------------------------------------------------------------------------------------
 # matmul_tflops / optimizer_gparams_per_s of h800 are calibrated by benchmarks/calibrate.py against the
-# published MegaTrain H800 rows (reference §4); h100/h200 share the H800's compute die, so they reuse its
-# achieved rate. Link rates: H800 as measured in the paper (12 GB/s per direction); the others are
+# MegaTrain H800 rows published with LazyTrain (arXiv 2608.11919); h100/h200 share the H800's compute die, so
+# they reuse its achieved rate. Link rates: H800 as measured in the paper (12 GB/s per direction); the others are
 # typical pinned-memory rates, stated below. mem_gbps: datasheet HBM bandwidth x 0.8 (achievable).
 # Collective links (per GPU, per direction): H800 as DeepSeek-V3's report states its H800 cluster (arXiv
 # 2412.19437 §3.2.2: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); H100/H200 NVLink 4 = 900 GB/s bidirectional

@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser)
     a = parser.add_argument_group("plan command").add_argument
-    a("--json", metavar="PATH", help="write the plan file (Contract 1) here; the path is checked before solving")
+    a("--json", metavar="PATH", help="write the plan file (Contract 1 in docs/architecture.md) here; the path is "
+                                           "checked before solving")
     a("--max-batch", action="store_true", help="report the largest feasible batch for the MILP and each rule "
       "(per_device_train_batch_size: auto plans at the largest batch instead)")
     a("--timeline", metavar="PNG", help="draw the predicted step program, lane by lane, to this picture")

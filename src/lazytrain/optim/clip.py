@@ -1,4 +1,4 @@
-"""Fast gradient clipping (paper section 3): per-tensor norms, global norm.
+"""Fast gradient clipping (LazyTrain, arXiv 2608.11919): per-tensor norms, global norm.
 
 Contiguous fp32 CPU gradients (the usual case) go through a numba sum-of-squares kernel (float64
 accumulation: no fp32 overflow, no rounding drift on long sums) on torch's OpenMP threads, like the

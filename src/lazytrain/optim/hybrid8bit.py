@@ -1,4 +1,4 @@
-"""Hybrid 8-bit AdamW (paper section 3): block-wise 8-bit states for a slice of the parameters, fp32
+"""Hybrid 8-bit AdamW (LazyTrain, arXiv 2608.11919): block-wise 8-bit states for a slice of the parameters, fp32
 AdamW for the rest, the clip coefficient fused into the update, non-finite steps skipped.
 
 Why: the optimizer runs on the host over every parameter every step and its fp32 states (8 bytes per

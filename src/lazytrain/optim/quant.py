@@ -1,6 +1,6 @@
 """Block-wise dynamic 8-bit quantization of AdamW states, and the fused CPU update kernel.
 
-Maps (paper section 3: dynamic quantization, one absmax per block; value = map[code] * absmax):
+Maps (LazyTrain, arXiv 2608.11919: dynamic quantization, one absmax per block; value = map[code] * absmax):
 
 - first moment m, signed map: map = sign * (k / 127)^2 for k = 0..127, stored in offset order so the
   256-entry table is sorted: code 128 + k is +(k/127)^2, code 127 - k is -(k/127)^2 (codes 127 and

@@ -1,7 +1,8 @@
 """The MILP: place every layer boundary on gpu / cpu / nvme / recompute so that the step is shortest.
 
-The placement part follows LazyTrain §2 (reference/lazytrain-paper.md); the time part is the step program
-(plan/schedule.py) written as a sum of windows, so the objective *is* the simulated step (issue 10).
+The placement part follows the LazyTrain paper's scheduling model (arXiv 2608.11919; docs/planner.md); the time
+part is the step program (plan/schedule.py) written as a sum of windows, so the objective *is* the simulated step
+(issue 10).
 
 Index sets
     j in J = {0..L-1}          layers; layer j maps boundary j -> j+1
@@ -1086,7 +1087,7 @@ def solve_milp(cost: CostModel, budgets: Budgets | None = None, *, max_segment: 
                fixed_tiers: Sequence[str] | None = None, start_tiers: Sequence[str] | None = None,
                deadline_s: float | None = None, optimizer_mode: str = "overlap",
                topology: Topology = ONE_RANK, kept_layers: int | None = None, start_kept: int = 0) -> Plan:
-    """Solve the MILP for a CostModel under Budgets and return the Plan (Contract 1); its report's
+    """Solve the MILP for a CostModel under Budgets and return the Plan (Contract 1, docs/architecture.md); its report's
     `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode` on one rank of `topology`.
     kept_layers: K fixed, or None: the MILP decides how many layers keep their graphs."""
     inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode, topology=topology)

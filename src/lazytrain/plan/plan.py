@@ -1,4 +1,4 @@
-"""The Plan: where every layer boundary's activation lives during a step (Contract 1).
+"""The Plan: where every layer boundary's activation lives during a step (Contract 1, docs/architecture.md).
 
 Boundaries are 0..L: boundary 0 is the input of layer 0 (the embedding output), boundary i the
 output of layer i-1, boundary L the last layer's output. Each boundary has one tier:

@@ -1,4 +1,4 @@
-"""The step program (Contract 2): one training step of a Plan as ops on lanes, written once.
+"""The step program (Contract 2, docs/architecture.md): one training step of a Plan as ops on lanes, written once.
 
 The executor runs it (`lazytrain.runtime.executor`), the simulator times it on a CostModel (`plan/sim.py`),
 the device-memory count walks its alloc/free actions (`StepProgram.device_peak_bytes`) and the MILP adds up its

@@ -1,4 +1,5 @@
-"""The executor: runs one plan's training step exactly, streaming layers through a device (Contract 3).
+"""The executor: runs one plan's training step exactly, streaming layers through a device (Contract 3,
+docs/architecture.md).
 
 `Executor` holds what lives across steps: the model's weight groups in their host layout (runtime/store.py),
 the plan, the deferred optimizer update, and the step's byte sizes (`shapes`: runtime/shapes.py, a CostModel's

@@ -1,4 +1,5 @@
-"""One step of a plan in progress: its state and the interpretation of its step program (Contract 2).
+"""One step of a plan in progress: its state and the interpretation of its step program (Contract 2 of
+docs/architecture.md).
 
 `Step` runs the program's actions in order (plan/schedule.py) -- issue a job on a lane (h2d, d2h, nvme_read,
 nvme_write, optimizer), run a compute op, wait for a job (the seconds waited are that lane's stall), alloc/free

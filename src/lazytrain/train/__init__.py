@@ -5,7 +5,7 @@ The package, in the order a run uses it (torchtitan's components behind a short 
   build.py       model, device and executor builders
   planning.py    `plan_run`: calibrate on this machine, plan, remember the plan
   optimizer.py   the host optimizer, its learning-rate schedule, the non-finite step policy
-  checkpoint.py  the output directory and checkpoints (Contract 5)
+  checkpoint.py  the output directory and checkpoints (Contract 5, docs/architecture.md)
   metrics.py     report lines, metrics.jsonl, tensorboard, loss.png
   signals.py     SIGINT / SIGTERM: finish the step, save, exit 130 / 143
   trainer.py     build -> loop -> close, and `train_step`

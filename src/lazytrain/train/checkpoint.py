@@ -1,4 +1,5 @@
-"""The output directory and checkpoints (Contract 5): written whole or not at all, resumed exactly.
+"""The output directory and checkpoints (Contract 5, docs/architecture.md): written whole or not at all, resumed
+exactly.
 
     output_dir/checkpoint-<step>/
         config.json, generation_config.json        the model, in the compute dtype, that
