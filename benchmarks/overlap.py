@@ -40,7 +40,8 @@ def group_stepper(ex: Executor, slow_s: float, seconds: dict[int, list[float]]):
     def update(index: int) -> None:
         t0 = time.perf_counter()
         time.sleep(slow_s)
-        step_param_groups(opt, [index])
+        with ex.group_grads(index):
+            step_param_groups(opt, [index])
         for p in opt.param_groups[index]["params"]:
             p.grad = None
         seconds.setdefault(index, []).append(time.perf_counter() - t0)

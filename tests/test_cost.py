@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lazytrain.costmodel.cost import CostModel, mean_keys_per_query
+from lazytrain.costmodel.cost import UPDATE_CHUNK_NUMEL, CostModel, mean_keys_per_query
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.workload import Workload
@@ -114,17 +114,22 @@ def test_optimizer_modes_change_states_and_time() -> None:
     executor = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True)
     streamed = n - (0 if spec.tie_word_embeddings else spec.embedding_params)
     embedding = n - streamed
-    largest = max(*spec.layer_params, spec.head_params)
+    # the update's chunks (optim/chunked.py): a tensor is at most its group, a chunk at most UPDATE_CHUNK_NUMEL
+    chunk = min(UPDATE_CHUNK_NUMEL, max(*executor.streamed_group_params, embedding))
     # fp32 masters, a bf16 copy and bf16 gradients of every streamed group (the untied embedding's gradient in
-    # fp32), one fp32 cast buffer for the largest group: 8 B/param + states
-    assert executor.static_host_bytes() == (4 * n + 2 * streamed + 2 * streamed + 4 * embedding + 4 * largest
+    # fp32), fp32 chunks of the cast gradient: 8 B/param + states + a constant
+    assert executor.static_host_bytes() == (4 * n + 2 * streamed + 2 * streamed + 4 * embedding + 4 * chunk
                                             + fp32.optimizer_state_bytes())
     bf16_masters = CostModel(spec, hw, Workload(1, 16, "bf16"), "8bit", executor_layout=True,
-                             master_weights="bf16")  # the bf16 weights are streamed; bf16 gradients
-    assert bf16_masters.static_host_bytes() == (2 * n + 2 * n + 8 * max(largest, embedding)
-                                                + q8.optimizer_state_bytes())
+                             master_weights="bf16")  # the bf16 weights are streamed; bf16 gradients; fp32 chunks
+    assert bf16_masters.static_host_bytes() == 2 * n + 2 * n + 8 * chunk + q8.optimizer_state_bytes()
     accumulating = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True, grad_accumulation=4)
-    assert accumulating.static_host_bytes() == executor.static_host_bytes() + 4 * streamed - 4 * largest
+    assert accumulating.static_host_bytes() == executor.static_host_bytes() + 4 * streamed  # the same chunks
+    big = ModelSpec.load("qwen2.5-7b")  # no transient the size of the largest group: 7B at 10.03 / 6.04 B/param
+    for masters, per_param in (("fp32", 10.033), ("bf16", 6.036)):
+        layout = CostModel(big, hw, Workload(1, 16, "bf16"), "8bit", executor_layout=True, master_weights=masters)
+        assert layout.static_host_bytes() / big.num_params == pytest.approx(per_param, abs=1e-3)
+        assert layout.host_breakdown()["update_scratch"] <= 8 * UPDATE_CHUNK_NUMEL
 
 
 def test_throughput_conventions() -> None:

@@ -22,6 +22,12 @@ from lazytrain.train.optimizer import build_optimizer, optimizer_step, step_para
 NUM_LAYERS = 6
 
 
+def _step_exposed(ex: Executor, opt: torch.optim.Optimizer, index: int) -> None:
+    """A deferred update reading `.grad`s: `step_param_groups` on the group its gradients are exposed for."""
+    with ex.group_grads(index):
+        step_param_groups(opt, [index])
+
+
 def megatrain(num_layers: int, interval: int) -> list[str]:
     return ["gpu" if i % interval == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
 
@@ -122,7 +128,8 @@ def test_deferred_update_runs_in_forward_order_before_each_groups_weights(kind: 
     def update(index: int) -> None:
         seen.append(index)
         time.sleep(0.01)  # slow: the forward must wait for it
-        step_param_groups(opt, [index])
+        with ex.group_grads(index):  # `.grad` in the masters' dtype
+            step_param_groups(opt, [index])
         for p in opt.param_groups[index]["params"]:
             p.grad = None
 
@@ -397,7 +404,7 @@ def test_kept_layers_are_bitwise_the_streamed_step(kept: int) -> None:
             for micro in range(2):
                 ids, labels = make_batch(3, 7, seed=10 * step + micro)
                 losses.append(ex.forward_backward(ids, labels, loss_scale=0.5, last_micro_batch=micro == 1))
-            ex.defer_update(functools.partial(lambda opt, index: step_param_groups(opt, [index]), opt))
+            ex.defer_update(functools.partial(_step_exposed, ex, opt))
         grads = [g.clone() for index in range(len(ex.param_groups())) for g in ex.gradients(index)]
         ex.drain()
         results.append((losses, grads, [p.detach().clone() for p in model.parameters()]))

@@ -27,10 +27,10 @@ Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_m
             figures (CPU base 1321 GiB hybrid vs 683 GiB all 8-bit) within 2.5%. `executor_layout=True`
             counts what the executor and optimizer allocate (what `lazytrain plan` and `lazytrain train`
             both admit by; see host_breakdown): per parameter, states excluded, gradient accumulation 1,
-            bf16 compute: fp32 masters 4 + bf16 streamed copy 2 + bf16 gradients 2 = 8 (+ a transient fp32
-            cast of the largest group); bf16 masters 2 + 2 = 4 (+ the optimizer's fp32 working copies of
-            the largest group); fp32 compute 4 + 4 = 8. Accumulating micro-batches adds an fp32 sum of
-            every streamed group's gradient (4 B/param), so the sum is exact.
+            bf16 compute: fp32 masters 4 + bf16 streamed copy 2 + bf16 gradients 2 = 8; bf16 masters 2 + 2
+            = 4; fp32 compute 4 + 4 = 8; plus the update's chunk buffers, a constant (<= 40 MiB) whatever the
+            model. Accumulating micro-batches adds an fp32 sum of every streamed group's gradient (4 B/param),
+            so the sum is exact.
     device: 2 weight slots + 2 gradient slots (each the largest layer), the largest working set, 2 boundary-gradient
             buffers (static part); boundary activations come and go, and so do the loss head's own weight and
             gradient slots when it is larger than a layer (head_slot_bytes each: the step program allocates them
@@ -53,6 +53,7 @@ from lazytrain.errors import LazyTrainError
 OPTIMIZERS = ("fp32", "hybrid", "8bit")
 HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid"
 QUANT_BLOCK = 256  # elements per absmax block of the 8-bit states (bitsandbytes' current block size)
+UPDATE_CHUNK_NUMEL = 1 << 22  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
 LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk_gated_delta_rule)
 # Whose chunked delta rule a linear-attention layer runs: flash-linear-attention's fused kernels (what
 # transformers uses on a GPU when `fla` is installed) or transformers' torch fallback (the CPU).
@@ -449,11 +450,10 @@ class CostModel:
                          embedding's gradient in its masters' dtype
         grad_sum         gradient accumulation > 1 (or a tied head in bf16, whose gradient adds the LM
                          head's and the embedding's): an fp32 sum per group, so the sum is exact
-        grad_cast        where a group's gradient dtype is not its masters' (bf16 landing, fp32 masters; an
-                         fp32 sum, bf16 masters): one transient buffer for the largest streamed group, into
-                         which the optimizer casts each group in turn
-        optimizer_work   bf16 masters: Hybrid8bitAdamW's fp32 working copies of a group's weights and
-                         gradients while it updates that group (8 B/param of the largest group)
+        update_scratch   the update's chunk buffers (optim/chunked.py): fp32 gradient chunks where a gradient is
+                         cast (bf16 landing, fp32 masters) or clipped apart from the kept one (torch's AdamW), and
+                         with bf16 masters fp32 weight chunks and a bf16 chunk of an fp32 sum; at most
+                         UPDATE_CHUNK_NUMEL elements each, whatever the largest group (no transient grows with it)
         optimizer_states Adam's moments (optimizer_state_bytes)
         """
         spec, c = self.spec, self.dtype_bytes
@@ -468,14 +468,17 @@ class CostModel:
         landing_groups = [] if accumulating else streamed_groups[:-1] if summed else streamed_groups
         # a group is cast when its kept gradient's dtype (c where it lands, 4 where summed) is not the masters'
         casts = (bool(landing_groups) and c != m) or (bool(fp32_sum_groups) and m != 4)
-        largest = max(streamed_groups)
+        chunk = min(UPDATE_CHUNK_NUMEL, max(*streamed_groups, embedding))  # a tensor is at most its group
+        # fp32 gradient chunks (cast, clipped by torch's AdamW apart from the kept gradient, or a bf16 master's), fp32
+        # weight chunks of bf16 masters, and a bf16 chunk of an fp32 sum they round to first
+        grad_chunks = casts or self.optimizer == "fp32" or m == 2
+        per_element = 4 * grad_chunks + (4 + 2 * bool(fp32_sum_groups) if m == 2 else 0)
         return {
             "weights": m * n,
             "streamed_copy": streamed * c if c != m else 0,
             "grads": streamed * c + embedding * m,
             "grad_sum": 4 * summed,
-            "grad_cast": m * largest if casts else 0,
-            "optimizer_work": 8 * max(largest, embedding) if m == 2 else 0,
+            "update_scratch": per_element * chunk,
             "optimizer_states": self.optimizer_state_bytes(),
         }
 

@@ -43,13 +43,13 @@ PARALLEL_MIN_NUMEL = 1 << 16  # smaller tensors are rounded on the calling threa
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _round_bits(src, dst, key, start, end):  # pragma: no cover - compiled
+def _round_bits(src, dst, key, offset, start, end):  # pragma: no cover - compiled
     """dst[i] = upper 16 bits of (bits(src[i]) + 16 random bits) for i in [start, end): round toward zero
     or away from it with probability given by the discarded low bits (sign-magnitude: unbiased for
-    negatives too)."""
+    negatives too). The bits hash element i + offset: a slice of a tensor rounds as the whole tensor would."""
     mask = np.uint64(_MASK32)
     for i in range(start, end):
-        x = (np.uint64(i) * np.uint64(0x9E3779B1) + key) & mask  # counter -> hash input
+        x = (np.uint64(i + offset) * np.uint64(0x9E3779B1) + key) & mask  # counter -> hash input
         x ^= x >> np.uint64(16)
         x = (x * np.uint64(0x7FEB352D)) & mask
         x ^= x >> np.uint64(15)
@@ -61,7 +61,7 @@ def _round_bits(src, dst, key, start, end):  # pragma: no cover - compiled
 #: Arguments of the rounding kernel (addresses from ndarray.ctypes.data); work items are element ranges.
 _ROUND_ARGS = np.dtype(
     [("next_item", np.int64), ("src", np.int64), ("dst", np.int64), ("numel", np.int64), ("chunk", np.int64),
-     ("key", np.uint64)],
+     ("key", np.uint64), ("offset", np.int64)],
     align=True,
 )
 
@@ -74,7 +74,7 @@ def _round_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernel)
         first = fetch_add(data, a.chunk)
         if first >= a.numel:
             return
-        _round_bits(src, dst, a.key, first, min(a.numel, first + a.chunk))
+        _round_bits(src, dst, a.key, a.offset, first, min(a.numel, first + a.chunk))
 
 
 @cache
@@ -82,9 +82,10 @@ def _kernel() -> CFunc:
     return cfunc(types.void(types.voidptr), cache=True, error_model="numpy")(_round_kernel)
 
 
-def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int) -> None:
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int, offset: int = 0) -> None:
     """Write fp32 `src` into bf16 `dst` (same shape, contiguous host tensors) with stochastic rounding, on
-    torch's OpenMP threads for large tensors (parallel.py); the result does not depend on the thread count."""
+    torch's OpenMP threads for large tensors (parallel.py); the result does not depend on the thread count.
+    `offset`: where `src` starts in the tensor it is a slice of (its elements draw that tensor's bits)."""
     if not (dst.dtype == torch.bfloat16 and src.dtype == torch.float32 and dst.shape == src.shape
             and dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("stochastic_round_: needs contiguous host tensors, fp32 source and bf16 destination")
@@ -93,5 +94,5 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int) -> None:
     n = bits.size
     n_threads = 1 if n < PARALLEL_MIN_NUMEL else num_threads()
     chunk = max(4096, -(-n // (8 * n_threads)))
-    args = np.array([(0, bits.ctypes.data, out.ctypes.data, n, chunk, key & _MASK32)], dtype=_ROUND_ARGS)
+    args = np.array([(0, bits.ctypes.data, out.ctypes.data, n, chunk, key & _MASK32, offset)], dtype=_ROUND_ARGS)
     run_parallel(_kernel(), args, n_threads)

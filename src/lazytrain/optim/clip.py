@@ -37,6 +37,21 @@ def per_tensor_sq_norms(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     return _torch_norms(grads).square()
 
 
+def per_tensor_sq_norms_fp32(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """`per_tensor_sq_norms` of the gradients' fp32 casts, bit for bit, without making them: bf16 gradients (of fp32
+    master weights, as they landed) are read as their fp32 values in place."""
+    grads = [g for g in grads]
+    arrays = []
+    for g in grads:
+        if g.dtype not in (torch.float32, torch.bfloat16) or g.device.type != "cpu" or not g.is_contiguous():
+            return per_tensor_sq_norms([x.float() for x in grads])
+        flat = g.detach().reshape(-1)
+        arrays.append(flat.numpy() if g.dtype == torch.float32 else flat.view(torch.int16).numpy().view(np.uint16))
+    if not arrays:
+        return torch.zeros(0)
+    return torch.from_numpy(sq_sums_f64(arrays)).to(torch.float32)
+
+
 def _host_fp32_arrays(grads: list[torch.Tensor]) -> list[np.ndarray] | None:
     """Flat numpy views of the gradients when all are dense contiguous fp32 CPU tensors, else None."""
     for g in grads:

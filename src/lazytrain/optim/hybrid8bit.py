@@ -44,6 +44,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.bf16 import rounding_key, stochastic_round_
+from lazytrain.optim.chunked import Scratch, chunk_ranges
 from lazytrain.optim.clip import _exact_norm, clip_coefficient, global_grad_norm
 from lazytrain.optim.quant import M_ZERO_CODE, adamw8bit_reference_, adamw8bit_step_
 
@@ -108,6 +109,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self._eightbit_numel = 0
         self._total_numel = 0
+        self._scratch = Scratch()  # fp32 chunks of bf16 masters and of casted gradients (optim/chunked.py)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -209,60 +211,79 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         return clip_coefficient(total, self.max_grad_norm)
 
     @torch.no_grad()
-    def step_group(self, group_index: int, clip_coef: float = 1.0) -> None:
+    def step_group(self, group_index: int, clip_coef: float = 1.0,
+                   grads: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Update the parameters of one param group with gradients scaled by clip_coef (<= 1).
 
-        Parameters without a gradient are left alone. fp32-state parameters use torch's fused
-        AdamW (their gradients are divided by 1/clip_coef in place when clip_coef < 1); 8-bit ones
-        use the fused 8-bit kernel, which leaves gradients untouched. bf16 parameters are updated in
-        fp32 copies (gradients too) and rounded back stochastically; their gradients are left alone.
+        grads: each parameter's gradient (any float dtype, e.g. a view of the executor's kept bf16 gradient); None =
+        `.grad`. Parameters without a gradient are left alone. fp32 parameters with fp32 gradients go straight to
+        torch's fused AdamW (fp32 states; their gradients are divided by 1/clip_coef in place when clip_coef < 1)
+        or the fused 8-bit kernel (which leaves gradients untouched). Any other pair (bf16 masters, or a bf16
+        gradient of fp32 masters) is updated chunk by chunk in fp32 copies (optim/chunked.py: transients bounded
+        by a constant, bit for bit the whole-tensor update), bf16 weights rounded back stochastically; the given
+        gradients are left alone.
         """
         group = self.param_groups[group_index]
         beta1, beta2 = group["betas"]
+        grad_scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
         fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps = [], [], [], [], []
-        rounded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bf16 parameter, its fp32 working copy)
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad if grads is None else grads.get(p)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise ValueError("Hybrid8bitAdamW does not support sparse gradients")
             st = self.state[p]
-            param, grad = p, p.grad
-            if p.dtype == torch.bfloat16:
-                param, grad = p.detach().float(), p.grad.float()
-                rounded.append((p, param))
-            if not st["eightbit"]:
-                fp32_p.append(param)
+            if p.dtype != torch.float32 or grad.dtype != torch.float32:
+                st["step"] += 1
+                self._step_chunked(p, grad, st, group, clip_coef, grad_scale)
+            elif st["eightbit"]:
+                st["step"] += 1
+                self._step_8bit(p, grad, st, group, clip_coef)
+            else:
+                fp32_p.append(p)
                 fp32_g.append(grad)
                 fp32_m.append(st["exp_avg"])
                 fp32_v.append(st["exp_avg_sq"])
                 fp32_steps.append(st["step"])
-                continue
-            st["step"] += 1
-            update = adamw8bit_reference_ if self.use_reference else adamw8bit_step_
-            update(
-                param,
-                grad,
-                st["qm"],
-                st["qv"],
-                st["absmax_m"],
-                st["absmax_v"],
-                block_size=self.block_size,
-                clip_coef=clip_coef,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=int(st["step"].item()),
-            )
         if fp32_p:
-            grad_scale = None if clip_coef >= 1.0 else torch.tensor(1.0 / clip_coef, dtype=torch.float32)
             torch._foreach_add_(fp32_steps, 1)
             _fused_adamw(fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps, group, beta1, beta2, grad_scale)
-        for p, param in rounded:
-            step = int(self.state[p]["step"].item())
-            stochastic_round_(p, param, rounding_key(self.seed, self._index[p], step))
+
+    def _step_8bit(self, p: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], group: dict[str, Any],
+                   clip_coef: float) -> None:
+        """The fused 8-bit kernel on fp32 `p` (a tensor or a chunk of one) and the matching slices of its states."""
+        beta1, beta2 = group["betas"]
+        update = adamw8bit_reference_ if self.use_reference else adamw8bit_step_
+        update(p, grad, st["qm"], st["qv"], st["absmax_m"], st["absmax_v"], block_size=self.block_size,
+               clip_coef=clip_coef, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+               weight_decay=group["weight_decay"], step=int(st["step"].item()))
+
+    def _step_chunked(self, p: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], group: dict[str, Any],
+                      clip_coef: float, grad_scale: torch.Tensor | None) -> None:
+        """One tensor whose update needs fp32 copies, CHUNK_NUMEL elements at a time (step already counted)."""
+        beta1, beta2 = group["betas"]
+        if not p.is_contiguous():  # fp32 masters laid out by someone else, so fp32 states: one whole-tensor cast
+            _fused_adamw([p], [grad.float()], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], group, beta1, beta2,
+                         grad_scale)
+            return
+        bs, bf16 = self.block_size, p.dtype == torch.bfloat16
+        step = int(st["step"].item())
+        flat_p, flat_g = p.detach().view(-1), grad.detach().reshape(-1)
+        for start, end in chunk_ranges(p.numel()):
+            g = self._scratch.grad(flat_g[start:end], p.dtype)
+            w = self._scratch.param(flat_p[start:end]) if bf16 else flat_p[start:end]
+            if st["eightbit"]:
+                first, last = start // bs, -(-end // bs)  # chunks start on block boundaries
+                chunk_states = {"qm": st["qm"][start:end], "qv": st["qv"][start:end],
+                                "absmax_m": st["absmax_m"][first:last], "absmax_v": st["absmax_v"][first:last],
+                                "step": st["step"]}
+                self._step_8bit(w, g, chunk_states, group, clip_coef)
+            else:
+                _fused_adamw([w], [g], [st["exp_avg"].view(-1)[start:end]], [st["exp_avg_sq"].view(-1)[start:end]],
+                             [st["step"]], group, beta1, beta2, grad_scale)
+            if bf16:
+                stochastic_round_(flat_p[start:end], w, rounding_key(self.seed, self._index[p], step), offset=start)
 
     @torch.no_grad()
     def step(

@@ -171,6 +171,7 @@ _I0 = np.int32(0)
 _I1 = np.int32(1)
 _I128 = np.int32(128)
 _I255 = np.int32(255)
+_I16 = np.int32(16)
 _I31 = np.int32(31)
 _IV = np.int32(V_LEVELS)
 
@@ -452,7 +453,20 @@ def _sq_sum(x, start, end):  # pragma: no cover - compiled
     return acc
 
 
-#: Arguments of the sum-of-squares kernel: chunks (address, start, end) of fp32 arrays, one sum each.
+@njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _sq_sum_bf16(x, start, end):  # pragma: no cover - compiled
+    """`_sq_sum` of bf16 values given as their uint16 bits: each read as its exact fp32 value (the bits shifted
+    up), so the sums equal those of an fp32 cast, without the cast."""
+    xs = x[start:end]
+    acc = 0.0
+    for j in range(xs.size):
+        v = np.float64(_i2f(np.int32(xs[j]) << _I16))
+        acc += v * v
+    return acc
+
+
+#: Arguments of the sum-of-squares kernel: chunks (address, start, end, bf16) of fp32 arrays (bf16: 0) or of
+#: uint16 arrays of bf16 bits (bf16: 1), one sum each.
 _NORM_ARGS = np.dtype(
     [("next_item", np.int64), ("chunks", np.int64), ("n_chunks", np.int64), ("sums", np.int64)], align=True
 )
@@ -460,35 +474,38 @@ _NORM_ARGS = np.dtype(
 
 def _sq_sum_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernels)
     a = carray(data, 1, _NORM_ARGS)[0]
-    chunks = carray(address(a.chunks), (a.n_chunks, 3), np.int64)
+    chunks = carray(address(a.chunks), (a.n_chunks, 4), np.int64)
     sums = carray(address(a.sums), a.n_chunks, np.float64)
     while True:
         i = fetch_add(data, 1)
         if i >= a.n_chunks:
             return
-        x = carray(address(chunks[i, 0]), chunks[i, 2], np.float32)
-        sums[i] = _sq_sum(x, chunks[i, 1], chunks[i, 2])
+        if chunks[i, 3]:
+            sums[i] = _sq_sum_bf16(carray(address(chunks[i, 0]), chunks[i, 2], np.uint16), chunks[i, 1], chunks[i, 2])
+        else:
+            sums[i] = _sq_sum(carray(address(chunks[i, 0]), chunks[i, 2], np.float32), chunks[i, 1], chunks[i, 2])
 
 
 def sq_sums_f64(arrays: list[np.ndarray]) -> np.ndarray:
-    """Sum of squares of each flat fp32 array (float64, shape (len(arrays),)), on torch's OpenMP threads.
+    """Sum of squares of each flat fp32 array (float64, shape (len(arrays),)), on torch's OpenMP threads; a uint16
+    array holds bf16 bits and is summed as its fp32 values (exactly what its fp32 cast would give).
 
     Why not torch._foreach_norm: float64 accumulation (no fp32 overflow, no ~1e-4 rounding on long
     sums), and one pass with the same launch as the 8-bit step. Arrays >= PARALLEL_MIN_NUMEL are
     split into chunks spread over the threads.
     """
-    if not all(a.dtype == np.float32 and a.ndim == 1 and a.flags.c_contiguous for a in arrays):
-        raise ValueError("sq_sums_f64 reads flat contiguous float32 arrays only")  # the kernel trusts addresses
+    if not all(a.dtype in (np.float32, np.uint16) and a.ndim == 1 and a.flags.c_contiguous for a in arrays):
+        raise ValueError("sq_sums_f64 reads flat contiguous float32 (or bf16 as uint16) arrays only")  # raw addresses
     total = sum(a.size for a in arrays)
     n_threads = 1 if total < PARALLEL_MIN_NUMEL else num_threads()
     chunk = max(PARALLEL_MIN_NUMEL, -(-total // (_ITEMS_PER_THREAD * n_threads)))
     rows = [
-        (i, a.ctypes.data, start, min(a.size, start + chunk))
+        (i, a.ctypes.data, start, min(a.size, start + chunk), int(a.dtype == np.uint16))
         for i, a in enumerate(arrays)
         for start in range(0, a.size, chunk)
     ]
     owner = np.array([r[0] for r in rows], dtype=np.int64)
-    chunks = np.array([r[1:] for r in rows], dtype=np.int64).reshape(-1, 3)
+    chunks = np.array([r[1:] for r in rows], dtype=np.int64).reshape(-1, 4)
     sums = np.zeros(len(rows), dtype=np.float64)
     if rows:
         args = np.array([(0, chunks.ctypes.data, len(rows), sums.ctypes.data)], dtype=_NORM_ARGS)

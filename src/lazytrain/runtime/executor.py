@@ -113,8 +113,9 @@ class Executor:
     def defer_update(self, update: GroupUpdate) -> None:
         """Run `update(group_index)` for every group at the start of the next step, on the optimizer lane, in
         forward order, each before that group's forward weight h2d (and the embedding's before the embedding
-        gather); the bf16 streamed copy of each group is refreshed right after its update. Call it once every
-        gradient is final (after the step's last micro-batch, the non-finite check passed)."""
+        gather); the bf16 streamed copy of each group is refreshed right after its update. `update` reads the
+        group's gradients itself: `kept_grads(index)` as they are kept, or `.grad`s inside `group_grads(index)`.
+        Call it once every gradient is final (after the step's last micro-batch, the non-finite check passed)."""
         self.drain()
         self._update = update
 
@@ -131,8 +132,7 @@ class Executor:
         node's ranks share: by its owner, inside `update`)."""
         L = self.parts.num_layers
         index = self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}")
-        with self.group_grads(index):  # `.grad` in the masters' dtype, this group only (runtime/store.py)
-            update(index)
+        update(index)  # it reads the group's gradients itself (`kept_grads`, or `group_grads` for `.grad`s)
         if target >= 0:
             (self.head_group if target == L else self.layer_groups[target]).pack()
 
@@ -195,6 +195,18 @@ class Executor:
         group = self.group_at(index)
         grad = self._embedding_grad if group is None else group.grad
         return [] if grad is None else [grad]
+
+    def kept_grads(self, index: int) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter of `param_groups()[index]` -> its gradient as it is kept: a view of the group's landing
+        buffer (compute dtype) or fp32 sum, no cast and no copy; empty before the group's first gradient. What the
+        trainer's optimizer steps from (optim/chunked.py casts chunk by chunk)."""
+        group = self.group_at(index)
+        if group is None:
+            weight = self.param_groups()[index][0]
+            return {} if self._embedding_grad is None else {weight: self._embedding_grad}
+        if group.grad is None:
+            return {}
+        return {p: group.grad_of(p) for p in group.params}
 
     @contextmanager
     def group_grads(self, index: int) -> Iterator[list[nn.Parameter]]:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.optim.clip import per_tensor_sq_norms
+from lazytrain.optim.clip import per_tensor_sq_norms, per_tensor_sq_norms_fp32
 from lazytrain.plan.schedule import Op, StepProgram
 from lazytrain.runtime.hf import (
     LayerGraph,
@@ -90,7 +89,7 @@ class StepOwner(Protocol):
 
     def group_names(self) -> list[str]: ...
 
-    def group_grads(self, index: int) -> AbstractContextManager[list[nn.Parameter]]: ...
+    def kept_grads(self, index: int) -> dict[nn.Parameter, torch.Tensor]: ...
 
     def embedding_grad(self, fresh: bool) -> torch.Tensor: ...
 
@@ -134,12 +133,15 @@ class StepStats:
 NORM_CHUNK = 1 << 20  # elements per fp32 norm of a bf16 gradient
 
 
-def sq_norm(grads: list[torch.Tensor]) -> float:
-    """Summed squared L2 norms (fp32 per tensor, as the optimizer's clipping takes them). bf16 gradients (bf16
-    master weights) are taken in chunks: torch upcasts a whole tensor to fp32 first, 4 B per element of it."""
-    if all(g.dtype == torch.float32 for g in grads):
-        return float(per_tensor_sq_norms(grads).sum())
-    return sum(float(per_tensor_sq_norms(g.reshape(-1).split(NORM_CHUNK)).sum()) for g in grads)
+def sq_norm(grads: dict[nn.Parameter, torch.Tensor]) -> float:
+    """Summed squared L2 norms of kept gradients taken in their parameters' dtype, as the optimizer takes them
+    (fp32 per tensor), with no transient the size of a group. fp32 masters: float64 sums reading bf16 gradients in
+    place (`per_tensor_sq_norms_fp32`). bf16 masters: fp32 norms of bf16 chunks (an fp32 sum rounded to bf16 chunk
+    by chunk): torch upcasts a whole tensor to fp32 first, 4 B per element of it."""
+    if all(p.dtype == torch.float32 for p in grads):
+        return float(per_tensor_sq_norms_fp32(list(grads.values())).sum())
+    return sum(float(torch.cat([per_tensor_sq_norms([c.to(p.dtype)]) for c in g.reshape(-1).split(NORM_CHUNK)]).sum())
+               for p, g in grads.items())
 
 
 class Step:
@@ -444,11 +446,9 @@ class Step:
         self.arrivals[index] += 1
         if self.arrivals[index] != parts or not self.final_micro_batch:
             return
-        ex = self.ex
-        with ex.group_grads(index) as params:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:  # (data parallel: only a group's owners hold its gradient)
-                self.grad_sq_norm += sq_norm(grads)
+        grads = self.ex.kept_grads(index)
+        if grads:  # (data parallel: only a group's owners hold its gradient)
+            self.grad_sq_norm += sq_norm(grads)
 
     def _group_index(self, name: str) -> int:
         return self.ex.group_names().index(name)

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, get_scheduler
 from lazytrain.costmodel.cost import HYBRID_8BIT_FRACTION
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim import Hybrid8bitAdamW
+from lazytrain.optim.chunked import Scratch, clip_coefficient_tensor, step_adamw
 from lazytrain.runtime.hf import find_parts
 
 if TYPE_CHECKING:
@@ -130,40 +131,21 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # =====================================================================================================
 def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor, *,
                    grad_norm: float, only: set[int] | None = None) -> float:
-    """Clip and step on the host, one executor group at a time in forward order (`Executor.group_grads`: each
-    group's `.grad` in its masters' dtype, cast in one transient buffer where the kept gradient is bf16), then
-    drop the gradients; returns the global gradient norm before clipping.
+    """Clip and step on the host, one executor group at a time in forward order (`group_update`); returns the
+    global gradient norm before clipping.
 
     `grad_norm`: the norm the executor took as gradients landed (`last_step.grad_norm`): neither the clip nor
     Hybrid8bitAdamW's fused clip scale then needs another pass over the gradients. The updates are elementwise,
     so stepping group by group gives bit for bit the parameters of one step over all of them. `only`: the ids of
     the parameters this rank steps (a node's optimizer shard, distributed/shared.py); None = every parameter.
     """
-    hybrid = isinstance(optimizer, Hybrid8bitAdamW)
-    if hybrid:
-        clip_coef = optimizer.begin_step(grad_norm=grad_norm)
-        if clip_coef is None:  # not finite (the trainer skips such steps before; kept for direct callers)
-            return grad_norm
-        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    for params in executor.param_groups():  # `.grad` only inside group_grads: one group per optimizer.step()
-        for p in params:
-            p.grad = None
-    for index in range(len(executor.group_names())):
-        with executor.group_grads(index) as params:
-            for p in params:
-                if only is not None and id(p) not in only:
-                    p.grad = None  # another local rank steps it (its gradient was needed for the norm only)
-            live = [p for p in params if p.grad is not None]
-            if hybrid:
-                for k in sorted({group_of[id(p)] for p in live}):
-                    optimizer.step_group(k, clip_coef)
-            elif live:
-                if job.optim.max_grad_norm > 0:
-                    torch.nn.utils.clip_grads_with_norm_(live, job.optim.max_grad_norm, torch.tensor(grad_norm),
-                                                         foreach=True)
-                optimizer.step()  # steps the parameters that have a gradient: this group's
-        for p in params:
-            p.grad = None
+    # the param groups holding each executor group's parameters (here one may span several: only the parameters
+    # with a gradient in the update's dict are stepped)
+    holder = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    groups = [sorted({holder[id(p)] for p in params}) for params in executor.param_groups()]
+    update = group_update(job, optimizer, executor, groups, grad_norm, lr=None, only=only)
+    for index in range(len(groups)):
+        update(index)
     return grad_norm
 
 
@@ -237,8 +219,8 @@ def executor_param_groups(optimizer: torch.optim.Optimizer, executor: Executor) 
 
 
 def step_param_groups(optimizer: torch.optim.Optimizer, indices: list[int]) -> None:
-    """`optimizer.step()` on the param groups `indices` alone: torch steps each param group on its own, so their
-    updates are those of one step over every group, bit for bit."""
+    """`optimizer.step()` on the param groups `indices` alone (their `.grad`s: `Executor.group_grads`): torch steps
+    each param group on its own, so their updates are those of one step over every group, bit for bit."""
     every = optimizer.param_groups
     optimizer.param_groups = [every[k] for k in indices]
     try:
@@ -247,29 +229,42 @@ def step_param_groups(optimizer: torch.optim.Optimizer, indices: list[int]) -> N
         optimizer.param_groups = every
 
 
-def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, groups: list[list[int]], grad_norm: float,
-                 lr: float) -> Callable[[int], None]:
-    """`update(executor_group)`: `optimizer_step`'s update restricted to one executor group -- the learning rate
-    of this step, the clip coefficient of the global `grad_norm`, the same per-param-group kernels (torch's
-    fused AdamW and Hybrid8bitAdamW step each param group on its own), then its gradients dropped. Run over
-    every group it equals one `optimizer_step` bit for bit, in any order."""
-    hybrid = job.optim.optimizer != "adamw"
+def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor, groups: list[list[int]],
+                 grad_norm: float, lr: float | None, only: set[int] | None = None) -> Callable[[int], None]:
+    """`update(executor_group)`: one executor group's update -- the learning rate `lr` of this step (None: as
+    set), the clip coefficient of the global `grad_norm`, each param group stepped by its own kernels (torch's
+    fused AdamW and Hybrid8bitAdamW step each param group on its own) from the gradients as the executor keeps
+    them (`Executor.kept_grads`: no cast of the group, optim/chunked.py), restricted to the parameters in `only`
+    when given. Run over every group it equals one whole step bit for bit, in any order; with torch's AdamW, bit
+    for bit `clip_grads_with_norm_` then `optimizer.step()` on fp32 `.grad`s."""
+    hybrid = isinstance(optimizer, Hybrid8bitAdamW)
     coef = optimizer.begin_step(grad_norm=grad_norm) if hybrid else None
-    norm = torch.tensor(grad_norm)
+    clip = (clip_coefficient_tensor(job.optim.max_grad_norm, grad_norm)
+            if not hybrid and job.optim.max_grad_norm > 0 else None)
+    scratch = _scratch(optimizer)
 
     def update(index: int) -> None:
+        grads = executor.kept_grads(index)
+        if only is not None:  # another local rank steps the rest (their gradients were needed for the norm only)
+            grads = {p: g for p, g in grads.items() if id(p) in only}
         ks = groups[index]
-        params = [p for k in ks for p in optimizer.param_groups[k]["params"] if p.grad is not None]
-        for k in ks:
-            optimizer.param_groups[k]["lr"] = lr
-        if hybrid:
+        if lr is not None:
             for k in ks:
-                optimizer.step_group(k, coef)
+                optimizer.param_groups[k]["lr"] = lr
+        if hybrid:
+            if coef is not None:  # None: not finite (the trainer skips such steps before; kept for direct callers)
+                for k in ks:
+                    optimizer.step_group(k, coef, grads=grads)
         else:
-            if job.optim.max_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, job.optim.max_grad_norm, norm, foreach=True)
-            step_param_groups(optimizer, ks)
-        for p in params:
-            p.grad = None
+            step_adamw(optimizer, ks, grads, clip, scratch)
+        for p in executor.param_groups()[index]:
+            p.grad = None  # the step is taken: no `.grad` view of the kept gradient stays behind
 
     return update
+
+
+def _scratch(optimizer: torch.optim.Optimizer) -> Scratch:
+    """The chunk buffers of `optimizer`'s updates, made once (Hybrid8bitAdamW has its own)."""
+    if not hasattr(optimizer, "_scratch"):
+        optimizer._scratch = Scratch()
+    return optimizer._scratch

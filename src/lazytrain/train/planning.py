@@ -137,7 +137,7 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: W
             group["lr"] = 0.0
         groups = executor_param_groups(optimizer, executor)
         return ProbeOptimizer(
-            deferred_update=lambda grad_norm: group_update(job, optimizer, groups, grad_norm, lr=0.0),
+            deferred_update=lambda grad_norm: group_update(job, optimizer, executor, groups, grad_norm, lr=0.0),
             step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm))
 
     return calibrated_cost(model, estimate, build_device(job, kind, None, throttled=False), probe_batch,

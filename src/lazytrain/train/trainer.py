@@ -413,7 +413,7 @@ class Trainer:
         else:
             if self.overlap:  # run by the next step's optimizer lane, group by group under its forward
                 assert grad_norm is not None
-                update = group_update(job, self.optimizer, self.groups, grad_norm, lr)
+                update = group_update(job, self.optimizer, ex, self.groups, grad_norm, lr)
                 # data parallel: this rank's groups, and the fence on every other group's owner
                 ex.defer_update(update if self.shard is None else self.shard.deferred(update))
             else:

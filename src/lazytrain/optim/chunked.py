@@ -1,0 +1,96 @@
+"""A group's update in chunks, so no transient grows with the group (issue 24 item 9).
+
+The executor keeps each group's gradient as it landed (bf16 with bf16 compute, fp32 where micro-batches are summed);
+the optimizer steps fp32 (or bf16) master weights. Casting a whole group's gradient to the masters' dtype, or copying
+bf16 masters to fp32 to update them, needs a buffer the size of the largest group: 2.03 GiB of fp32 gradient for
+Qwen2.5-7B's untied head, 4.06 GiB of fp32 weight and gradient copies for its embedding with bf16 masters. Here each
+tensor is updated CHUNK_NUMEL elements at a time through two reused fp32 buffers (`Scratch`), so the transients
+are 2 x CHUNK_NUMEL x 4 bytes (32 MiB; 8 MiB more for a bf16 chunk of an fp32 sum) whatever the model
+(costmodel's `update_scratch`).
+
+Bit for bit the unchunked update: every kernel is elementwise (the 8-bit one per block of 256, and chunks start on
+block boundaries), torch's fused AdamW splits a tensor into 64-byte units and vectorizes each unit the same way
+wherever it starts (chunks start on multiples of 2^22 elements, so the elements that take its scalar tail are the
+tensor's last ones, as unchunked), the step counter is bumped once per tensor, and stochastic rounding hashes each
+element's index within its whole tensor (`stochastic_round_(..., offset)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+CHUNK_NUMEL = 1 << 22  # elements per chunk: a multiple of the 8-bit block (256) and of torch's 64-byte units
+# (costmodel's UPDATE_CHUNK_NUMEL, tested equal)
+
+
+def chunk_ranges(numel: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of each chunk of a tensor of `numel` elements."""
+    for start in range(0, numel, CHUNK_NUMEL):
+        yield start, min(numel, start + CHUNK_NUMEL)
+
+
+class Scratch:
+    """Two reused fp32 buffers of up to CHUNK_NUMEL elements (a chunk's gradient and, for bf16 masters, its
+    weights), grown on demand. One update at a time: the optimizer lane runs one group after another."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _take(self, which: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(which)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[which] = torch.empty(numel, dtype=torch.float32)
+        return buf[:numel]
+
+    def grad(self, chunk: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 gradient of a chunk as the optimizer takes it: the kept gradient cast to the parameter's dtype
+        (what autograd's `.grad` would hold: a bf16 master's fp32 sum rounds to bf16), then to fp32."""
+        if chunk.dtype != param_dtype:
+            chunk = chunk.to(param_dtype)  # bf16 masters with an fp32 sum: a bf16 chunk, bounded too
+        return self._take("grad", chunk.numel()).copy_(chunk)
+
+    def param(self, chunk: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of a chunk of bf16 master weights."""
+        return self._take("param", chunk.numel()).copy_(chunk)
+
+
+def step_adamw(optimizer: torch.optim.AdamW, indices: list[int], grads: dict[torch.Tensor, torch.Tensor],
+               clip_coef: torch.Tensor | None, scratch: Scratch) -> None:
+    """`optimizer.step()` (torch.optim.AdamW with fused=True) over the param groups `indices`, bit for bit, with
+    each parameter's gradient taken from `grads` (any float dtype: a view of the kept gradient, left as it is) and
+    scaled by `clip_coef` first as `torch.nn.utils.clip_grads_with_norm_` does; parameters without an entry are
+    not stepped. States are created as torch creates them."""
+    for k in indices:
+        group = optimizer.param_groups[k]
+        if not group["fused"] or group["amsgrad"] or group["maximize"] or group["capturable"]:
+            raise ValueError("step_adamw steps torch.optim.AdamW(fused=True) without amsgrad, maximize, capturable")
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            grad = grads.get(p)
+            if grad is None:
+                continue
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError("step_adamw updates contiguous fp32 parameters")
+            state = optimizer.state[p]
+            if not state:  # torch's lazy state (adam.py `_init_group`, fused)
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            torch._foreach_add_([state["step"]], 1)
+            flat_p, flat_g = p.detach().view(-1), grad.detach().reshape(-1)
+            flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+            for start, end in chunk_ranges(p.numel()):
+                g = scratch.grad(flat_g[start:end], torch.float32)
+                if clip_coef is not None:
+                    g.mul_(clip_coef)
+                torch._fused_adamw_([flat_p[start:end]], [g], [flat_m[start:end]], [flat_v[start:end]], [],
+                                    [state["step"]], amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                                    grad_scale=None, found_inf=None)
+
+
+def clip_coefficient_tensor(max_norm: float, total_norm: float) -> torch.Tensor:
+    """The clamped scale `torch.nn.utils.clip_grads_with_norm_` multiplies gradients by (fp32 0-dim tensor)."""
+    return torch.clamp(float(max_norm) / (torch.tensor(total_norm) + 1e-6), max=1.0)
