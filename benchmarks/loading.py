@@ -73,7 +73,7 @@ MEASURE = textwrap.dedent("""
         peak[k] = max(peak[k], v)
     n = sum(p.numel() for p in model.parameters())
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(1, 1024, "bf16"),
-                     "fp32", executor_layout=True)
+                     "adamw", executor_layout=True)
     print(json.dumps({"params": n, "seconds": seconds, "weights_bytes": cost.host_breakdown()["weights"],
                       "static_host_bytes": cost.static_host_bytes(),
                       "peak_rss": peak["VmRSS"] - base["VmRSS"], "peak_anon": peak["RssAnon"] - base["RssAnon"],

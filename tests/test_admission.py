@@ -34,14 +34,14 @@ def _refusal(cost: CostModel, budgets: Budgets) -> str:
     return message
 
 
-@pytest.mark.parametrize("optimizer, paper_short_gib", [("hybrid", 961), ("8bit", 323)])
+@pytest.mark.parametrize("optimizer, paper_short_gib", [("hybrid8bit", 961), ("8bit", 323)])
 @pytest.mark.parametrize("cpu_mem", ["360GB", "360GiB"])  # the paper writes GB and subtracts it as GiB
 def test_gpt_oss_120b_host_shortfall_matches_the_paper(optimizer: str, paper_short_gib: int, cpu_mem: str) -> None:
     cost = CostModel(ModelSpec.load("gpt-oss-120b"), HardwareSpec.load("h800"), Workload(8, 1024), optimizer)
     message = _refusal(cost, Budgets(host_mem_bytes=parse_bytes(cpu_mem)))
     assert message.startswith("host memory: needs ") and "--cpu-mem" in message
     assert _shortfall(message) == pytest.approx(paper_short_gib * GiB, rel=0.05)
-    if optimizer == "hybrid":
+    if optimizer == "hybrid8bit":
         assert "--optimizer 8bit" in message
 
 

@@ -102,7 +102,7 @@ def test_optimizer_modes_change_states_and_time() -> None:
     spec = _dense()
     hw = HardwareSpec.load("h800", optimizer_gparams_per_s=6.0, optimizer_8bit_gparams_per_s=2.0)
     wl = Workload(1, 16)
-    fp32, hybrid, q8 = (CostModel(spec, hw, wl, mode) for mode in ("fp32", "hybrid", "8bit"))
+    fp32, hybrid, q8 = (CostModel(spec, hw, wl, mode) for mode in ("adamw", "hybrid8bit", "8bit"))
     n = spec.num_params
     assert fp32.optimizer_state_bytes() == 8 * n
     assert q8.optimizer_state_bytes() == round(n * (2 + 8 / 256))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from lazytrain.config import COST_OPTIMIZER, load_job_config
+from lazytrain.config import load_job_config
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.plan import planner
@@ -33,7 +33,7 @@ def setting():
     hardware = HardwareSpec.load("emulated").with_overrides(h2d_gbps=r.h2d_gbps, d2h_gbps=r.d2h_gbps,
                                                             nvme_read_gbps=r.nvme_read_gbps,
                                                             nvme_write_gbps=r.nvme_write_gbps)
-    cost = CostModel(spec_of(model), hardware, workload_of(job), COST_OPTIMIZER[job.optim.optimizer],
+    cost = CostModel(spec_of(model), hardware, workload_of(job), job.optim.optimizer,
                      executor_layout=True)
     return job, model, cost
 

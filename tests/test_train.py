@@ -116,7 +116,6 @@ def test_unwritable_output_dir_fails_before_training(tmp_path, capsys):
 
 def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
     import lazytrain.costmodel.hardware as hardware
-    from lazytrain.config import COST_OPTIMIZER
     from lazytrain.train.build import check_host_fits
 
     cfg = job(**{**GOLDEN_CONFIG, "dtype": "bf16", "optimizer": RNG.choice(["adamw", "hybrid8bit"])})
@@ -126,7 +125,7 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
 
     spec = ModelSpec.from_config(config)
     need = CostModel(spec, HardwareSpec.load("emulated"), Workload(4, 32, "bf16"),
-                     COST_OPTIMIZER[cfg.optim.optimizer], executor_layout=True).static_host_bytes()
+                     cfg.optim.optimizer, executor_layout=True).static_host_bytes()
     monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need)
     check_host_fits(cfg, spec)  # exactly enough
     short = RNG.randint(1, need // 2)

@@ -14,11 +14,8 @@ from lazytrain.config.load import (
 )
 from lazytrain.config.schema import (
     CORPORA,
-    COST_OPTIMIZER,
     KEYS,
     MAX_STEPS,
-    MODEL_PRESETS,
-    RULES,
     SECTION_OF,
     SECTIONS,
     CheckpointConfig,
@@ -34,7 +31,7 @@ from lazytrain.config.schema import (
 from lazytrain.config.values import ConfigValueError
 
 __all__ = [
-    "ALIASES", "CORPORA", "COST_OPTIMIZER", "KEYS", "MAX_STEPS", "MODEL_PRESETS", "RULES", "SECTIONS", "SECTION_OF",
+    "ALIASES", "CORPORA", "KEYS", "MAX_STEPS", "SECTIONS", "SECTION_OF",
     "CheckpointConfig", "ConfigValueError", "DataConfig", "JobConfig", "MetricsConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "PlanConfig", "RuntimeConfig", "add_job_arguments", "canonical_key",
     "default_of", "field_docs", "foreign_markdown", "job_config_from_args", "job_config_from_dict", "load_job_config",

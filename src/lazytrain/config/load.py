@@ -18,8 +18,9 @@ from typing import Any
 import yaml
 
 from lazytrain.config import foreign
-from lazytrain.config.schema import KEYS, MODEL_PRESETS, SECTION_OF, SECTIONS, JobConfig
+from lazytrain.config.schema import KEYS, SECTION_OF, SECTIONS, JobConfig
 from lazytrain.config.values import ConfigErrors, ConfigValueError, TooManyDigits, raise_all
+from lazytrain.costmodel.model import BUILT_IN_SHAPES
 from lazytrain.errors import LazyTrainError
 
 # Older and alternative spellings of keys (the flags before the schema, torchtitan/LLaMA-Factory names).
@@ -249,7 +250,7 @@ def with_default_job(values: Mapping[str, Any]) -> dict[str, Any]:
     """The job's values, plus the default job's tuned ones (default_job.yaml) for the keys it leaves out when its
     model is a built-in shape; any other model keeps the schema's (the HF Trainer's) defaults."""
     model = values.get("model", SECTIONS["model"]().model)
-    if model not in MODEL_PRESETS:
+    if model not in BUILT_IN_SHAPES:
         return dict(values)
     default_job = yaml.safe_load(DEFAULT_JOB_FILE.read_text())
     merged = dict(values)

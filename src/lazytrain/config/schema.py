@@ -16,16 +16,17 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from lazytrain.config.values import ConfigErrors, Names, check, convert, raise_all
+from lazytrain.costmodel.cost import OPTIMIZERS
+from lazytrain.costmodel.hardware import EMULATED_LINK_GBPS
 from lazytrain.costmodel.model import MAX_DIM, MAX_LAYERS
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.milp import DEFAULT_MAX_SEGMENT, DEFAULT_MIP_REL_GAP, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S
+from lazytrain.plan.rules import RULES
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "bf16", "fp32", "fp16"]
-Planner = Literal["auto", "milp", "megatrain", "keep-all", "recompute-all", "offload-all"]
-RULES = ("megatrain", "keep-all", "recompute-all", "offload-all")
-Optimizer = Literal["adamw", "hybrid8bit", "8bit"]
-COST_OPTIMIZER = {"adamw": "fp32", "hybrid8bit": "hybrid", "8bit": "8bit"}  # the CostModel's name for each
+Planner = Literal["auto", "milp", *RULES]  # the rules' names are plan/rules.py's
+Optimizer = Literal[*OPTIMIZERS]  # the CostModel's names (costmodel/cost.py), one vocabulary
 DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 
 # Bounds of the counts (issue 26: every count bounded and checked before anything runs). Far beyond any run, and
@@ -35,17 +36,6 @@ MAX_COUNT = 2**40  # examples, rows, batches, micro-batches
 MAX_EPOCHS = 10**6  # passes over the data
 MAX_RANKS = 2**20
 MAX_TIMEOUT_S = 1e9  # seconds (LLaMA-Factory's examples set ddp_timeout 180000000)
-
-# Built-in model shapes of `model` (Llama, GQA, untied head, the byte tokenizer's vocabulary): `small` is the
-# default job, `debug` is for tests. Here, not in the trainer, so that `lazytrain plan` reads them without torch.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    # 12.8 M parameters: 8 layers x 1.57 M + 0.2 M embedding/head (byte vocabulary)
-    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
-                  num_key_value_heads=2),
-    # 0.2 M parameters: a few seconds per hundred steps on one core
-    "debug": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2),
-}
 
 
 # =====================================================================================================
@@ -232,13 +222,13 @@ class RuntimeConfig:
     states: fp32 weights, their bf16 streamed copy, bf16 gradients) or bf16 (dtype bf16 and an 8-bit or
     hybrid8bit optimizer: the streamed bf16 weights are the masters, updated with stochastic rounding; 4
     bytes/param). Gradient accumulation adds an fp32 gradient sum (4 bytes/param)."""
-    h2d_gbps: float = 1.0
+    h2d_gbps: float = EMULATED_LINK_GBPS["h2d_gbps"]  # the emulated preset's rates (costmodel/hardware.py)
     """Emulated host -> device link rate, GB/s (> 0; `inf` = unthrottled). CUDA uses the real link."""
-    d2h_gbps: float = 1.0
+    d2h_gbps: float = EMULATED_LINK_GBPS["d2h_gbps"]
     """Emulated device -> host link rate, GB/s."""
-    nvme_read_gbps: float = 0.5
+    nvme_read_gbps: float = EMULATED_LINK_GBPS["nvme_read_gbps"]
     """Emulated NVMe read rate, GB/s."""
-    nvme_write_gbps: float = 0.5
+    nvme_write_gbps: float = EMULATED_LINK_GBPS["nvme_write_gbps"]
     """Emulated NVMe write rate, GB/s."""
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files; None = a temporary directory removed at the end."""

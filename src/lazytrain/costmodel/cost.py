@@ -50,8 +50,9 @@ from lazytrain.costmodel.model import HYBRID_TYPES, ModelSpec
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 
-OPTIMIZERS = ("fp32", "hybrid", "8bit")
-HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid"
+# the host optimizers: torch AdamW (fp32 states), Hybrid8bitAdamW (the paper's 2% in 8 bits), all 8-bit states
+OPTIMIZERS = ("adamw", "hybrid8bit", "8bit")
+HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid8bit"
 QUANT_BLOCK = 256  # elements per absmax block of the 8-bit states (bitsandbytes' current block size)
 UPDATE_CHUNK_NUMEL = 1 << 22  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
 LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk_gated_delta_rule)
@@ -124,7 +125,7 @@ def _rate(gbps: float) -> float:
 class CostModel:
     """Per-layer seconds and bytes of one training step (see the module docstring for the formulas)."""
 
-    def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
+    def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "adamw",
                  *, executor_layout: bool = False, master_weights: str = "fp32", grad_accumulation: int = 1,
                  head_chunk_tokens: int = HEAD_CHUNK_TOKENS, linear_attention_kernel: str = "auto") -> None:
         if optimizer not in OPTIMIZERS:
@@ -402,7 +403,7 @@ class CostModel:
     def _optimizer_seconds(self, params: int) -> float:
         hw = self.hardware
         fp32_rate, q8_rate = hw.optimizer_params_per_s(False), hw.optimizer_params_per_s(True)
-        if self.optimizer == "fp32":
+        if self.optimizer == "adamw":
             return params / fp32_rate
         if self.optimizer == "8bit":
             return params / q8_rate
@@ -430,7 +431,7 @@ class CostModel:
         """Adam's two moments: fp32 8 B/param; 8-bit 2 B/param + an fp32 absmax per block per moment."""
         n = self.spec.num_params
         eight_bit = 2.0 + 2 * 4.0 / QUANT_BLOCK
-        share = {"fp32": 0.0, "hybrid": HYBRID_8BIT_FRACTION, "8bit": 1.0}[self.optimizer]
+        share = {"adamw": 0.0, "hybrid8bit": HYBRID_8BIT_FRACTION, "8bit": 1.0}[self.optimizer]
         return int(round(n * ((1 - share) * 8.0 + share * eight_bit)))
 
     def host_breakdown(self) -> dict[str, int]:
@@ -546,7 +547,7 @@ class CostModel:
         return out
 
     @classmethod
-    def from_profile(cls, model: Any, hardware: HardwareSpec, workload: Workload, optimizer: str = "fp32",
+    def from_profile(cls, model: Any, hardware: HardwareSpec, workload: Workload, optimizer: str = "adamw",
                      *, repeats: int = 3, **kwargs: Any) -> CostModel:
         """A CostModel whose forward/backward/head seconds are measured on this machine with `model`.
 

@@ -251,6 +251,10 @@ _NVLINK4_GBPS = 450 * 0.8
 _H800_MATMUL_TFLOPS = 298.0  # calibrated (benchmarks/calibrate.py)
 _H800_OPTIMIZER_GPARAMS = 6.6  # calibrated (benchmarks/calibrate.py)
 
+# The emulated device's link rates, GB/s: what `lazytrain train` throttles its EmulatedDevice to and `lazytrain
+# plan` plans for unless the job sets its own (RuntimeConfig's *_gbps defaults are these).
+EMULATED_LINK_GBPS = dict(h2d_gbps=1.0, d2h_gbps=1.0, nvme_read_gbps=0.5, nvme_write_gbps=0.5)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "h800": dict(
         name="h800", gpu_mem_bytes=80 * GiB, h2d_gbps=12.0, d2h_gbps=12.0,
@@ -287,13 +291,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         intra_node_gbps=10.0, inter_node_gbps=1.25,
     ),
     # The EmulatedDevice: compute on this CPU, a memory arena as the "device", link threads that copy and
-    # sleep to bytes / rate. Defaults suit a 2-core laptop; `HardwareSpec.profile()` measures the real ones.
+    # sleep to bytes / rate (EMULATED_LINK_GBPS, the jobs' default rates). Compute figures suit a 2-core laptop;
+    # `HardwareSpec.profile()` measures the real ones.
     # Its ranks sum gradients with gloo over loopback TCP on the host: `Ranks.time_sums` of a 20 MB fp32 gradient on
     # a 2-core Xeon (Emerald Rapids), 2 ranks: the reduce in a node 0.23-0.26 GB/s ((g-1)/g of the bytes per second),
     # the all-reduce between 2 "nodes" 0.75-0.85 GB/s (benchmarks/dp_step.py; `lazytrain train` measures its own).
     "emulated": dict(
-        name="emulated", gpu_mem_bytes=4 * GiB, h2d_gbps=2.0, d2h_gbps=2.0,
-        nvme_read_gbps=1.0, nvme_write_gbps=1.0,
+        name="emulated", gpu_mem_bytes=4 * GiB, **EMULATED_LINK_GBPS,
         matmul_tflops=0.05, optimizer_gparams_per_s=0.1,
         host_mem_bytes=None, mem_gbps=math.inf, layer_overhead_s=0.0,
         intra_node_gbps=0.25, inter_node_gbps=0.8,

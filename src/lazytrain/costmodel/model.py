@@ -26,7 +26,19 @@ from typing import Any
 
 from lazytrain.errors import LazyTrainError
 
-PRESET_DIR = Path(__file__).parent / "presets"
+PRESET_DIR = Path(__file__).parent / "presets"  # the planner's model presets: HF config.json files by name
+
+# The built-in shapes of `model` (Llama, GQA, untied head): `small` is the default job, `debug` is for tests. Their
+# vocabulary is the tokenizer's (the default job's BPE, or the byte tokenizer's BYTE_VOCAB ids when planned alone).
+BUILT_IN_SHAPES: dict[str, dict[str, int]] = {
+    # 12.8 M parameters: 8 layers x 1.57 M + 0.2 M embedding/head (byte vocabulary)
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
+                  num_key_value_heads=2),
+    # 0.2 M parameters: a few seconds per hundred steps on one core
+    "debug": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2),
+}
+BYTE_VOCAB = 259  # the byte tokenizer's ids (data/corpus.py): 256 bytes + bos, eos, pad
 
 # model_type values whose decoder layer is the dense Llama shape (attention + gated MLP + 2 norms).
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -393,3 +405,8 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def built_in_config(name: str, vocab_size: int = BYTE_VOCAB) -> dict[str, Any]:
+    """The config of the built-in shape `name` (BUILT_IN_SHAPES) with this vocabulary: a Llama, untied head."""
+    return {"model_type": "llama", "vocab_size": vocab_size, "tie_word_embeddings": False, **BUILT_IN_SHAPES[name]}

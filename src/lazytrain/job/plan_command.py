@@ -24,7 +24,7 @@ import argparse
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lazytrain.config import RULES, JobConfig, add_job_arguments, job_config_from_args
+from lazytrain.config import JobConfig, add_job_arguments, job_config_from_args
 from lazytrain.errors import LazyTrainError
 from lazytrain.jsonio import check_writable
 from lazytrain.plan.admission import host_need
@@ -40,7 +40,7 @@ from lazytrain.plan.planner import (
     resolve_hardware,
 )
 from lazytrain.plan.ranks import predict_ranks
-from lazytrain.plan.rules import make_rule_plan
+from lazytrain.plan.rules import RULES, make_rule_plan
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.units import format_bytes
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
-from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS, RULES, JobConfig, PlanConfig, RuntimeConfig
+from lazytrain.config import JobConfig, PlanConfig, RuntimeConfig
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec, resolve_dtype
-from lazytrain.costmodel.model import ModelSpec, preset_names
+from lazytrain.costmodel.model import BUILT_IN_SHAPES, ModelSpec, built_in_config, preset_names
 from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
@@ -42,7 +42,7 @@ from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_milp
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.ranks import rank_budgets, topology_of
-from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
+from lazytrain.plan.rules import RULES, evaluate_tiers, make_rule_plan
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,7 +51,6 @@ LINK_KEYS = ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps")
 EMULATED_GPU_BOUNDARIES = 5  # emulated device, default cap: static bytes + this many boundary activations
 EMULATED_OFFLOAD_BOUNDARIES = 2  # emulated device, default cpu and nvme budgets, in boundary activations
 MAX_BATCH_LIMIT = 1 << 16  # the largest-batch search stops here
-BYTE_VOCAB = 259  # the byte tokenizer's ids: the vocabulary of the built-in shapes
 
 
 # ---- the machine, the model, the cost ---------------------------------------------------------------------
@@ -103,10 +102,8 @@ def resolve_hardware(runtime: RuntimeConfig) -> HardwareSpec:
 def model_spec(model: str) -> ModelSpec:
     """A planner preset (no torch import), a built-in shape of `lazytrain train` (`small`), or a user's model
     (directory, config.json, cached hub id) validated and counted as `transformers` builds it (meta device)."""
-    if model in MODEL_PRESETS:
-        config = {"model_type": "llama", "vocab_size": BYTE_VOCAB, "tie_word_embeddings": False,
-                  **MODEL_PRESETS[model]}
-        return ModelSpec.from_config(config, name=f"lazytrain-{model}")
+    if model in BUILT_IN_SHAPES:
+        return ModelSpec.from_config(built_in_config(model), name=f"lazytrain-{model}")
     if model in preset_names():
         return ModelSpec.load(model)
     from lazytrain.runtime.weights import built_spec, resolve_model  # imports torch
@@ -119,7 +116,7 @@ def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_si
     layout the executor allocates (the one admission rule of both commands)."""
     dtype = resolve_dtype(job.runtime.dtype, emulated=hardware.name.startswith("emulated"))
     workload = Workload(batch_size=batch_size, seq_len=job.data.cutoff_len, dtype=dtype, masked=job.data.masked)
-    return CostModel(spec, hardware, workload, optimizer=COST_OPTIMIZER[job.optim.optimizer], **host_layout(job))
+    return CostModel(spec, hardware, workload, optimizer=job.optim.optimizer, **host_layout(job))
 
 
 def host_layout(job: JobConfig) -> dict[str, object]:

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import LlamaConfig, PreTrainedModel
 
-from lazytrain.config import COST_OPTIMIZER, MODEL_PRESETS
 from lazytrain.costmodel import hardware as hardware_module
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
-from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.model import BUILT_IN_SHAPES, ModelSpec, built_in_config
 from lazytrain.costmodel.workload import Workload
 from lazytrain.distributed.shared import share_model
 from lazytrain.errors import LazyTrainError
@@ -44,12 +43,10 @@ def workload_of(job: JobConfig) -> Workload:
 def model_source(job: JobConfig, vocab_size: int) -> ModelSource:
     """What `model` names (runtime/weights.py resolves everything but the built-in shapes), checked against
     the tokenizer and the sequence length."""
-    if job.model.model in MODEL_PRESETS:
-        config = LlamaConfig(
-            vocab_size=vocab_size, max_position_embeddings=max(1024, job.data.cutoff_len),
-            bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False,
-            **MODEL_PRESETS[job.model.model],
-        )
+    if job.model.model in BUILT_IN_SHAPES:
+        shape = {k: v for k, v in built_in_config(job.model.model, vocab_size).items() if k != "model_type"}
+        config = LlamaConfig(max_position_embeddings=max(1024, job.data.cutoff_len), bos_token_id=256,
+                             eos_token_id=257, pad_token_id=258, **shape)
         config._name_or_path = f"lazytrain-{job.model.model}"
         return ModelSource(name=job.model.model, kind="preset", config=config)
     source = resolve_model(job.model.model)
@@ -103,7 +100,7 @@ def check_host_fits(job: JobConfig, spec: ModelSpec) -> None:
     available = hardware_module.available_host_memory_bytes()
     if available is None:
         return
-    cost = CostModel(spec, HardwareSpec.load("emulated"), workload_of(job), COST_OPTIMIZER[job.optim.optimizer],
+    cost = CostModel(spec, HardwareSpec.load("emulated"), workload_of(job), job.optim.optimizer,
                      **host_layout(job))
     check_host_memory(cost, available, "this machine's available memory")
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from lazytrain.config import MODEL_PRESETS, JobConfig
+from lazytrain.config import JobConfig
+from lazytrain.costmodel.model import BUILT_IN_SHAPES
 from lazytrain.data.corpus import ByteTokenizer, TokenData
 from lazytrain.data.default_job import prepare_default_job, read_jsonl
 from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens, eval_batches, eval_rows
@@ -56,17 +57,17 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
         return _corpus_data(job, world_size)
     math_eval: list[Row] = []
     if dataset == MATH:
-        if job.model.model not in MODEL_PRESETS:
+        if job.model.model not in BUILT_IN_SHAPES:
             raise LazyTrainError(f"dataset math with model {job.model.model}: the embedded math set comes with its "
-                                 f"own tokenizer and model shapes ({', '.join(MODEL_PRESETS)}); give a dataset file "
+                                 f"own tokenizer and model shapes ({', '.join(BUILT_IN_SHAPES)}); give a dataset file "
                                  "for your model")
         prepared = prepare_default_job(cache_dir() / f"default-job-{job.model.model}",
-                                       shapes=MODEL_PRESETS[job.model.model],
+                                       shapes=BUILT_IN_SHAPES[job.model.model],
                                        max_position_embeddings=max(1024, seq_len))
         job = replace(job, model=replace(job.model, model=str(prepared.model_dir), init="random"),
                       data=replace(job.data, dataset=str(prepared.train_file), eval_dataset=str(prepared.eval_file)))
         math_eval = read_jsonl(prepared.eval_file)[:MATH_EVAL_PROBLEMS]
-    elif job.model.model in MODEL_PRESETS:
+    elif job.model.model in BUILT_IN_SHAPES:
         raise LazyTrainError(f"dataset {dataset}: model {job.model.model} is a built-in shape with the byte tokenizer "
                              "only; give a model directory with its tokenizer (or dataset math, stdlib or zen)")
     source = resolve_model(job.model.model)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from lazytrain.config import COST_OPTIMIZER
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 from lazytrain.costmodel.workload import Workload
@@ -128,7 +127,7 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: W
     (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
     hardware = build_hardware(job, kind)
     dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
-    estimate = CostModel(spec_of(model), hardware, workload, COST_OPTIMIZER[job.optim.optimizer],
+    estimate = CostModel(spec_of(model), hardware, workload, job.optim.optimizer,
                          **planner.host_layout(job))
 
     def probe_optimizer(executor: Executor) -> ProbeOptimizer:
