@@ -25,7 +25,7 @@ from lazytrain.runtime.calibrate import calibrate_links
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.probe import ProbeOptimizer, calibrated_cost
 from lazytrain.runtime.replan import Replanner
-from lazytrain.train.build import build_device, build_hardware, workload_of
+from lazytrain.train.build import build_device, build_hardware, compute_dtype, workload_of
 from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step
 
 if TYPE_CHECKING:
@@ -126,7 +126,6 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: W
     """The job's CostModel with its compute and optimizer seconds measured on the device the run uses
     (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
     hardware = build_hardware(job, kind)
-    dtype = torch.bfloat16 if job.runtime.dtype == "bf16" else torch.float32
     estimate = CostModel(spec_of(model), hardware, workload, job.optim.optimizer,
                          **planner.host_layout(job))
 
@@ -140,7 +139,7 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: W
             step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm))
 
     return calibrated_cost(model, estimate, build_device(job, kind, None, throttled=False), probe_batch,
-                           compute_dtype=dtype, optimizer=probe_optimizer,
+                           compute_dtype=compute_dtype(job), optimizer=probe_optimizer,
                            overlap=job.optim.optimizer_mode == "overlap", scale_flops=kind == "cuda")
 
 

@@ -42,6 +42,7 @@ from lazytrain.train.build import (
     build_device,
     build_executor,
     build_model,
+    compute_dtype,
     fit_device_cap,
     model_source,
     pick_device_kind,
@@ -133,16 +134,7 @@ def train(job: JobConfig) -> TrainResult:
     job, note = resolve_batch(job) if ranks is None else ranks.decided_by_main(lambda: resolve_batch(job), "the batch")
     if note:
         say(f"batch    {note}")
-    out = Path()
-    if ranks is None or ranks.is_main:
-        out = check_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
-                               overwrite=job.checkpoint.overwrite_output_dir,
-                               default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
-    if ranks is not None:
-        out = Path(ranks.broadcast_object(str(out) if ranks.is_main else None, "the output directory"))
-    resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out)
-    if ranks is not None and not ranks.is_main:
-        out = out / f"rank-{ranks.rank}"  # made beside rank 0's, once the data and the model are built
+    out, resume_from = output_dir(job, ranks)
     if job.runtime.nvme_dir is not None:  # like the output dir: refused before anything is built
         check_nvme_dir(Path(job.runtime.nvme_dir))
     torch.manual_seed(job.runtime.seed)
@@ -227,21 +219,45 @@ def train(job: JobConfig) -> TrainResult:
     # with ranks, rank 0's alone (the losses are the global batch's on every rank; matplotlib costs a rank ~20 MiB)
     plotted = (ranks is None or ranks.is_main) and job.metrics.plot_loss and plot_losses(out / "metrics.jsonl",
                                                                                          out / "loss.png")
-    say(f"loss     first {_fmt(summary['first_loss'])} -> last {_fmt(summary['last_loss'])}"
-        + (f"; held-out {eval_before.loss:.4f} -> {eval_after.loss:.4f}" if data.eval_set else "")
-        + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
-    if exact_after is not None:
-        say(f"eval     exact match on {len(data.math_eval)} held-out problems: {exact_before:.1%} before -> "
-            f"{exact_after:.1%} after (greedy decoding of {final.name} through transformers)")
-    median_step = summary["median_step_s"]
-    say(f"time     median step {median_step:.3f} s measured vs {predicted:.3f} s predicted "
-        f"({median_step / predicted:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
-    say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json{', loss.png' if plotted else ''}, {final.name}/) "
-        f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the {summary['steps_this_run']} "
-        "steps of this run)")
+    report_end(summary, out, final, predicted_s=predicted, plotted=plotted, held_out=bool(data.eval_set),
+               problems=len(data.math_eval))
     if ranks is not None:
         ranks.close()
     return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
+
+
+def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path | None]:
+    """The run's output directory, checked before anything is written (rank 0 checks it; the other ranks log
+    under out/rank-<r>/), and the checkpoint to resume from."""
+    out = Path()
+    if ranks is None or ranks.is_main:
+        out = check_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
+                               overwrite=job.checkpoint.overwrite_output_dir,
+                               default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+    if ranks is not None:
+        out = Path(ranks.broadcast_object(str(out) if ranks.is_main else None, "the output directory"))
+    resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out)
+    if ranks is not None and not ranks.is_main:
+        out = out / f"rank-{ranks.rank}"  # made beside rank 0's, once the data and the model are built
+    return out, resume_from
+
+
+def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_s: float, plotted: bool,
+               held_out: bool, problems: int) -> None:
+    """The run's closing lines: losses, exact match, the measured step vs the one predicted before the first
+    step (`predicted_s`), what was saved."""
+    say(f"loss     first {_fmt(summary['first_loss'])} -> last {_fmt(summary['last_loss'])}"
+        + (f"; held-out {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f}" if held_out else "")
+        + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
+    if summary["exact_match_after"] is not None:
+        say(f"eval     exact match on {problems} held-out problems: {summary['exact_match_before']:.1%} before -> "
+            f"{summary['exact_match_after']:.1%} after (greedy decoding of {final.name} through transformers)")
+    median_step = summary["median_step_s"]
+    say(f"time     median step {median_step:.3f} s measured vs {predicted_s:.3f} s predicted "
+        f"({median_step / predicted_s:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
+    say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json{', loss.png' if plotted else ''}, {final.name}/) "
+        f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the {summary['steps_this_run']} "
+        "steps of this run)")
 
 
 def load_run_data(job: JobConfig, world: int, ranks: Ranks | None) -> RunData:
@@ -310,7 +326,7 @@ class Trainer:
         self.groups = executor_param_groups(self.optimizer, self.executor)
         self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
-        self.compute_dtype = torch.bfloat16 if self.job.runtime.dtype == "bf16" else torch.float32
+        self.compute_dtype = compute_dtype(self.job)
         self.resumed = False
         self.first_step = 0  # the first of state.step_times_s this process ran
         # re-planning: rank 0's measurements decide, and every rank switches after the same step (Trainer.replan)
