@@ -120,7 +120,7 @@ def print_milp(hw: HardwareSpec, time_limit_s: float) -> None:
 def print_emulated(gbps: float, steps: int, threads: int) -> None:
     """A 6-layer llama (h=256, b=4, s=256, fp32) on the EmulatedDevice: measured wall_s vs the simulator.
 
-    Two predictions per plan: from `CostModel.from_profile` (compute seconds measured before, in isolation)
+    Two predictions per plan: from `profiled_cost` (layer_profile.py: compute seconds measured before, in isolation)
     and a replay with the compute seconds the executor measured in that same step (`with_times`, unquantized),
     which checks the schedule and the stream model alone. Medians over `steps` steps after one warm-up.
     """
@@ -129,6 +129,7 @@ def print_emulated(gbps: float, steps: int, threads: int) -> None:
 
     import torch
     import transformers
+    from layer_profile import profiled_cost
 
     from lazytrain import EmulatedDevice, Executor
 
@@ -142,7 +143,7 @@ def print_emulated(gbps: float, steps: int, threads: int) -> None:
     model = transformers.LlamaForCausalLM(config)
     links = dict(h2d_gbps=gbps, d2h_gbps=gbps, nvme_read_gbps=gbps, nvme_write_gbps=gbps)
     hw = HardwareSpec.profile(seconds=0.3, **links)
-    cost = CostModel.from_profile(model, hw, Workload(B, S, "fp32"), repeats=5)
+    cost = profiled_cost(model, hw, Workload(B, S, "fp32"), repeats=5)
     ids = torch.randint(0, config.vocab_size, (B, S))
     plans = {
         "keep-all": ["gpu"] * (L + 1),
@@ -152,7 +153,7 @@ def print_emulated(gbps: float, steps: int, threads: int) -> None:
     }
     print(f"\nemulated executor, links {gbps} GB/s, matmul {hw.matmul_tflops * 1e3:.0f} GFLOPS (profiled), "
           f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.1f}")
-    print("| plan | measured wall s | from_profile s | ratio | replayed s | ratio | exposed h2d meas / sim |")
+    print("| plan | measured wall s | profiled s | ratio | replayed s | ratio | exposed h2d meas / sim |")
     print("|---|---|---|---|---|---|---|")
     for name, tiers in plans.items():
         plan = Plan.from_tiers(model, tiers)

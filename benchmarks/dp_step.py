@@ -104,7 +104,7 @@ def replay(out: Path, world: int, nodes: int, args: argparse.Namespace) -> dict[
         measured[e["name"]].append((e["ts"] / 1e6, e["dur"] / 1e6))
     span_s = max((e["ts"] + e["dur"]) / 1e6 for e in trace if e["ph"] == "X")
     spec = ModelSpec.from_config(MEDIUM)
-    cost = CostModel(spec, HardwareSpec.load("emulated"), Workload(args.batch, args.seq, "fp32"), executor_layout=True)
+    cost = CostModel(spec, HardwareSpec.load("emulated"), Workload(args.batch, args.seq, "fp32"))
     topology = Topology(world_size=world, nodes=nodes)
     program = build_program(tiers, Shapes.from_cost(cost), updates=True, topology=topology)
     used: dict[str, int] = defaultdict(int)

@@ -235,7 +235,7 @@ def part_why(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (B, T), generator=g)
     base = CostModel(ModelSpec.from_config(model.config), HardwareSpec.profile(h2d_gbps=1.0, d2h_gbps=1.0,
-                     nvme_read_gbps=1.0, nvme_write_gbps=1.0), Workload(B, T, "fp32"), executor_layout=True)
+                     nvme_read_gbps=1.0, nvme_write_gbps=1.0), Workload(B, T, "fp32"))
     keep_all = Plan.from_tiers(model, ["gpu"] * (L + 1))
     probe = Executor(model, keep_all, EmulatedDevice(), cost=base)
 

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in args.models.split(","):
         model, spec = random_model(model_name)
         workload = Workload(args.batch_size, args.seq_len, "bf16")
-        cost = CostModel(spec, hardware, workload, "8bit", executor_layout=True)
+        cost = CostModel(spec, hardware, workload, "8bit")
         budgets = Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=None, nvme_act_bytes=0)
         t0 = time.perf_counter()
         milp = solve_milp(cost, budgets)

@@ -103,7 +103,7 @@ MEASURE = textwrap.dedent("""
     done = True
     thread.join()
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(1, 64, dtype),
-                     "8bit", executor_layout=True, master_weights=master, grad_accumulation=accumulation)
+                     "8bit", master_weights=master, grad_accumulation=accumulation)
     breakdown = cost.host_breakdown()
     breakdown["optimizer_states"] = opt.state_bytes()  # tensors under 4096 elements keep fp32 states
     print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "predicted": sum(breakdown.values()),

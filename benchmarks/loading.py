@@ -7,7 +7,7 @@ Writes the model directory into a temporary directory (random bf16 weights, shar
 a child process), then for each run starts a fresh process that imports everything, notes its RSS, loads the
 model with `lazytrain.runtime.weights.load_model` while a thread samples VmRSS and RssAnon from
 /proc/self/status every 2 ms, and reports the peaks above the baseline. Admission counts the fp32 host
-parameters as CostModel(..., executor_layout=True).host_breakdown()["weights"] = 4 bytes x N; the rest of
+parameters as CostModel(...).host_breakdown()["weights"] = 4 bytes x N; the rest of
 static_host_bytes (gradients, optimizer states, streamed copies) is allocated later, by the trainer.
 `--compare-from-pretrained` measures `AutoModelForCausalLM.from_pretrained(dir, dtype=float32)` the same way.
 """
@@ -73,7 +73,7 @@ MEASURE = textwrap.dedent("""
         peak[k] = max(peak[k], v)
     n = sum(p.numel() for p in model.parameters())
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), Workload(1, 1024, "bf16"),
-                     "adamw", executor_layout=True)
+                     "adamw")
     print(json.dumps({"params": n, "seconds": seconds, "weights_bytes": cost.host_breakdown()["weights"],
                       "static_host_bytes": cost.static_host_bytes(),
                       "peak_rss": peak["VmRSS"] - base["VmRSS"], "peak_anon": peak["RssAnon"] - base["RssAnon"],

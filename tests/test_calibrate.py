@@ -47,7 +47,7 @@ def test_quantize_is_a_grid_within_half_a_step() -> None:
 
 def _cost() -> CostModel:
     spec = ModelSpec.load("tiny-llama")
-    return CostModel(spec, HardwareSpec.load("emulated"), Workload(2, 64, "fp32"), executor_layout=True)
+    return CostModel(spec, HardwareSpec.load("emulated"), Workload(2, 64, "fp32"))
 
 
 def _noisy_steps(cost: CostModel, seed: int, noise: float) -> list[Stats]:
@@ -179,7 +179,7 @@ def test_an_executors_steps_calibrate_its_host_lane() -> None:
                                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 512, (2, 32))
-    cost = CostModel(spec_of(model), HardwareSpec.load("emulated"), Workload(2, 32, "fp32"), executor_layout=True)
+    cost = CostModel(spec_of(model), HardwareSpec.load("emulated"), Workload(2, 32, "fp32"))
     probe = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(), cost=cost)
     steps = []
     for _ in range(3):

@@ -111,23 +111,23 @@ def test_optimizer_modes_change_states_and_time() -> None:
     assert fp32.total_optimizer_s == pytest.approx(n / 6e9)
     assert q8.total_optimizer_s == pytest.approx(n / 2e9)
     assert fp32.static_host_bytes() - q8.static_host_bytes() == 8 * n - q8.optimizer_state_bytes()
-    executor = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True)
+    executor = CostModel(spec, hw, Workload(1, 16, "bf16"))
     streamed = n - (0 if spec.tie_word_embeddings else spec.embedding_params)
     embedding = n - streamed
     # the update's chunks (optim/chunked.py): a tensor is at most its group, a chunk at most UPDATE_CHUNK_NUMEL
-    chunk = min(UPDATE_CHUNK_NUMEL, max(*executor.streamed_group_params, embedding))
+    chunk = min(UPDATE_CHUNK_NUMEL, max(*spec.streamed_group_params, embedding))
     # fp32 masters, a bf16 copy and bf16 gradients of every streamed group (the untied embedding's gradient in
     # fp32), fp32 chunks of the cast gradient: 8 B/param + states + a constant
     assert executor.static_host_bytes() == (4 * n + 2 * streamed + 2 * streamed + 4 * embedding + 4 * chunk
                                             + fp32.optimizer_state_bytes())
-    bf16_masters = CostModel(spec, hw, Workload(1, 16, "bf16"), "8bit", executor_layout=True,
+    bf16_masters = CostModel(spec, hw, Workload(1, 16, "bf16"), "8bit",
                              master_weights="bf16")  # the bf16 weights are streamed; bf16 gradients; fp32 chunks
     assert bf16_masters.static_host_bytes() == 2 * n + 2 * n + 8 * chunk + q8.optimizer_state_bytes()
-    accumulating = CostModel(spec, hw, Workload(1, 16, "bf16"), executor_layout=True, grad_accumulation=4)
+    accumulating = CostModel(spec, hw, Workload(1, 16, "bf16"), grad_accumulation=4)
     assert accumulating.static_host_bytes() == executor.static_host_bytes() + 4 * streamed  # the same chunks
     big = ModelSpec.load("qwen2.5-7b")  # no transient the size of the largest group: 7B at 10.03 / 6.04 B/param
     for masters, per_param in (("fp32", 10.033), ("bf16", 6.036)):
-        layout = CostModel(big, hw, Workload(1, 16, "bf16"), "8bit", executor_layout=True, master_weights=masters)
+        layout = CostModel(big, hw, Workload(1, 16, "bf16"), "8bit", master_weights=masters)
         assert layout.static_host_bytes() / big.num_params == pytest.approx(per_param, abs=1e-3)
         assert layout.host_breakdown()["update_scratch"] <= 8 * UPDATE_CHUNK_NUMEL
 
@@ -152,29 +152,6 @@ def test_with_times_overrides_and_validates() -> None:
         cost.with_times(forward_s=times[:-1])
     with pytest.raises(LazyTrainError, match="backward_s"):
         cost.with_times(backward_s=[-1.0] * spec.num_layers)
-
-
-@pytest.mark.parametrize("path", ["executor", "modules"])
-def test_from_profile_times_a_real_tiny_model(path: str, monkeypatch) -> None:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    spec_cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256}
-    torch.manual_seed(RNG.randrange(2**31))
-    config = transformers.AutoConfig.for_model(**spec_cfg)
-    config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    if path == "modules":  # a model the executor's helpers refuse: time its own modules
-
-        def refuse(_model):
-            raise LazyTrainError("not supported")
-
-        monkeypatch.setattr("lazytrain.runtime.hf.find_parts", refuse)
-    cost = CostModel.from_profile(model, HardwareSpec.load("emulated"), Workload(2, 32, "fp32"), repeats=1)
-    assert all(t > 0 for t in cost.forward_s + cost.backward_s) and cost.head_s > 0
-    assert cost.forward_s[0] == cost.forward_s[1]  # same shape: measured once
-    assert cost.backward_s[0] == cost.backward_s[1] != cost.forward_s[0]
-    assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients behind
 
 
 def test_windows_attention_and_expert_widths_are_read_from_the_config() -> None:

@@ -33,8 +33,7 @@ def setting():
     hardware = HardwareSpec.load("emulated").with_overrides(h2d_gbps=r.h2d_gbps, d2h_gbps=r.d2h_gbps,
                                                             nvme_read_gbps=r.nvme_read_gbps,
                                                             nvme_write_gbps=r.nvme_write_gbps)
-    cost = CostModel(spec_of(model), hardware, workload_of(job), job.optim.optimizer,
-                     executor_layout=True)
+    cost = CostModel(spec_of(model), hardware, workload_of(job), job.optim.optimizer)
     return job, model, cost
 
 

@@ -83,7 +83,7 @@ def test_host_bytes_are_the_cost_models_executor_layout(kind: str, mode: str, ac
     scratch = sum(nbytes(b) for b in opt._scratch._buffers.values())  # the update's chunk buffers
     workload = Workload(3, 11, "bf16" if MODES[mode][0] == torch.bfloat16 else "fp32")
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload,
-                     "8bit" if bf16_masters else "adamw", executor_layout=True,
+                     "8bit" if bf16_masters else "adamw",
                      master_weights=cfg.runtime.master_weights, grad_accumulation=accumulation)
     predicted = cost.host_breakdown()
     bound = predicted.pop("update_scratch")  # counted for a tensor the size of the largest group: an upper bound
@@ -167,7 +167,7 @@ def test_master_weights_bf16_needs_a_rounding_optimizer_and_bf16_compute() -> No
         load_job_config({"master_weights": "bf16", "optimizer": "adamw"})
     spec = ModelSpec.load("qwen2.5-7b")
     with pytest.raises(LazyTrainError, match="set dtype bf16 or master_weights fp32"):
-        CostModel(spec, HardwareSpec.load("rtx3090"), Workload(1, 128, "fp32"), "8bit", executor_layout=True,
+        CostModel(spec, HardwareSpec.load("rtx3090"), Workload(1, 128, "fp32"), "8bit",
                   master_weights="bf16")
 
 
@@ -327,7 +327,7 @@ def test_a_nodes_host_bytes_are_what_plan_world_size_counts(kind: str, mode: str
             allocated[key] = allocated.get(key, 0) + value
     workload = Workload(3, 11, "bf16" if mode != "fp32" else "fp32")
     cost = CostModel(ModelSpec.from_config(model.config), HardwareSpec.load("emulated"), workload, "adamw",
-                     executor_layout=True, grad_accumulation=accumulation)
+                     grad_accumulation=accumulation)
     topology = Topology(world_size=world)
     node = node_host_bytes(cost, topology)
     slack = world * cost.host_breakdown()["update_scratch"] - allocated["update_scratch"]  # a bound (see above)

@@ -26,7 +26,7 @@ from lazytrain.runtime.replan import Replanner, Switch
 
 def _cost(h2d_gbps: float = 0.3) -> CostModel:
     hardware = HardwareSpec.load("emulated").with_overrides(h2d_gbps=h2d_gbps, d2h_gbps=1e3)
-    cost = CostModel(ModelSpec.load("tiny-llama"), hardware, Workload(16, 1024, "fp32"), executor_layout=True)
+    cost = CostModel(ModelSpec.load("tiny-llama"), hardware, Workload(16, 1024, "fp32"))
     return cost.with_times(forward_s=0.01, backward_s=0.03, head_s=0.02)
 
 
@@ -88,7 +88,7 @@ def test_emulated_run_replans_when_h2d_slows_4x_and_steps_faster_than_without() 
                                       attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 256, (B, S))
-    base = CostModel(spec_of(model), HardwareSpec.load("emulated"), Workload(B, S, "fp32"), executor_layout=True)
+    base = CostModel(spec_of(model), HardwareSpec.load("emulated"), Workload(B, S, "fp32"))
     probe = Executor(model, Plan.from_tiers(model, ["gpu"] * (L + 1)), EmulatedDevice(), cost=base)
     steps = []
     for _ in range(4):

@@ -122,7 +122,7 @@ def test_a_slow_link_queues_the_sums_on_the_optimizer_lane_and_the_step_adds_up(
 
 
 def test_a_node_holds_the_shared_part_once_and_each_rank_its_own() -> None:
-    cost = CostModel(ModelSpec.load("qwen2.5-7b"), H800, Workload(8, 1024), optimizer="adamw", executor_layout=True)
+    cost = CostModel(ModelSpec.load("qwen2.5-7b"), H800, Workload(8, 1024), optimizer="adamw")
     hb = cost.host_breakdown()
     one = node_host_bytes(cost, Topology())
     assert one["node"] == cost.static_host_bytes()

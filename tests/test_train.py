@@ -125,7 +125,7 @@ def test_a_model_over_the_available_host_memory_is_refused_before_it_is_built(tm
 
     spec = ModelSpec.from_config(config)
     need = CostModel(spec, HardwareSpec.load("emulated"), Workload(4, 32, "bf16"),
-                     cfg.optim.optimizer, executor_layout=True).static_host_bytes()
+                     cfg.optim.optimizer).static_host_bytes()
     monkeypatch.setattr(hardware, "available_host_memory_bytes", lambda: need)
     check_host_fits(cfg, spec)  # exactly enough
     short = RNG.randint(1, need // 2)

@@ -16,21 +16,19 @@ Time model (per layer, forward, FLOPs over the achieved matmul rate):
               bytes moved / `mem_gbps` (see _elementwise_bytes); ignored when mem_gbps is inf.
     backward_s = re-forward with autograd (1x) + backward (2x) = 3 x forward_s.
     loss head: forward + backward of final norm + LM head + cross-entropy, 3 x 2 * vocab * hidden * T FLOPs.
-`with_times(...)` or `CostModel.from_profile(model, ...)` replaces the FLOP estimate by measured seconds
-(what the CPU emulated device needs: tiny layers are dominated by overheads, not FLOPs).
+`with_times(...)` replaces the FLOP estimate by measured seconds (runtime/calibrate.py: the CPU emulated device
+needs them, tiny layers are dominated by overheads, not FLOPs).
 
 Memory model (bytes; see static_host_bytes / static_device_bytes and docs/cost_model.md):
-    host:   weights + gradients in the compute dtype (the packed per-layer store the DMA reads and the
-            p.grad the d2h writes), optimizer states (fp32 Adam 8 B/param; 8-bit 2 B/param + fp32 absmax
-            per 256-element block per state; hybrid = 2% of the parameters in 8 bits), and pinned staging =
-            2 gradient landing slots: the paper's accounting, which reproduces its GPT-OSS-120B admission
-            figures (CPU base 1321 GiB hybrid vs 683 GiB all 8-bit) within 2.5%. `executor_layout=True`
-            counts what the executor and optimizer allocate (what `lazytrain plan` and `lazytrain train`
-            both admit by; see host_breakdown): per parameter, states excluded, gradient accumulation 1,
-            bf16 compute: fp32 masters 4 + bf16 streamed copy 2 + bf16 gradients 2 = 8; bf16 masters 2 + 2
-            = 4; fp32 compute 4 + 4 = 8; plus the update's chunk buffers, a constant (<= 40 MiB) whatever the
-            model. Accumulating micro-batches adds an fp32 sum of every streamed group's gradient (4 B/param),
-            so the sum is exact.
+    host:   what the executor and optimizer allocate (what `lazytrain plan` and `lazytrain train` both admit
+            by; see host_breakdown): optimizer states (fp32 Adam 8 B/param; 8-bit 2 B/param + fp32 absmax per
+            256-element block per state; hybrid8bit = 2% of the parameters in 8 bits) and, per parameter,
+            gradient accumulation 1, bf16 compute: fp32 masters 4 + bf16 streamed copy 2 + bf16 gradients
+            2 = 8; bf16 masters 2 + 2 = 4; fp32 compute 4 + 4 = 8; plus the update's chunk buffers, a constant
+            (<= 40 MiB) whatever the model. Accumulating micro-batches adds an fp32 sum of every streamed
+            group's gradient (4 B/param), so the sum is exact. With bf16 masters this is the paper's accounting
+            (bf16 weights and gradients): its GPT-OSS-120B admission figures (CPU base 1321 GiB hybrid vs
+            683 GiB all 8-bit) within 1%.
     device: 2 weight slots + 2 gradient slots (each the largest layer), the largest working set, 2 boundary-gradient
             buffers (static part); boundary activations come and go, and so do the loss head's own weight and
             gradient slots when it is larger than a layer (head_slot_bytes each: the step program allocates them
@@ -41,9 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import HYBRID_TYPES, ModelSpec
@@ -126,7 +122,7 @@ class CostModel:
     """Per-layer seconds and bytes of one training step (see the module docstring for the formulas)."""
 
     def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "adamw",
-                 *, executor_layout: bool = False, master_weights: str = "fp32", grad_accumulation: int = 1,
+                 *, master_weights: str = "fp32", grad_accumulation: int = 1,
                  head_chunk_tokens: int = HEAD_CHUNK_TOKENS, linear_attention_kernel: str = "auto") -> None:
         if optimizer not in OPTIMIZERS:
             raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
@@ -137,7 +133,6 @@ class CostModel:
             linear_attention_kernel = "torch" if hardware.name == "emulated" else "fla"
         self.linear_attention_kernel = linear_attention_kernel
         self.spec, self.hardware, self.workload, self.optimizer = spec, hardware, workload, optimizer
-        self.executor_layout = executor_layout
         if master_weights not in MASTER_WEIGHTS:
             raise LazyTrainError(f"master_weights {master_weights!r} is not one of {', '.join(MASTER_WEIGHTS)}")
         if master_weights == "bf16" and workload.dtype != "bf16":
@@ -435,15 +430,8 @@ class CostModel:
         return int(round(n * ((1 - share) * 8.0 + share * eight_bit)))
 
     def host_breakdown(self) -> dict[str, int]:
-        """Static host bytes by kind (see static_host_bytes)."""
-        n, dtype_bytes = self.spec.num_params, self.dtype_bytes
-        if not self.executor_layout:  # the paper's accounting (its admission figures), not what the executor holds
-            return {"weights": n * dtype_bytes, "grads": n * dtype_bytes,
-                    "optimizer_states": self.optimizer_state_bytes(), "pinned_staging": 2 * self.slot_bytes}
-        return self._executor_host_breakdown()
-
-    def _executor_host_breakdown(self) -> dict[str, int]:
-        """What the executor (runtime/store.py, runtime/executor.py) and the optimizer allocate on the host.
+        """Static host bytes by kind: what the executor (runtime/store.py, runtime/executor.py) and the optimizer
+        allocate on the host.
 
         weights          the masters: fp32 (4 B/param), or bf16 (2) that are the streamed buffers themselves
         streamed_copy    bf16 compute with fp32 masters: the packed bf16 copy each step streams (2 B/param)
@@ -461,7 +449,7 @@ class CostModel:
         m = 2 if self.master_weights == "bf16" else 4
         n = spec.num_params
         embedding = 0 if spec.tie_word_embeddings else spec.embedding_params  # stays on the host, unpacked
-        streamed_groups = self.streamed_group_params
+        streamed_groups = spec.streamed_group_params
         streamed = sum(streamed_groups)
         accumulating = self.grad_accumulation > 1
         summed = streamed if accumulating else (streamed_groups[-1] if spec.tie_word_embeddings and c < 4 else 0)
@@ -472,7 +460,7 @@ class CostModel:
         chunk = min(UPDATE_CHUNK_NUMEL, max(*streamed_groups, embedding))  # a tensor is at most its group
         # fp32 gradient chunks (cast, clipped by torch's AdamW apart from the kept gradient, or a bf16 master's), fp32
         # weight chunks of bf16 masters, and a bf16 chunk of an fp32 sum they round to first
-        grad_chunks = casts or self.optimizer == "fp32" or m == 2
+        grad_chunks = casts or self.optimizer == "adamw" or m == 2
         per_element = 4 * grad_chunks + (4 + 2 * bool(fp32_sum_groups) if m == 2 else 0)
         return {
             "weights": m * n,
@@ -482,12 +470,6 @@ class CostModel:
             "update_scratch": per_element * chunk,
             "optimizer_states": self.optimizer_state_bytes(),
         }
-
-    @property
-    def streamed_group_params(self) -> list[int]:
-        """Parameters of each group the executor streams: layer 0..L-1, then the head (with a tied embedding)."""
-        spec = self.spec
-        return [*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0)]
 
     def static_host_bytes(self) -> int:
         """What lives on the host for the whole run (host_breakdown): weights, grads, states, staging."""
@@ -546,148 +528,9 @@ class CostModel:
         out.constant_device_bytes = int(num_bytes)
         return out
 
-    @classmethod
-    def from_profile(cls, model: Any, hardware: HardwareSpec, workload: Workload, optimizer: str = "adamw",
-                     *, repeats: int = 3, **kwargs: Any) -> CostModel:
-        """A CostModel whose forward/backward/head seconds are measured on this machine with `model`.
-
-        `model` is a `transformers` causal LM on the CPU (random weights are fine). One layer of each
-        distinct shape is timed (fastest of `repeats`): forward without autograd, and autograd forward +
-        backward; the loss head is timed chunked, as the executor runs it. Optimizer seconds come from
-        `hardware.optimizer_gparams_per_s` (`HardwareSpec.profile()` measures it).
-        """
-        from lazytrain.plan.plan import spec_of
-
-        spec = spec_of(model)
-        cost = cls(spec, hardware, workload, optimizer, **kwargs)
-        times = profile_layer_times(model, workload, repeats=repeats, head_chunk_tokens=cost.head_chunk_tokens)
-        return cost.with_times(forward_s=times["forward_s"], backward_s=times["backward_s"], head_s=times["head_s"])
-
 
 def mean_keys_per_query(seq: int, window: int) -> float:
     """Mean number of keys a query attends to under a causal mask limited to `window` keys: mean of min(t+1, w)."""
     w = min(window, seq)
     # sum_{t=0}^{seq-1} min(t+1, w) = w(w+1)/2 + (seq - w) * w
     return (w * (w + 1) / 2 + (seq - w) * w) / seq
-
-
-# ---- measured layer times (CPU emulated device) -----------------------------------------------------
-def profile_layer_times(model: Any, workload: Workload, *, repeats: int = 3,
-                        head_chunk_tokens: int = HEAD_CHUNK_TOKENS, warmup_s: float = 0.5) -> dict[str, Any]:
-    """Measure forward / autograd forward+backward seconds of each layer shape and of the chunked loss head.
-
-    Uses the executor's own layer and head functions (`lazytrain.runtime.hf`, weights bound to copies as in
-    the slots, weight gradients copied into a flat slot) when they accept the model, else the model's modules
-    directly. Layers with the same type and parameter count share one measurement (fastest of `repeats`).
-    First the first layer and the head run for `warmup_s` untimed: a fresh process's first second of CPU
-    compute is 2-3x slow (thread pool start-up, allocator growth), which a per-call warm-up does not absorb.
-    Returns {"forward_s": [...L], "backward_s": [...L], "head_s": float}.
-    """
-    import torch
-
-    from lazytrain.plan.plan import spec_of
-
-    spec = spec_of(model)
-    dtype = next(model.parameters()).dtype
-    gen = torch.Generator().manual_seed(0)
-    b, s, h = workload.batch_size, workload.seq_len, spec.hidden_size
-    hidden = torch.randn(b, s, h, generator=gen).to(dtype)
-    grad = torch.randn(b, s, h, generator=gen).to(dtype)
-    labels = torch.randint(0, spec.vocab_size, (b * s,), generator=gen)
-    try:
-        from lazytrain.runtime import hf
-
-        parts = hf.find_parts(model)
-        consts = hf.Rotary(parts, torch.device("cpu")).constants(hidden)
-    except Exception:  # noqa: BLE001 - any model the executor cannot take: time its modules directly
-        hf = parts = None
-
-    def timed_layer(j: int, layer: Any, repeats: int = repeats) -> tuple[float, float]:
-        if parts is not None:
-            weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
-            slot = torch.empty(sum(w.numel() for w in weights.values()), dtype=dtype)
-            grads, offset = {}, 0
-            for n, w in weights.items():  # the gradient slot's views, as the executor passes them
-                grads[n] = slot[offset:offset + w.numel()].view(w.shape)
-                offset += w.numel()
-
-            def fwd() -> None:
-                with torch.no_grad():
-                    hf.layer_forward(layer, weights, hidden, consts, parts.mask_kinds[j])
-
-            def fwd_bwd() -> None:
-                hf.layer_backward(layer, weights, hidden, grad, consts, parts.mask_kinds[j], grads)
-        else:
-            inner = model.model if hasattr(model, "model") else model
-            position_ids = torch.arange(s).unsqueeze(0).expand(b, -1)
-            rotary = getattr(inner, "rotary_emb", None)
-            pos_emb = rotary(hidden, position_ids) if rotary is not None else None
-
-            def call(x: Any) -> Any:
-                out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=pos_emb)
-                return out[0] if isinstance(out, tuple) else out
-
-            def fwd() -> None:
-                with torch.no_grad():
-                    call(hidden)
-
-            def fwd_bwd() -> None:
-                call(hidden.detach().requires_grad_(True)).backward(grad)
-        times = (_fastest_s(fwd, repeats), _fastest_s(fwd_bwd, repeats))
-        layer.zero_grad(set_to_none=True)
-        return times
-
-    layers = parts.layers if parts is not None else (model.model if hasattr(model, "model") else model).layers
-    _warm_up(lambda: timed_layer(0, layers[0], repeats=1), warmup_s)
-    measured: dict[tuple[str, int], tuple[float, float]] = {}
-    forward_s, backward_s = [], []
-    for j, layer in enumerate(layers):
-        key = (spec.layer_types[j], spec.layer_params[j])
-        if key not in measured:
-            measured[key] = timed_layer(j, layer)
-        forward_s.append(measured[key][0])
-        backward_s.append(measured[key][1])
-
-    if parts is not None:
-        head_weights = {n: p.detach().clone() for n, p in hf.head_named_params(parts)}
-        head_grads = {n: torch.zeros_like(w) for n, w in head_weights.items()}
-        grad_hidden = torch.empty_like(hidden)
-        loss = torch.zeros(())
-
-        def head() -> None:
-            hf.head_forward_backward(parts.norm, head_weights, hidden, labels, grad_hidden, head_grads,
-                                     head_chunk_tokens, 1.0, loss)
-    else:
-        norm, lm_head = (model.model if hasattr(model, "model") else model).norm, model.lm_head
-        x = hidden.reshape(b * s, -1).clone().requires_grad_(True)
-
-        def head() -> None:
-            for start in range(0, b * s, head_chunk_tokens):
-                logits = lm_head(norm(x[start:start + head_chunk_tokens])).float()
-                torch.nn.functional.cross_entropy(logits, labels[start:start + head_chunk_tokens],
-                                                  reduction="sum").backward()
-
-    _warm_up(head, warmup_s / 2)
-    head_s = _fastest_s(head, repeats)
-    model.zero_grad(set_to_none=True)
-    return {"forward_s": forward_s, "backward_s": backward_s, "head_s": head_s}
-
-
-def _warm_up(fn: Any, seconds: float) -> None:
-    start = time.perf_counter()
-    while True:
-        fn()
-        if time.perf_counter() - start >= seconds:
-            return
-
-
-def _fastest_s(fn: Any, repeats: int) -> float:
-    """Fastest of `repeats` timed calls after a warm-up: the compute itself, robust to bursts of other jobs on a
-    shared machine (a median would take a burst in; on a quiet machine the two agree within a few %)."""
-    fn()  # warm-up: allocator, kernels
-    samples = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return min(samples)

@@ -218,6 +218,11 @@ class ModelSpec:
         return self.embedding_params + sum(self.layer_active_params) + self.head_params
 
     @property
+    def streamed_group_params(self) -> list[int]:
+        """Parameters of each group the executor streams: layer 0..L-1, then the head (with a tied embedding)."""
+        return [*self.layer_params, self.head_params + (self.embedding_params if self.tie_word_embeddings else 0)]
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 

@@ -108,7 +108,7 @@ SHARED_HOST = ("weights", "streamed_copy", "optimizer_states", "grads", "grad_su
 def rank_reduce_bytes(cost: CostModel, topology: Topology) -> dict[str, int]:
     """What each rank holds to sum gradients into their owners (distributed/grads.py): two pooled landing buffers
     for the groups it does not own (g > 1), and an fp32 transient of the largest group to sum a bf16 gradient."""
-    largest = max(cost.streamed_group_params)
+    largest = max(cost.spec.streamed_group_params)
     return {"grad_pool": 2 * largest * cost.dtype_bytes if topology.local_ranks > 1 else 0,
             "grad_reduce": 4 * largest if topology.parallel and cost.dtype_bytes != 4 else 0}
 

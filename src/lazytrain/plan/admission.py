@@ -73,7 +73,7 @@ def host_advice(cost: CostModel) -> str:
     options = []
     if cost.optimizer != "8bit":
         options.append("--optimizer 8bit (2 instead of 8 bytes of state per parameter)")
-    if cost.executor_layout and cost.master_weights == "fp32" and cost.dtype_bytes == 2:
+    if cost.master_weights == "fp32" and cost.dtype_bytes == 2:
         options.append("--master-weights bf16 with an 8-bit optimizer (4 instead of 8 bytes per parameter)")
     return "use " + ", ".join([*options, "a smaller model or more host memory"])
 

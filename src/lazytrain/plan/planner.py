@@ -121,7 +121,7 @@ def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_si
 
 def host_layout(job: JobConfig) -> dict[str, object]:
     """The CostModel arguments of the executor's host layout for this job (master weights, accumulation)."""
-    return {"executor_layout": True, "master_weights": job.runtime.master_weights,
+    return {"master_weights": job.runtime.master_weights,
             "grad_accumulation": job.optim.gradient_accumulation_steps}
 
 

@@ -94,7 +94,7 @@ def starts_from_weights(job: JobConfig, source: ModelSource) -> bool:
 
 
 def check_host_fits(job: JobConfig, spec: ModelSpec) -> None:
-    """Refuse, before allocating anything, a model whose host layout (CostModel's `executor_layout`, from the
+    """Refuse, before allocating anything, a model whose host layout (CostModel's `host_breakdown`, from the
     spec `built_spec` checked against the meta-device model) exceeds the memory this machine has available
     now, instead of dying in the middle of an allocation."""
     available = hardware_module.available_host_memory_bytes()

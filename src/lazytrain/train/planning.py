@@ -68,8 +68,7 @@ def plan_run(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tup
     rank at once made the node's start-up peak grow with its ranks."""
     if ranks is None:
         return _decide(job, model, kind, measured_cost(job, model, kind, workload_of(job), probe_batch))
-    spec = spec_of(model)  # the largest streamed group (CostModel.streamed_group_params)
-    numel = max(*spec.layer_params, spec.head_params + (spec.embedding_params if spec.tie_word_embeddings else 0))
+    numel = max(spec_of(model).streamed_group_params)  # the largest streamed group, as the runtime sums it
     sums_s = ranks.time_sums(numel)
 
     def decide() -> PlannedRun:
