@@ -24,10 +24,11 @@ from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
+from lazytrain.job.batch import largest_feasible_batch
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import TIERS
-from lazytrain.plan.planner import admitted, largest_feasible_batch
+from lazytrain.plan.planner import admitted
 from lazytrain.plan.sim import simulate
 
 GB = 10**9

@@ -110,7 +110,7 @@ def reduce_bytes(model: str, dtype: str) -> int:
     `rank_reduce_bytes`."""
     from lazytrain import CostModel, HardwareSpec, ModelSpec, Workload
     from lazytrain.costmodel.topology import Topology, rank_reduce_bytes
-    from lazytrain.plan.planner import model_spec
+    from lazytrain.job.inputs import model_spec
 
     spec = ModelSpec.from_config(MEDIUM, name="medium") if model == "medium" else model_spec(model)
     cost = CostModel(spec, HardwareSpec.load("emulated"), Workload(2, 64, dtype))

@@ -24,7 +24,7 @@ def once(overrides: list[str]) -> dict[str, object]:
 
     from lazytrain.config import load_job_config
     from lazytrain.costmodel.hardware import resolve_dtype
-    from lazytrain.plan.planner import resolve_batch
+    from lazytrain.job.batch import resolve_batch
     from lazytrain.train.build import build_model, model_source
     from lazytrain.train.data import load_data
     from lazytrain.train.planning import plan_run

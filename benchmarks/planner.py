@@ -29,10 +29,11 @@ from lazytrain.costmodel.model import PRESET_DIR, ModelSpec
 from lazytrain.costmodel.topology import Topology
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
+from lazytrain.job.batch import largest_feasible_batch
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_instance, solve_milp
 from lazytrain.plan.plan import TIERS, SolveReport
-from lazytrain.plan.planner import admitted, largest_feasible_batch
+from lazytrain.plan.planner import admitted
 from lazytrain.plan.rules import evaluate_tiers, make_rule_plan
 from lazytrain.plan.sim import simulate
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 
 from lazytrain.config import load_job_config
-from lazytrain.plan.planner import make_plan, model_spec, rank_inputs, resolve_hardware
+from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
+from lazytrain.plan.planner import make_plan
 from lazytrain.plan.ranks import predict_ranks
 from lazytrain.plan.sim import simulate
 

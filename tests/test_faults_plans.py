@@ -12,12 +12,13 @@ import pytest
 from lazytrain.config import load_job_config
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.job.inputs import workload_of
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.cache import KEEP_GAIN
 from lazytrain.plan.plan import spec_of
 from lazytrain.train import planning
-from lazytrain.train.build import build_model, model_source, workload_of
+from lazytrain.train.build import build_model, model_source
 
 RNG = random.Random(20261203)
 

@@ -26,7 +26,7 @@ from lazytrain.config import load_job_config  # noqa: E402
 from lazytrain.data.loader import Example, Loader  # noqa: E402
 from lazytrain.distributed import RankBatches, RankLost, Ranks  # noqa: E402
 from lazytrain.errors import LazyTrainError  # noqa: E402
-from lazytrain.plan.planner import resolve_batch  # noqa: E402
+from lazytrain.job.batch import resolve_batch  # noqa: E402
 from lazytrain.train import train  # noqa: E402
 from lazytrain.train.metrics import read_rows  # noqa: E402
 

@@ -243,7 +243,7 @@ def test_time_limit_bounds_the_whole_planning(tmp_path, capsys) -> None:
 
 
 def test_device_cuda_without_a_gpu_needs_named_hardware(capsys) -> None:
-    from lazytrain.plan.planner import cuda_visible
+    from lazytrain.job.inputs import cuda_visible
 
     if cuda_visible():
         pytest.skip("checks the message shown without a GPU")

@@ -18,7 +18,7 @@ from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.topology import Topology, node_host_bytes, rank_host_room
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
-from lazytrain.plan.planner import largest_feasible_batch
+from lazytrain.job.batch import largest_feasible_batch
 from lazytrain.plan.schedule import Shapes, build_program, program_for
 from lazytrain.plan.sim import simulate
 

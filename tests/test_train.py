@@ -192,7 +192,7 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
     devices = []
     build = planning.build_device
     monkeypatch.setattr(planning, "build_device", lambda *a, **k: devices.append(build(*a, **k)) or devices[-1])
-    cost = planning.measured_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
+    cost = planning.measured_cost(data.job, model, "cpu", data.probe)
     assert alive == [True] * 5 and cost.hardware.optimizer_gparams_per_s > 0
     for link in devices[0].links.values():  # closed once calibrated
         link._thread.join(timeout=60)
@@ -221,7 +221,7 @@ def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkey
     take = probe.probe_steps
     monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
     monkeypatch.setattr(planning, "optimizer_step", lambda *a, **k: pytest.fail("a serial optimizer step ran"))
-    cost = planning.measured_cost(data.job, model, "cpu", planning.workload_of(data.job), data.probe)
+    cost = planning.measured_cost(data.job, model, "cpu", data.probe)
     updates = sorted(sum(end - start for lane, name, start, end in s.timeline
                          if lane == "optimizer" and name.startswith("update ")) for s in probed)
     assert len(probed) >= 3 and updates[0] > 0  # every measured step ran an update (the warm-up's came first)

@@ -76,6 +76,11 @@ class HardwareSpec:
         rate = self.optimizer_8bit_gparams_per_s if eight_bit and self.optimizer_8bit_gparams_per_s else None
         return (rate or self.optimizer_gparams_per_s) * 1e9
 
+    @property
+    def emulated(self) -> bool:
+        """The EmulatedDevice (the `emulated` preset, profiled or not), whose budgets default to a few boundaries."""
+        return self.name.startswith("emulated")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -26,19 +26,12 @@ from typing import TYPE_CHECKING
 
 from lazytrain.config import JobConfig, add_job_arguments, job_config_from_args
 from lazytrain.errors import LazyTrainError
+from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
+from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
 from lazytrain.plan.admission import host_need
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
-from lazytrain.plan.planner import (
-    Deadline,
-    global_batch,
-    largest_feasible_batch,
-    make_plan,
-    model_spec,
-    rank_inputs,
-    resolve_batch,
-    resolve_hardware,
-)
+from lazytrain.plan.planner import Deadline, make_plan
 from lazytrain.plan.ranks import predict_ranks
 from lazytrain.plan.rules import RULES, make_rule_plan
 from lazytrain.plan.sim import SimResult, simulate

@@ -17,15 +17,9 @@ from lazytrain.plan.sim import SimResult, op_seconds, simulate
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
-    from lazytrain.config import JobConfig
     from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.budgets import Budgets
     from lazytrain.plan.plan import Plan
-
-
-def topology_of(job: JobConfig) -> Topology:
-    """The job's ranks and nodes."""
-    return Topology(world_size=job.parallel.world_size, nodes=job.parallel.nodes)
 
 
 def rank_budgets(budgets: Budgets, cost: CostModel, topology: Topology) -> Budgets:

@@ -8,15 +8,13 @@ import torch
 from transformers import LlamaConfig, PreTrainedModel
 
 from lazytrain.costmodel import hardware as hardware_module
-from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import BUILT_IN_SHAPES, ModelSpec, built_in_config
-from lazytrain.costmodel.workload import Workload
 from lazytrain.distributed.shared import share_model
 from lazytrain.errors import LazyTrainError
+from lazytrain.job.inputs import cost_model
 from lazytrain.plan.admission import check_host_memory
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.planner import cuda_hardware, host_layout
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
@@ -29,12 +27,6 @@ if TYPE_CHECKING:
     from lazytrain.train.planning import PlannedRun
 
 Device = CudaDevice | EmulatedDevice
-
-def workload_of(job: JobConfig) -> Workload:
-    """The shape of every micro-batch the plan and the device arena are sized for (masked: the dataset's batches
-    carry an attention mask or position ids, `DataConfig.masked`)."""
-    return Workload(batch_size=job.data.per_device_train_batch_size, seq_len=job.data.cutoff_len,
-                    dtype=job.runtime.dtype, masked=job.data.masked)
 
 
 # =====================================================================================================
@@ -100,8 +92,7 @@ def check_host_fits(job: JobConfig, spec: ModelSpec) -> None:
     available = hardware_module.available_host_memory_bytes()
     if available is None:
         return
-    cost = CostModel(spec, HardwareSpec.load("emulated"), workload_of(job), job.optim.optimizer,
-                     **host_layout(job))
+    cost = cost_model(job, spec, HardwareSpec.load("emulated"))  # host bytes: the job's, on any machine
     check_host_memory(cost, available, "this machine's available memory")
 
 
@@ -115,17 +106,6 @@ def pick_device_kind(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return requested
-
-
-def build_hardware(job: JobConfig, kind: str) -> HardwareSpec:
-    """The machine the plan is made for: the emulated preset with this CPU's host rates (`profile`) and the
-    configured link rates; on CUDA the closest preset by GPU name, with the GPU's memory."""
-    if kind == "cuda":
-        return cuda_hardware()  # the same machine `lazytrain plan` plans for
-    return HardwareSpec.profile("emulated", seconds=0.1).with_overrides(
-        h2d_gbps=job.runtime.h2d_gbps, d2h_gbps=job.runtime.d2h_gbps, nvme_read_gbps=job.runtime.nvme_read_gbps,
-        nvme_write_gbps=job.runtime.nvme_write_gbps,
-    )
 
 
 def build_device(job: JobConfig, kind: str, capacity_bytes: int | None, throttled: bool = True) -> Device:

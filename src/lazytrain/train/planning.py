@@ -13,19 +13,18 @@ from transformers import PreTrainedModel
 
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
-from lazytrain.costmodel.workload import Workload
+from lazytrain.job.inputs import cost_model, resolve_hardware, topology_of
 from lazytrain.plan import planner
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.cache import keep_or_replace, remembered_plan_path
 from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
 from lazytrain.plan.plan import Plan, spec_of
-from lazytrain.plan.ranks import topology_of
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate_links
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.probe import ProbeOptimizer, calibrated_cost
 from lazytrain.runtime.replan import Replanner
-from lazytrain.train.build import build_device, build_hardware, compute_dtype, workload_of
+from lazytrain.train.build import build_device, compute_dtype
 from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step
 
 if TYPE_CHECKING:
@@ -67,12 +66,12 @@ def plan_run(job: JobConfig, model: PreTrainedModel, kind: str, probe_batch: tup
     `collective_timeout_s`): a calibration holds a whole model's gradients and optimizer states, which on every
     rank at once made the node's start-up peak grow with its ranks."""
     if ranks is None:
-        return _decide(job, model, kind, measured_cost(job, model, kind, workload_of(job), probe_batch))
+        return _decide(job, model, kind, measured_cost(job, model, kind, probe_batch))
     numel = max(spec_of(model).streamed_group_params)  # the largest streamed group, as the runtime sums it
     sums_s = ranks.time_sums(numel)
 
     def decide() -> PlannedRun:
-        cost = measured_cost(job, model, kind, workload_of(job), probe_batch)
+        cost = measured_cost(job, model, kind, probe_batch)
         cost = calibrate_links(cost, ranks.topology, REDUCE_DTYPE_BYTES * numel, *sums_s)
         hw = cost.hardware  # rank 0's measured rates go with its plan
         planned = _decide(job, model, kind, cost)
@@ -120,13 +119,12 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) 
                    serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
 
 
-def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str, workload: Workload,
+def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
                   probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
-    """The job's CostModel with its compute and optimizer seconds measured on the device the run uses
-    (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
-    hardware = build_hardware(job, kind)
-    estimate = CostModel(spec_of(model), hardware, workload, job.optim.optimizer,
-                         **planner.host_layout(job))
+    """The job's CostModel (job/inputs.py: the built model's spec on this machine, its host rates measured) with
+    its compute and optimizer seconds measured on the device the run uses (runtime/probe.py), by a throwaway
+    optimizer of the run's kind at learning rate 0."""
+    estimate = cost_model(job, spec_of(model), resolve_hardware(job.runtime, kind=kind, measured=True))
 
     def probe_optimizer(executor: Executor) -> ProbeOptimizer:
         optimizer = build_optimizer(job, model)

@@ -21,7 +21,6 @@ from transformers.utils import logging as hf_logging
 
 from lazytrain.config import MAX_STEPS, JobConfig
 from lazytrain.costmodel.cost import CostModel
-from lazytrain.costmodel.hardware import resolve_dtype
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
@@ -34,8 +33,9 @@ from lazytrain.distributed import (
     launched_world_size,
 )
 from lazytrain.errors import LazyTrainError
+from lazytrain.job.batch import resolve_batch
+from lazytrain.job.inputs import resolved_dtype
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.planner import resolve_batch
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.train.build import (
@@ -117,7 +117,7 @@ def train(job: JobConfig) -> TrainResult:
     """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary."""
     t_start = time.perf_counter()
     check_job(job)
-    dtype = resolve_dtype(job.runtime.dtype, emulated=pick_device_kind(job.runtime.device) == "cpu")
+    dtype = resolved_dtype(job.runtime, emulated=pick_device_kind(job.runtime.device) == "cpu")
     if dtype != job.runtime.dtype:  # dtype auto
         if dtype == "fp32":
             say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
