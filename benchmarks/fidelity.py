@@ -133,7 +133,7 @@ def part_default(args: argparse.Namespace) -> None:
     probe_device = build_device(job, "cpu", None, throttled=False)
     B, T = job.data.per_device_train_batch_size, job.data.cutoff_len
     try:
-        executor = build_executor(model, planned, device, job)
+        executor = build_executor(model, planned.plan, planned.cost, device, job)
         fit_device_cap(job, plan, executor, device)
         (out / "run").mkdir(parents=True)
         trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=data.batches,

@@ -163,7 +163,7 @@ def test_eager_attention_masks_are_planned_for(tmp_path):
     ids = torch.randint(0, 256, (batch, seq_len), generator=generator)
     kind = pick_device_kind("cpu")
     planned = plan_run(cfg, model, kind, (ids, ids.clone()))
-    ex = build_executor(model, planned, build_device(cfg, kind, None), cfg)
+    ex = build_executor(model, planned.plan, planned.cost, build_device(cfg, kind, None), cfg)
     masks = batch * seq_len**2 * 2  # one causal mask, bf16
     assert planned.cost.constant_device_bytes == ex.memory_sizes(batch, seq_len).constant_bytes
     assert planned.cost.constant_device_bytes > masks

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,15 +31,23 @@ import torch.distributed as dist
 from lazytrain.costmodel.topology import Topology
 from lazytrain.errors import LazyTrainError
 
-if TYPE_CHECKING:
-    from lazytrain.distributed.shared import NodeWeights
-
 T = TypeVar("T")
 ALIVE_WAIT_S = 3.0  # how long the survivors of a failed collective wait for each other's roll call
 
 
 class RankLost(LazyTrainError):
     """A collective failed: a rank died, hung past the timeout or left."""
+
+
+@dataclass
+class NodeWeights:
+    """This node's shared host mapping (distributed/shared.py's docstring): the weights, the bf16 streamed copies'
+    regions, the fence's words."""
+
+    mapping: torch.Tensor  # uint8, the whole file
+    weights_bytes: int  # the weights and the streamed copies' regions; the fence's words follow
+    copies: dict[str, int]  # executor group name -> byte offset of its compute-dtype streamed copy
+    words: torch.Tensor  # int64: a counter per executor group, then each local rank's pid (`GroupFence`)
 
 
 @dataclass

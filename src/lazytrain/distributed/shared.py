@@ -48,7 +48,7 @@ from llvmlite import ir as llvm_ir
 from numba import types
 from numba.extending import intrinsic
 
-from lazytrain.distributed.ranks import RankLost
+from lazytrain.distributed.ranks import NodeWeights, RankLost
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.hf import find_parts, head_named_params
 from lazytrain.runtime.store import ALIGN_BYTES
@@ -65,17 +65,6 @@ SHM_DIR = Path("/dev/shm")
 KEPT_STATE = ("step", "eightbit")  # per-parameter entries a rank keeps for groups it does not own
 FENCE_POLL_S = 0.0002  # how often a rank waiting at the fence reads its group's counter
 ALIVE_CHECK_S = 1.0  # how often it checks that the group's owner still runs (and the timeout)
-
-
-@dataclass
-class NodeWeights:
-    """This node's shared host mapping (module docstring): the weights, the bf16 streamed copies' regions, the
-    fence's words."""
-
-    mapping: torch.Tensor  # uint8, the whole file
-    weights_bytes: int  # the weights and the streamed copies' regions; the fence's words follow
-    copies: dict[str, int]  # executor group name -> byte offset of its compute-dtype streamed copy
-    words: torch.Tensor  # int64: a counter per executor group, then each local rank's pid (`GroupFence`)
 
 
 def share_model(ranks: Ranks, model: PreTrainedModel, compute_dtype: torch.dtype) -> NodeWeights:

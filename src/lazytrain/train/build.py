@@ -23,8 +23,8 @@ from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig
+    from lazytrain.costmodel.cost import CostModel
     from lazytrain.distributed import Ranks
-    from lazytrain.train.planning import PlannedRun
 
 Device = CudaDevice | EmulatedDevice
 
@@ -119,11 +119,11 @@ def build_device(job: JobConfig, kind: str, capacity_bytes: int | None, throttle
                           nvme_dir=job.runtime.nvme_dir)
 
 
-def build_executor(model: PreTrainedModel, planned: PlannedRun, device: Device, job: JobConfig) -> Executor:
+def build_executor(model: PreTrainedModel, plan: Plan, cost: CostModel, device: Device, job: JobConfig) -> Executor:
     """The layer-streaming executor that runs the plan on the device; the optimizer steps after it (serial)."""
     dtype = compute_dtype(job)
     # cost: the arena reserves the cost model's working sets, so the plan's predicted peak is what is counted
-    return Executor(model, planned.plan, device, compute_dtype=dtype, cost=planned.cost)
+    return Executor(model, plan, device, compute_dtype=dtype, cost=cost)
 
 
 def fit_device_cap(job: JobConfig, plan: Plan, executor: Executor, device: Device) -> None:

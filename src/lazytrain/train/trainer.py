@@ -186,7 +186,7 @@ def train(job: JobConfig) -> TrainResult:
         # ---- device, executor, optimizer, resume ----------------------------------------------------
         device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
         try:
-            executor = build_executor(model, planned, device, job)
+            executor = build_executor(model, plan, planned.cost, device, job)
             fit_device_cap(job, plan, executor, device)
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
