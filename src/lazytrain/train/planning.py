@@ -116,7 +116,7 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) 
                          plan.kept_layers)
     plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
     return PlannedRun(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, topology=topology,
-                   serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
+                      serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
 
 
 def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
