@@ -25,7 +25,8 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.calibrate import calibrate, lane_seconds, probe_steps
 from lazytrain.runtime.device import EmulatedDevice
-from lazytrain.runtime.executor import Executor, GroupUpdate, StepStats
+from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.step import GroupUpdate, StepStats
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
