@@ -12,7 +12,7 @@ import threading
 import pytest
 import tiny_models
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, Plan, Workload
@@ -61,6 +61,10 @@ def _resized(model: torch.nn.Module, vocab: int) -> torch.nn.Module:
        inner=st.lists(st.sampled_from(["gpu", "cpu", "nvme", "recompute"]), min_size=3, max_size=3),
        batch=st.integers(1, 3), seq_len=st.integers(3, 13), chunk=st.sampled_from([4, 7, 1024]),
        padded=st.booleans(), big_head=st.booleans(), kept=st.sampled_from([0, 0, 1, 2, 4]))
+# the head's own gradient slot is held through the recompute window after the head: that window's peak (a
+# forward's, counted as the backward's working set before Shapes.forward_working_bytes) was above the true one
+@example(kind="llama", attn="eager", dtype=torch.float32, inner=["gpu", "gpu", "recompute"], batch=3, seq_len=9,
+         chunk=4, padded=False, big_head=True, kept=0)
 def test_true_peak_equals_the_programs_to_the_byte(kind, attn, dtype, inner, batch, seq_len, chunk, padded,
                                                    big_head, kept) -> None:
     model = tiny_models.make_model(kind, num_layers=4, attn=attn)

@@ -46,7 +46,7 @@ class Shapes:
     boundary_bytes: tuple[int, ...]  # A[i], i = 0..L
     param_bytes: tuple[int, ...]  # weights streamed per use of layer j (compute dtype) = its gradient bytes
     head_param_bytes: int  # final norm + LM head (the tied embedding for a tied head)
-    working_bytes: tuple[int, ...]  # autograd working set of layer j during each of its computes
+    working_bytes: tuple[int, ...]  # autograd working set of layer j during its backward (re-forward + backward)
     head_working_bytes: int
     constant_bytes: int = 0  # rotary cos/sin, positions, attention masks of the step
     tied_head: bool = False  # the head's group owns the embedding (tied LM head): its update precedes boundary 0
@@ -55,12 +55,20 @@ class Shapes:
     graph_bytes: tuple[int, ...] = ()  # the saved tensors its graph holds from its forward to its backward
     graph_forward_bytes: tuple[int, ...] = ()  # peak of its forward with autograd (its output and graph included)
     graph_backward_bytes: tuple[int, ...] = ()  # its backward's peak beyond its graph, output and input gradient
+    # layer j's forward or recompute (no autograd) beyond its output; () = working_bytes (a CostModel's bound: the
+    # backward's; measured it is less, and a window the backward's set over-counts can be the step's peak)
+    forward_working_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
         if L < 1 or len(self.boundary_bytes) != L + 1 or len(self.working_bytes) != L:
             raise LazyTrainError(f"step shapes: need L >= 1 layers, L working sets and L+1 boundaries, got "
                                  f"{L}, {len(self.working_bytes)}, {len(self.boundary_bytes)}")
+        if not self.forward_working_bytes:
+            object.__setattr__(self, "forward_working_bytes", self.working_bytes)
+        elif len(self.forward_working_bytes) != L:
+            raise LazyTrainError(f"step shapes: forward_working_bytes needs {L} entries, got "
+                                 f"{len(self.forward_working_bytes)}")
         for name in ("graph_bytes", "graph_forward_bytes", "graph_backward_bytes"):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * L)
@@ -326,7 +334,7 @@ class _StepBuilder(_Program):
         """F_j: the next use's weights, the d2h of boundary j if offloaded, the nvme write of boundary j-1; layer
         j's forward (with autograd for a kept layer, whose graph stays until its backward); boundary j+1. A
         recomputed boundary j goes with the compute, an offloaded one once the fence saw its d2h."""
-        tiers, A, W = self.tiers, self.shapes.boundary_bytes, self.shapes.working_bytes
+        tiers, A, WF = self.tiers, self.shapes.boundary_bytes, self.shapes.forward_working_bytes
         self._next_weights()
         if j > 0 and tiers[j] in OFFLOADED:
             self.offload_d2h[j] = self.issue("d2h", "offload", j, A[j])
@@ -341,10 +349,10 @@ class _StepBuilder(_Program):
             self.alloc("graph", j, self.shapes.graph_bytes[j])
             self.fence()
             return
-        self.alloc("working", j, W[j])
+        self.alloc("working", j, WF[j])
         self.run("forward", j)
         self.alloc("boundary", j + 1, A[j + 1])
-        self.free("working", j, W[j])
+        self.free("working", j, WF[j])
         if j > 0 and tiers[j] == "recompute":
             self.free("boundary", j, A[j])  # consumed by layer j, regenerated in the backward
         self.fence()
@@ -382,13 +390,13 @@ class _StepBuilder(_Program):
     def recompute(self, j: int) -> None:
         """R_j: the next use's weights, the d2h of the previous window's weight gradients; layer j's forward
         again, which regenerates boundary j+1."""
-        A, W = self.shapes.boundary_bytes, self.shapes.working_bytes
+        A, WF = self.shapes.boundary_bytes, self.shapes.forward_working_bytes
         self._next_weights()
         self._send_grads()
-        self.alloc("working", j, W[j])
+        self.alloc("working", j, WF[j])
         self.run("recompute", j)
         self.alloc("boundary", j + 1, A[j + 1])
-        self.free("working", j, W[j])
+        self.free("working", j, WF[j])
         self.fence()
 
     def backward(self, j: int) -> None:
@@ -565,10 +573,10 @@ def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, 
     b.alloc("constants", -1, shapes.constant_bytes)
     for j in range(L):
         begin_use(j)
-        b.alloc("working", j, shapes.working_bytes[j])
+        b.alloc("working", j, shapes.forward_working_bytes[j])
         b.run_op("forward", j, j)
         b.alloc("boundary", j + 1, A[j + 1])
-        b.free("working", j, shapes.working_bytes[j])
+        b.free("working", j, shapes.forward_working_bytes[j])
         b.free("boundary", j, A[j])
     begin_use(L)
     b.alloc("working", L, shapes.head_working_bytes)

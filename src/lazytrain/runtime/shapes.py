@@ -22,6 +22,7 @@ from lazytrain.runtime.hf import (
     Rotary,
     graph_backward,
     head_forward_backward,
+    layer_forward,
     layer_graph_forward,
     shift_labels,
 )
@@ -53,7 +54,8 @@ class StepShapes:
         self.spec = spec
         self._default_costs: dict[ShapeKey, CostModel] = {}
         self._measured_working: dict[ShapeKey, tuple[tuple[int, ...], int]] = {}
-        # the same keys: (graph, graph forward, graph backward) bytes per layer (Shapes.graph_*)
+        # the same keys: (graph, graph forward, graph backward, forward working) bytes per layer (Shapes.graph_*,
+        # Shapes.forward_working_bytes)
         self._measured_graphs: dict[ShapeKey, tuple[tuple[int, ...], ...]] = {}
 
     def __call__(self, batch: int, seq_len: int, *, masked: bool = False) -> Shapes:
@@ -71,11 +73,12 @@ class StepShapes:
         boundary_bytes = batch * seq_len * self.parts.model.config.hidden_size * dtype_bytes
         if getattr(self.device, "live", None) is not None:  # a device that measures memory: the real working sets
             working, head_working = self.measured_working_bytes(batch, seq_len, masked=masked)
-            graphs = self._measured_graphs[(batch, seq_len, masked)]
+            *graphs, forward_working = self._measured_graphs[(batch, seq_len, masked)]
         else:
             working = tuple(int(w) for w in cost.working_bytes)
             head_working = int(cost.head_working_bytes)
             graphs = graph_bounds(working, tuple(int(g) for g in cost.graph_bytes), boundary_bytes)
+            forward_working = ()  # the backward's: the planner's bound
         return Shapes(
             boundary_bytes=(boundary_bytes,) * (L + 1),
             param_bytes=tuple(g.numel * dtype_bytes for g in self.layer_groups),
@@ -86,6 +89,7 @@ class StepShapes:
             tied_head=self.parts.tied,
             dtype_bytes=dtype_bytes,
             graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2],
+            forward_working_bytes=forward_working,
         )
 
     def measured_working_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> tuple[tuple[int, ...], int]:
@@ -95,12 +99,14 @@ class StepShapes:
         Layer j: the high-water mark of every storage its autograd re-forward + backward creates, less its
         output d(boundary j) (the program allocates that after the compute, while the working set is still
         counted). Head: the same for the chunked head (its output is written into a buffer the program holds),
-        with every label counted (a chunk without labels holds less). A forward or recompute holds less than the
-        backward of its layer, so the program over-counts those windows.
+        with every label counted (a chunk without labels holds less).
 
         The same pass measures what a kept layer holds (`Shapes.graph_*`, in `_measured_graphs`): its graph (the
         storages alive after its forward with autograd, less its output), the peak of that forward, and its
-        backward's peak beyond the graph, its output and its input's gradient."""
+        backward's peak beyond the graph, its output and its input's gradient; and a forward or recompute's peak
+        (no autograd) less its output (`Shapes.forward_working_bytes`): less than the backward's, and the step's
+        peak where such a window holds more than any backward (e.g. the head's own gradient slot, held until the
+        first backward-side window's fence, beside a recompute)."""
         key = (batch, seq_len, masked)
         if key in self._measured_working:
             return self._measured_working[key]
@@ -113,7 +119,7 @@ class StepShapes:
         consts = self.rotary.constants(hidden, ones)
         boundary_bytes = hidden.numel() * hidden.element_size()
         by_shape: dict[tuple[str, tuple], tuple[int, int, int, int]] = {}
-        sizes = []  # per layer: (working set, graph, graph forward peak, graph backward beyond)
+        sizes = []  # per layer: (working set, graph, graph forward peak, graph backward beyond, forward working)
         for j, (layer, group) in enumerate(zip(self.parts.layers, self.layer_groups, strict=True)):
             shape_key = (self.parts.mask_kinds[j], tuple((s.name, s.shape) for s in group.slots))
             if shape_key not in by_shape:
@@ -127,8 +133,13 @@ class StepShapes:
                     graph_backward(graph, grad_out, group.views(slot))
                     del graph
                 backward_peak = live.peak_bytes
+                live = LiveBytes()
+                with live, torch.no_grad():  # a forward or recompute (layer_forward, as the step runs it)
+                    out = layer_forward(layer, weights, hidden, consts, self.parts.mask_kinds[j])
+                    del out
                 by_shape[shape_key] = (max(forward_peak, backward_peak) - boundary_bytes, graph_bytes, forward_peak,
-                                       max(0, backward_peak - graph_bytes - 2 * boundary_bytes))
+                                       max(0, backward_peak - graph_bytes - 2 * boundary_bytes),
+                                       live.peak_bytes - boundary_bytes)
             sizes.append(by_shape[shape_key])
         working = [w for w, *_ in sizes]
         self._measured_graphs[key] = tuple(tuple(column) for column in list(zip(*sizes, strict=True))[1:])
