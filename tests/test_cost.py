@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from lazytrain.costmodel.cost import UPDATE_CHUNK_NUMEL, CostModel, mean_keys_per_query
+from lazytrain.costmodel.cost import (
+    STATE_HEADER_BYTES,
+    STATE_PAGE_BYTES,
+    UPDATE_CHUNK_NUMEL,
+    CostModel,
+    mean_keys_per_query,
+)
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.workload import Workload
@@ -130,6 +136,44 @@ def test_optimizer_modes_change_states_and_time() -> None:
         layout = CostModel(big, hw, Workload(1, 16, "bf16"), "8bit", master_weights=masters)
         assert layout.static_host_bytes() / big.num_params == pytest.approx(per_param, abs=1e-3)
         assert layout.host_breakdown()["update_scratch"] <= 8 * UPDATE_CHUNK_NUMEL
+
+
+def test_optimizer_state_on_nvme_leaves_the_host_about_4_bytes_per_parameter() -> None:
+    """optimizer_offload nvme: the state files hold each group's moments and, with fp32 masters of a bf16 compute,
+    its masters but the embedding matrix's; the host keeps the streamed weights, the gradients and D staging slots
+    of the largest file (issue 24: at most 4.3 B/param + staging with bf16 compute)."""
+    from lazytrain.runtime.files import ALIGN_BYTES
+
+    assert STATE_PAGE_BYTES == ALIGN_BYTES
+    big, hw = ModelSpec.load("qwen2.5-14b"), HardwareSpec.load("rtx3090")
+    n, L, emb = big.num_params, big.num_layers, big.embedding_params
+    for masters in ("bf16", "fp32"):
+        ram = CostModel(big, hw, Workload(4, 1024, "bf16"), "8bit", master_weights=masters)
+        nvme = CostModel(big, hw, Workload(4, 1024, "bf16"), "8bit", master_weights=masters,
+                         optimizer_offload="nvme")
+        files = nvme.state_group_bytes()
+        per_param = 2 + 8 / 256 + (4 if masters == "fp32" else 0)
+        assert len(files) == L + 2 and all(f % STATE_PAGE_BYTES == 0 for f in files)
+        assert files[1] == pytest.approx(big.layer_params[0] * per_param, abs=STATE_PAGE_BYTES)
+        assert files[0] == pytest.approx(emb * (2 + 8 / 256), abs=STATE_PAGE_BYTES)  # the embedding's master in RAM
+        assert nvme.staging_slot_bytes == max(files) and ram.staging_slot_bytes == 0
+        assert nvme.nvme_state_bytes() == sum(files) + (L + 2) * STATE_HEADER_BYTES and ram.nvme_state_bytes() == 0
+        host, host3 = nvme.host_breakdown(), nvme.host_breakdown(staging_depth=3)
+        assert host["optimizer_states"] == 0 and host3["staging"] == 3 * max(files)
+        assert {**host3, "staging": 0} == host
+        assert host["weights"] == (4 * emb if masters == "fp32" else 2 * n)
+        assert sum(host.values()) / n <= 4.3
+        assert ram.static_host_bytes() - nvme.static_host_bytes() == pytest.approx(
+            ram.optimizer_state_bytes() + (4 * (n - emb) if masters == "fp32" else 0))
+    tied = CostModel(ModelSpec.load("qwen2.5-3b"), hw, Workload(1, 16, "bf16"), "adamw", optimizer_offload="nvme")
+    assert tied.spec.tie_word_embeddings and tied.state_group_bytes()[0] == 0  # the head's group owns it
+    spec = tied.spec  # the tied head's file: the norm's and the shared matrix's moments, the norm's master only
+    assert tied.state_group_bytes()[-1] == pytest.approx(8 * (spec.hidden_size + spec.embedding_params)
+                                                         + 4 * spec.hidden_size, abs=STATE_PAGE_BYTES)
+    fp32 = CostModel(spec, hw, Workload(1, 16, "fp32"), "adamw", optimizer_offload="nvme")
+    assert not fp32.masters_offloaded and fp32.host_breakdown()["weights"] == 4 * spec.num_params  # streamed
+    with pytest.raises(LazyTrainError, match="optimizer_offload 'disk'"):
+        CostModel(spec, hw, Workload(1, 16), optimizer_offload="disk")
 
 
 def test_throughput_conventions() -> None:

@@ -91,6 +91,23 @@ def test_kept_layers_round_trip_and_show_in_the_map(tmp_path) -> None:
     assert Plan.from_dict(data).kept_layers == 0
 
 
+def test_optimizer_offload_and_staging_depth_round_trip(tmp_path) -> None:
+    """A plan for the optimizer's state on NVMe keeps its mode and staging depth in the file; an older file (no such
+    keys) is a host plan; a run with the other mode is refused in one line."""
+    spec = ModelSpec.load("tiny-qwen3")
+    plan = Plan.from_tiers(spec, ["gpu"] * (spec.num_layers + 1), staging_depth=2)
+    assert (plan.optimizer_offload, plan.staging_depth) == ("nvme", 2)
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json", spec=spec) == plan
+    data = plan.to_dict()
+    assert (data["optimizer_offload"], data["staging_depth"]) == ("nvme", 2)
+    del data["optimizer_offload"], data["staging_depth"]
+    assert (Plan.from_dict(data).optimizer_offload, Plan.from_dict(data).staging_depth) == ("host", 0)
+    plan.check_matches(spec, optimizer_offload="nvme")
+    with pytest.raises(LazyTrainError, match="made for optimizer_offload nvme but the run uses host"):
+        plan.check_matches(spec, optimizer_offload="host")
+
+
 def _mutations(data: dict) -> dict[str, object]:
     boundaries = data["boundaries"]
     return {
@@ -108,6 +125,10 @@ def _mutations(data: dict) -> dict[str, object]:
         "bad workload": {**data, "workload": {"batch_size": -3, "seq_len": 1024}},
         "kept layers not an int": {**data, "kept_layers": "all"},
         "kept layer over an offloaded boundary": {**data, "kept_layers": len(boundaries) - 1},
+        "unknown optimizer offload": {**data, "optimizer_offload": "ssd"},
+        "nvme without a staging depth": {**data, "optimizer_offload": "nvme", "staging_depth": 0},
+        "staging depth past the layers": {**data, "optimizer_offload": "nvme", "staging_depth": 10**6},
+        "host with a staging depth": {**data, "staging_depth": 2},
     }
 
 

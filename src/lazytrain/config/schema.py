@@ -230,8 +230,15 @@ class RuntimeConfig:
     """Emulated NVMe read rate, GB/s."""
     nvme_write_gbps: float = EMULATED_LINK_GBPS["nvme_write_gbps"]
     """Emulated NVMe write rate, GB/s."""
+    optimizer_offload: Literal["host", "nvme"] = "host"
+    """Where the optimizer's state lives between updates: `host` (RAM) or `nvme` (one file per layer group under
+    nvme_dir: the 8-bit or fp32 moments and, with master_weights fp32 and bf16 compute, the fp32 masters but the
+    embedding's; read into a few host staging slots ahead of each group's update and written back after it, on
+    the NVMe link the activations' spills share; the planner picks the slots' number under the host memory).
+    With bf16 compute host RAM then holds about 4 bytes per parameter plus the staging."""
     nvme_dir: str | None = None
-    """Directory for `nvme` boundary files; None = a temporary directory removed at the end."""
+    """Directory for `nvme` boundary files and, with optimizer_offload nvme, the optimizer's state files (both
+    nameless: nothing is left there after the run); None = a temporary directory removed at the end."""
     seed: int = 0
     """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1)."""
     data_seed: int | None = None

@@ -51,6 +51,12 @@ OPTIMIZERS = ("adamw", "hybrid8bit", "8bit")
 HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid8bit"
 QUANT_BLOCK = 256  # elements per absmax block of the 8-bit states (bitsandbytes' current block size)
 UPDATE_CHUNK_NUMEL = 1 << 22  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
+# Where the optimizer's state (moments, and fp32 masters where a narrower copy streams) lives between updates: in
+# host RAM, or in one file per layer group on the NVMe SSD, read into a staging slot before the group's update and
+# written back after it (issue 24; plan/schedule.py's state ops).
+OPTIMIZER_OFFLOADS = ("host", "nvme")
+STATE_PAGE_BYTES = 4096  # a state file's reads and writes move whole pages: runtime/files.py's ALIGN_BYTES (tested)
+STATE_HEADER_BYTES = 1 << 20  # at most, per state file: its safetensors header, padded to a page (runtime/statefiles)
 LINEAR_ATTN_CHUNK = 64  # Gated DeltaNet chunk length (transformers' torch_chunk_gated_delta_rule)
 # Whose chunked delta rule a linear-attention layer runs: flash-linear-attention's fused kernels (what
 # transformers uses on a GPU when `fla` is installed) or transformers' torch fallback (the CPU).
@@ -123,9 +129,14 @@ class CostModel:
 
     def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "adamw",
                  *, master_weights: str = "fp32", grad_accumulation: int = 1,
-                 head_chunk_tokens: int = HEAD_CHUNK_TOKENS, linear_attention_kernel: str = "auto") -> None:
+                 head_chunk_tokens: int = HEAD_CHUNK_TOKENS, linear_attention_kernel: str = "auto",
+                 optimizer_offload: str = "host") -> None:
         if optimizer not in OPTIMIZERS:
             raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
+        if optimizer_offload not in OPTIMIZER_OFFLOADS:
+            raise LazyTrainError(f"optimizer_offload {optimizer_offload!r} is not one of "
+                                 f"{', '.join(OPTIMIZER_OFFLOADS)} (--optimizer-offload)")
+        self.optimizer_offload = optimizer_offload
         if linear_attention_kernel not in LINEAR_ATTN_KERNELS:
             raise LazyTrainError(f"linear_attention_kernel {linear_attention_kernel!r} is not one of "
                                  f"{', '.join(LINEAR_ATTN_KERNELS)}")
@@ -422,18 +433,59 @@ class CostModel:
         use it (plan/schedule.py)."""
         return self.head_param_bytes if self.head_param_bytes > self.layer_slot_bytes else 0
 
-    def optimizer_state_bytes(self) -> int:
-        """Adam's two moments: fp32 8 B/param; 8-bit 2 B/param + an fp32 absmax per block per moment."""
-        n = self.spec.num_params
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Adam's two moments per parameter: fp32 8 B; 8-bit 2 B + an fp32 absmax per block per moment."""
         eight_bit = 2.0 + 2 * 4.0 / QUANT_BLOCK
         share = {"adamw": 0.0, "hybrid8bit": HYBRID_8BIT_FRACTION, "8bit": 1.0}[self.optimizer]
-        return int(round(n * ((1 - share) * 8.0 + share * eight_bit)))
+        return (1 - share) * 8.0 + share * eight_bit
 
-    def host_breakdown(self) -> dict[str, int]:
+    def optimizer_state_bytes(self) -> int:
+        """Adam's two moments of every parameter (`state_bytes_per_param`)."""
+        return int(round(self.spec.num_params * self.state_bytes_per_param))
+
+    @property
+    def masters_offloaded(self) -> bool:
+        """With optimizer_offload nvme, whether the fp32 masters go to the state files too: when a narrower copy
+        streams (bf16 compute, fp32 masters); masters that are the streamed buffers themselves stay in RAM."""
+        return self.optimizer_offload == "nvme" and self.master_weights == "fp32" and self.dtype_bytes < 4
+
+    def state_group_bytes(self) -> tuple[int, ...]:
+        """The bytes of each layer group's state file (what one state_read or state_write moves) with
+        optimizer_offload nvme, at index target + 1 as `sim.update_seconds`: the untied embedding (0 when tied:
+        a tied head's group owns it), layers 0..L-1, the head. A group's file holds its Adam moments and, where
+        `masters_offloaded`, its fp32 masters -- but not the embedding matrix's, which the forward gathers rows
+        from every step and so stays in RAM --, rounded up to whole pages (reads and writes move whole pages)."""
+        spec = self.spec
+        masters = 4 if self.masters_offloaded else 0
+        tied = spec.tie_word_embeddings
+        embedding = 0 if tied else spec.embedding_params * self.state_bytes_per_param
+        layers = [p * (self.state_bytes_per_param + masters) for p in spec.layer_params]
+        head = (spec.head_params + (spec.embedding_params if tied else 0)) * self.state_bytes_per_param \
+            + spec.head_params * masters  # a tied head's matrix is the embedding's (its master in RAM)
+        return tuple(-(-int(math.ceil(b)) // STATE_PAGE_BYTES) * STATE_PAGE_BYTES
+                     for b in (embedding, *layers, head))
+
+    @property
+    def staging_slot_bytes(self) -> int:
+        """One staging slot of optimizer_offload nvme: the largest group's state file bytes (0 with states in RAM)."""
+        return max(self.state_group_bytes()) if self.optimizer_offload == "nvme" else 0
+
+    def nvme_state_bytes(self) -> int:
+        """The state files on the NVMe SSD with optimizer_offload nvme (0 in RAM): every group's data and a header
+        of at most STATE_HEADER_BYTES each."""
+        if self.optimizer_offload != "nvme":
+            return 0
+        return sum(b + STATE_HEADER_BYTES for b in self.state_group_bytes() if b)
+
+    def host_breakdown(self, staging_depth: int = 0) -> dict[str, int]:
         """Static host bytes by kind: what the executor (runtime/store.py, runtime/executor.py) and the optimizer
-        allocate on the host.
+        allocate on the host; with optimizer_offload nvme, `staging_depth` slots (a plan's, Plan.staging_depth;
+        admission counts the least, 1).
 
-        weights          the masters: fp32 (4 B/param), or bf16 (2) that are the streamed buffers themselves
+        weights          the masters: fp32 (4 B/param), or bf16 (2) that are the streamed buffers themselves;
+                         with optimizer_offload nvme and `masters_offloaded` only the embedding matrix's (the
+                         forward gathers from it), the rest in the state files
         streamed_copy    bf16 compute with fp32 masters: the packed bf16 copy each step streams (2 B/param)
         grads            where each streamed group's gradient lands (compute dtype) and stays; an untied
                          embedding's gradient in its masters' dtype
@@ -443,7 +495,9 @@ class CostModel:
                          cast (bf16 landing, fp32 masters) or clipped apart from the kept one (torch's AdamW), and
                          with bf16 masters fp32 weight chunks and a bf16 chunk of an fp32 sum; at most
                          UPDATE_CHUNK_NUMEL elements each, whatever the largest group (no transient grows with it)
-        optimizer_states Adam's moments (optimizer_state_bytes)
+        optimizer_states Adam's moments (optimizer_state_bytes); 0 with optimizer_offload nvme (in the state files)
+        staging          optimizer_offload nvme: `staging_depth` slots of `staging_slot_bytes`, the states (and
+                         offloaded masters) of that many groups read ahead of their updates (plan/schedule.py)
         """
         spec, c = self.spec, self.dtype_bytes
         m = 2 if self.master_weights == "bf16" else 4
@@ -462,18 +516,21 @@ class CostModel:
         # weight chunks of bf16 masters, and a bf16 chunk of an fp32 sum they round to first
         grad_chunks = casts or self.optimizer == "adamw" or m == 2
         per_element = 4 * grad_chunks + (4 + 2 * bool(fp32_sum_groups) if m == 2 else 0)
+        offload = self.optimizer_offload == "nvme"
         return {
-            "weights": m * n,
+            "weights": m * (spec.embedding_params if self.masters_offloaded else n),
             "streamed_copy": streamed * c if c != m else 0,
             "grads": streamed * c + embedding * m,
             "grad_sum": 4 * summed,
             "update_scratch": per_element * chunk,
-            "optimizer_states": self.optimizer_state_bytes(),
+            "optimizer_states": 0 if offload else self.optimizer_state_bytes(),
+            "staging": staging_depth * self.staging_slot_bytes,
         }
 
-    def static_host_bytes(self) -> int:
-        """What lives on the host for the whole run (host_breakdown): weights, grads, states, staging."""
-        return sum(self.host_breakdown().values())
+    def static_host_bytes(self, staging_depth: int = 0) -> int:
+        """What lives on the host for the whole run (host_breakdown): weights, grads, states, `staging_depth`
+        staging slots."""
+        return sum(self.host_breakdown(staging_depth).values())
 
     def device_breakdown(self) -> dict[str, int]:
         return {

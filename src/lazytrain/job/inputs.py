@@ -121,7 +121,8 @@ def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_si
     dtype = resolved_dtype(job.runtime, emulated=hardware.emulated)
     return CostModel(spec, hardware, workload_of(job, batch_size, dtype), job.optim.optimizer,
                      master_weights=job.runtime.master_weights,
-                     grad_accumulation=job.optim.gradient_accumulation_steps)
+                     grad_accumulation=job.optim.gradient_accumulation_steps,
+                     optimizer_offload=job.runtime.optimizer_offload)
 
 
 def topology_of(job: JobConfig) -> Topology:

@@ -12,6 +12,10 @@ boundary). Boundaries 0 and L are always `gpu`. Consecutive materialized boundar
 without a re-forward and without a second weight h2d. Their boundaries L-K..L are `gpu`; K = 0 is the plain
 streamed step, K = L keeps every layer (what fits when the device holds the whole step).
 
+*Optimizer offload* (issue 24): with `optimizer_offload: nvme` the optimizer's state lives in one file per layer
+group on the NVMe SSD and `staging_depth` D >= 1 host slots stage it around each group's update (plan/schedule.py's
+state ops); the planner chooses D under the host memory. `host` (D = 0): the state stays in RAM.
+
 Every planner (MILP or rule) returns this one frozen type; the simulator and the executor consume it.
 """
 
@@ -33,6 +37,7 @@ TIERS = ("gpu", "cpu", "nvme", "recompute")
 TIER_CHARS = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "R"}
 KEPT_CHAR = "K"  # placement map: the input boundary of a kept layer (gpu, its graph kept)
 LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
+OFFLOADS = ("host", "nvme")  # where the optimizer's state lives: costmodel/cost.py OPTIMIZER_OFFLOADS
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class Plan:
     report: SolveReport = field(default_factory=lambda: SolveReport(planner="tiers"))
     prediction: Prediction | None = None
     kept_layers: int = 0  # K: layers L-K..L-1 keep their graph and weights from forward to backward
+    optimizer_offload: str = "host"  # where the optimizer's state lives between updates: host RAM or nvme files
+    staging_depth: int = 0  # D: host slots staging the state files (optimizer_offload nvme: 1..L; host: 0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", tuple(self.tiers))
@@ -108,6 +115,14 @@ class Plan:
         if not_gpu:
             raise LazyTrainError(f"kept_layers={K} keeps the graphs of layers {L - K}..{L - 1}, so boundaries "
                                  f"{L - K}..{L} must be 'gpu'; boundaries {not_gpu} are not: lower kept_layers")
+        D = self.staging_depth
+        if self.optimizer_offload not in OFFLOADS:
+            raise LazyTrainError(f"optimizer_offload must be one of {', '.join(OFFLOADS)}, got "
+                                 f"{self.optimizer_offload!r}")
+        if isinstance(D, bool) or not isinstance(D, int) or not (
+                1 <= D <= L if self.optimizer_offload == "nvme" else D == 0):
+            raise LazyTrainError(f"staging_depth must be an integer in 1..{L} with optimizer_offload nvme and 0 "
+                                 f"with host, got {D!r} with {self.optimizer_offload}")
         for t in self.transfers:
             if t.link not in LINKS or not 0 <= t.boundary <= self.num_layers or not 0 <= t.window <= self.num_layers:
                 raise LazyTrainError(f"plan transfer {t} is out of range for {self.num_layers} layers")
@@ -144,8 +159,15 @@ class Plan:
         return layer >= self.num_layers - self.kept_layers
 
     # ---- identity checks --------------------------------------------------------------------
-    def check_matches(self, spec: ModelSpec, workload: Workload | None = None) -> None:
-        """Refuse a plan made for another model (or, when both are known, another workload)."""
+    def check_matches(self, spec: ModelSpec, workload: Workload | None = None,
+                      optimizer_offload: str | None = None) -> None:
+        """Refuse a plan made for another model (or, when both are known, another workload or another place for
+        the optimizer's state: its staging and host room were planned for it)."""
+        if optimizer_offload is not None and optimizer_offload != self.optimizer_offload:
+            raise LazyTrainError(
+                f"plan was made for optimizer_offload {self.optimizer_offload} but the run uses {optimizer_offload}; "
+                f"make a new plan with `lazytrain plan ... optimizer_offload={optimizer_offload}`"
+            )
         if self.model_fingerprint != spec.fingerprint():
             raise LazyTrainError(
                 f"plan was made for model {self.model_name!r} (fingerprint {self.model_fingerprint}), "
@@ -164,9 +186,9 @@ class Plan:
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     def from_tiers(cls, model_or_spec: Any, tiers: list[str] | tuple[str, ...],
-                   workload: Workload | None = None, kept_layers: int = 0) -> Plan:
+                   workload: Workload | None = None, kept_layers: int = 0, staging_depth: int = 0) -> Plan:
         """A plan stated in code: `tiers` has L+1 entries from gpu/cpu/nvme/recompute; the last `kept_layers`
-        layers keep their graphs."""
+        layers keep their graphs; `staging_depth` >= 1 puts the optimizer's state on NVMe with that many slots."""
         spec = spec_of(model_or_spec)
         if len(tiers) != spec.num_layers + 1:
             raise LazyTrainError(
@@ -174,7 +196,8 @@ class Plan:
                 f"({spec.num_layers + 1} boundaries)"
             )
         return cls(tiers=tuple(tiers), model_fingerprint=spec.fingerprint(), model_name=spec.name,
-                   workload=workload, kept_layers=kept_layers)
+                   workload=workload, kept_layers=kept_layers, staging_depth=staging_depth,
+                   optimizer_offload="nvme" if staging_depth else "host")
 
     def with_prediction(self, prediction: Prediction) -> Plan:
         return replace(self, prediction=prediction)
@@ -187,6 +210,8 @@ class Plan:
             "workload": self.workload.to_dict() if self.workload else None,
             "boundaries": [{"boundary": i, "tier": t} for i, t in enumerate(self.tiers)],
             "kept_layers": self.kept_layers,
+            "optimizer_offload": self.optimizer_offload,
+            "staging_depth": self.staging_depth,
             "transfers": [asdict(t) for t in self.transfers],
             "budgets_bytes": dict(self.budgets_bytes),
             "solve": asdict(self.report),
@@ -216,6 +241,8 @@ class Plan:
                 report=SolveReport(**data["solve"]),
                 prediction=Prediction(**data["prediction"]) if data.get("prediction") else None,
                 kept_layers=data.get("kept_layers", 0),
+                optimizer_offload=data.get("optimizer_offload", "host"),
+                staging_depth=data.get("staging_depth", 0),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise LazyTrainError(f"plan file is malformed: {type(err).__name__}: {err}") from None
