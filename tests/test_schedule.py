@@ -31,7 +31,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
 from lazytrain.plan.plan import Plan
-from lazytrain.plan.schedule import Shapes, build_program
+from lazytrain.plan.schedule import STATE_OPS, Shapes, build_program, state_schedule, update_order
 from lazytrain.plan.sim import simulate
 
 GOLDEN = Path(__file__).parent / "golden" / "step_programs.json"
@@ -324,6 +324,119 @@ def test_the_head_slots_live_only_around_the_windows_that_use_them(tiers) -> Non
     assert not any(a.buffer[0] == "head_grads" for a in e.actions)
 
 
+# ---- the optimizer's state on NVMe (issue 24) ----------------------------------------------------------------
+# state file bytes at index target + 1: the embedding, layers 0..5, the head
+STATES = Shapes(**{**SHAPES.__dict__, "state_bytes": (300, 200, 210, 220, 230, 240, 250, 400)})
+
+
+def _window(program, k: int) -> int:
+    """The forward-phase window of action k: 0 = start, j + 1 = F_j, L + 1 = H (later: the backward's, counted on)."""
+    constants = _buffer_at(program, "alloc", "constants")
+    return sum(a.verb == "run" for a in program.actions[:k]) + (k > constants)
+
+
+def _next_run(program, k: int):
+    return program.ops[next(a.op for a in program.actions[k:] if a.verb == "run")]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 6])
+def test_state_ops_are_issued_where_the_state_schedule_says(depth: int, tied: bool) -> None:
+    """Overlap mode, a step's first and last micro-batch: the prologue updates the first D groups (prefetched);
+    each forward window writes back the groups StateSchedule.write puts there and reads the ones .read puts there
+    (each followed by its group's update, which waits for it), every state op fenced in its window; slot k % D,
+    reused only after the write of the group before; the last D backward windows prefetch groups 0..D-1 into
+    slots 0..D-1. The device side is the program without offload, to the action; the host side D slots."""
+    shapes = Shapes(**{**STATES.__dict__, "tied_head": tied})
+    p = build_program(TIERS, shapes, staging_depth=depth)  # device actions as without offload, D slots held
+    L, state = 6, state_schedule(6, tied, depth)
+    targets = update_order(L, tied)
+    assert state.targets == tuple(targets) and p.staging_depth == depth
+    waits = {a.op: k for k, a in enumerate(p.actions) if a.verb == "wait"}
+    runs = [k for k, a in enumerate(p.actions) if a.verb == "run"]
+    reads = [op for op in p.ops if op.kind == "state_read" and op.after]  # the forward's (the prefetch: no after)
+    writes = [op for op in p.ops if op.kind == "state_write"]
+    updates = {op.target: op for op in p.ops if op.kind == "update"}
+    assert [op.target for op in writes] == targets and [op.target for op in reads] == targets[depth:]
+    for k, j in enumerate(targets):
+        write = writes[k]
+        at = next(i for i, a in enumerate(p.actions) if a.verb == "issue" and a.op == write.index)
+        assert _window(p, at) == state.write[k] and write.slot == k % depth
+        assert write.after == (updates[j].index,) and write.num_bytes == shapes.state_bytes[j + 1]
+        assert len([r for r in runs if at < r < waits[write.index]]) <= int(state.write[k] > 0)  # fenced there
+        if k < depth:
+            assert updates[j].after == ()  # prefetched by the previous step's backward
+            continue
+        read = reads[k - depth]
+        at = next(i for i, a in enumerate(p.actions) if a.verb == "issue" and a.op == read.index)
+        assert _window(p, at) == state.read[k] <= state.fence[k] and read.slot == k % depth
+        assert read.after == (writes[k - depth].index,)  # the slot's previous group is written back first
+        assert updates[j].after == (read.index,) and updates[j].index == read.index + 1
+        assert len([r for r in runs if at < r < waits[read.index]]) <= int(state.read[k] > 0)
+    prefetch = [op for op in p.ops if op.kind == "state_read" and not op.after]
+    assert [(op.target, op.slot) for op in prefetch] == [(targets[k], k) for k in range(depth)]
+    for op in prefetch:
+        at = next(i for i, a in enumerate(p.actions) if a.verb == "issue" and a.op == op.index)
+        assert _next_run(p, at).name == f"B{L - 1 - op.slot}"
+        assert len([r for r in runs if at < r < waits[op.index]]) == 1  # fenced in that window
+    plain = build_program(TIERS, SHAPES)
+    assert [a for a in p.actions if a.verb in ("alloc", "free")] == \
+        [a for a in plain.actions if a.verb in ("alloc", "free")]
+    assert p.host_peak_bytes() == depth * 400 and plain.host_peak_bytes() == 0
+    assert p.actions[0].verb == "host_alloc" and p.actions[-1].verb == "host_free"
+
+
+def test_serial_mode_updates_after_the_backward_through_the_slots() -> None:
+    """Serial mode, the last micro-batch: the backward prefetches the first D groups, then every group's update in
+    update order, its write after it and the read of the slot's next group after that write; the program waits
+    for the last update and the last write. No "step" op; a micro-batch before the last has no state op at all."""
+    depth, targets = 3, update_order(6, False)
+    p = build_program(TIERS, STATES, optimizer_mode="serial", staging_depth=depth)
+    assert not any(op.kind == "step" for op in p.ops)
+    last_run = max(k for k, a in enumerate(p.actions) if a.verb == "run")
+    tail = [p.ops[a.op] for a in p.actions[last_run:] if a.verb == "issue" and p.ops[a.op].lane != "d2h"
+            and p.ops[a.op].kind in ("update", *STATE_OPS)]
+    expected = []
+    for k, j in enumerate(targets):
+        expected += [("update", j), ("state_write", j)]
+        if k + depth < len(targets):
+            expected.append(("state_read", targets[k + depth]))
+    assert [(op.kind, op.target) for op in tail] == expected
+    by = {(op.kind, op.target): op for op in tail}
+    for k, j in enumerate(targets):
+        assert by["state_write", j].after == (by["update", j].index,) and by["state_write", j].slot == k % depth
+        if k >= depth:
+            assert by["update", j].after == (by["state_read", j].index,)
+            assert by["state_read", j].after == (by["state_write", targets[k - depth]].index,)
+    ends = [a for a in p.actions if a.verb == "wait"][-2:]
+    assert [p.ops[a.op].name for a in ends] == ["update 6", "state_write 6"]
+    assert len([op for op in p.ops if op.kind == "state_read" and not op.after]) == depth  # the prefetch
+    early = build_program(TIERS, STATES, optimizer_mode="serial", staging_depth=depth, last_micro_batch=False)
+    assert not any(op.kind in ("update", "step", *STATE_OPS) for op in early.ops)
+    assert early.host_peak_bytes() == depth * 400
+
+
+def test_a_later_micro_batch_prefetches_only_when_it_is_the_last() -> None:
+    """Overlap mode without the updates (a step's later micro-batch): no forward state op; the prefetch reads
+    only in the micro-batch whose gradients are final."""
+    for last in (False, True):
+        p = build_program(TIERS, STATES, updates=False, staging_depth=2, last_micro_batch=last)
+        assert [op.kind for op in p.ops if op.kind in ("update", *STATE_OPS)] == ["state_read"] * 2 * last
+
+
+def test_bad_staging_depths_are_refused() -> None:
+    with pytest.raises(LazyTrainError, match="staging_depth 7 must be in 1..6"):
+        build_program(TIERS, STATES, staging_depth=7)
+    with pytest.raises(LazyTrainError, match="state_bytes"):
+        build_program(TIERS, SHAPES, staging_depth=1)
+    with pytest.raises(LazyTrainError, match="state_bytes needs 8 entries"):
+        Shapes(**{**SHAPES.__dict__, "state_bytes": (1, 2)})
+    cost = _cost(6, 3.0, (1.0, 1.0, 1.0, 1.0))
+    nvme = CostModel(cost.spec, cost.hardware, cost.workload, optimizer_offload="nvme")
+    with pytest.raises(LazyTrainError, match="no staging depth"):
+        simulate(Plan.from_tiers(cost.spec, ["gpu"] * 7), nvme)
+
+
 def _drawn_programs(count: int = 400, seed: int = 1234) -> list[str]:
     """Digests of `count` drawn programs: 1-9 layers, every tier, kept layers, a head larger or smaller than a
     layer, tied or not, both optimizer modes, with and without updates, evaluation, one rank or several."""
@@ -350,15 +463,35 @@ def _drawn_programs(count: int = 400, seed: int = 1234) -> list[str]:
     return out
 
 
+def _drawn_offload_programs(count: int = 150, seed: int = 4321) -> list[str]:
+    """Digests of drawn programs with the optimizer's state on NVMe: 1-9 layers, every tier, depth 1..L, tied or
+    not, both modes, with and without the updates, last micro-batch or not."""
+    rng, out = random.Random(seed), []
+    for _ in range(count):
+        L = rng.randint(1, 9)
+        tiers = ("gpu", *(rng.choice(["gpu", "cpu", "nvme", "recompute"]) for _ in range(L - 1)), "gpu")
+        shapes = Shapes(boundary_bytes=tuple(rng.randint(10, 300) for _ in range(L + 1)),
+                        param_bytes=tuple(rng.randint(100, 1000) for _ in range(L)),
+                        head_param_bytes=rng.randint(50, 3000),
+                        working_bytes=tuple(rng.randint(1, 99) for _ in range(L)),
+                        head_working_bytes=rng.randint(1, 99), tied_head=rng.random() < 0.5,
+                        state_bytes=tuple(rng.randint(100, 5000) for _ in range(L + 2)))
+        p = build_program(tiers, shapes, optimizer_mode=rng.choice(["overlap", "serial"]), updates=rng.random() < 0.7,
+                          staging_depth=rng.randint(1, L), last_micro_batch=rng.random() < 0.7)
+        text = repr((p.tiers, p.ops, p.actions, p.uses, p.optimizer_mode, p.staging_depth))
+        out.append(hashlib.sha256(text.encode()).hexdigest()[:16])
+    return out
+
+
 def test_the_programs_are_the_golden_ones() -> None:
     """The step program is what it was (the executor, the simulator, the memory count and the MILP all read it):
     drawn programs equal the golden file's, op for op and action for action."""
     golden = json.loads(GOLDEN.read_text())["digests"]
-    drawn = _drawn_programs()
+    drawn = _drawn_programs() + _drawn_offload_programs()
     differ = [k for k, (a, b) in enumerate(zip(golden, drawn, strict=True)) if a != b]
     assert not differ, f"{len(differ)} of {len(drawn)} drawn programs changed (first: draw {differ[0]}); if the " \
         "step program changed on purpose, regenerate the golden file (see the module docstring)"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--regen"]:
-    GOLDEN.write_text(json.dumps({"digests": _drawn_programs()}, indent=0) + "\n")
+    GOLDEN.write_text(json.dumps({"digests": _drawn_programs() + _drawn_offload_programs()}, indent=0) + "\n")

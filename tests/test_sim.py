@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.cost import STATE_HEADER_BYTES, CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.workload import Workload
@@ -175,6 +176,64 @@ def test_overlap_update_slower_than_the_forward_is_exposed_group_by_group() -> N
     assert overlap.step_s == pytest.approx(head_start + L * 3 * fwd)
     assert overlap.exposed_s["optimizer"] == pytest.approx(head_start - L * fwd)
     assert serial.step_s - overlap.step_s == pytest.approx((L + 2) * opt - (head_start - L * fwd))
+
+
+def _nvme(cost: CostModel, state_bytes: int) -> CostModel:
+    """`cost` with its optimizer's state on NVMe, every group's file `state_bytes`."""
+    cost.optimizer_offload = "nvme"
+    cost.state_group_bytes = lambda: (state_bytes,) * (cost.num_layers + 2)  # type: ignore[method-assign]
+    return cost
+
+
+def test_state_ops_by_hand() -> None:
+    """Two layers, every group's update 2 s, its state file 1 s to read and 1 s to write, free PCIe.
+    Overlap, one staging slot: the prologue updates the embedding [0, 2]; the start window writes it back [2, 3],
+    reads layer 0 into the slot [3, 4], updates it [4, 6] and its weights go up: E0 = 6. F0 writes layer 0 [6, 7],
+    reads layer 1 [7, 8], updates it [8, 10]: 10; F1 likewise for the head: 14; H writes the head back: 15;
+    B1 (3 s) prefetches the embedding for the next step; B0: 21. Without offload: 14 (the updates back to back).
+    Serial, one slot: forward and backward 8 s (the prefetch under B1), then update, write, read per group
+    chained: 8 + 4 x 2 + 4 x 1 + 3 x 1 = 23; two slots: the next group's read and this one's update overlap: 17."""
+    cost = synthetic(2, forward=1.0, optimizer_s=2.0, links_gbps={"nvme_read_gbps": 1.0, "nvme_write_gbps": 1.0})
+    plan = _plan(["gpu"] * 3)
+    assert simulate(plan, cost).step_s == pytest.approx(14.0)
+    assert simulate(plan, cost, optimizer_mode="serial").step_s == pytest.approx(16.0)
+    nvme = _nvme(cost, 10**9)
+    one = simulate(replace(plan, optimizer_offload="nvme", staging_depth=1), nvme)
+    assert one.step_s == pytest.approx(21.0) and one.compute_s == pytest.approx(8.0)
+    assert one.busy_s["nvme_read"] == pytest.approx(4.0) and one.busy_s["nvme_write"] == pytest.approx(4.0)
+    assert one.link_bytes["nvme_read"] == one.link_bytes["nvme_write"] == 4 * 10**9
+    serial = {D: simulate(replace(plan, optimizer_offload="nvme", staging_depth=D), nvme, optimizer_mode="serial")
+              for D in (1, 2)}
+    assert serial[1].step_s == pytest.approx(23.0) and serial[1].forward_backward_s == pytest.approx(8.0)
+    assert serial[2].step_s == pytest.approx(17.0)
+    for r in (one, *serial.values()):
+        assert r.compute_s + sum(r.exposed_s.values()) == pytest.approx(r.step_s)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tiers=tiers_strategy, seed=st.integers(0, 2**31), mode=st.sampled_from(["overlap", "serial"]))
+def test_state_files_on_free_or_slow_nvme(tiers: list[str], seed: int, mode: str) -> None:
+    """Any tiers and depth: compute + exposed = step, the state files' bytes cross the NVMe lanes once each way
+    per step, the host peak is the static bytes (no state) + D slots + the cpu boundaries, the NVMe peak holds the
+    files; with a free NVMe link a serial step takes what it takes with the states in RAM."""
+    rng = random.Random(seed)
+    L = len(tiers) - 1
+    links = {k: rng.choice([math.inf, rng.uniform(1e-7, 1e-5)]) for k in ("nvme_read_gbps", "nvme_write_gbps")}
+    cost = synthetic(L, forward=[rng.uniform(0.1, 1) for _ in range(L)], head_s=rng.uniform(0.1, 1),
+                     optimizer_s=rng.uniform(0, 0.5), links_gbps=links)
+    ram = simulate(_plan(tiers), cost, optimizer_mode=mode)
+    size, depth = rng.randint(1, 10**4), rng.randint(1, L)
+    nvme = _nvme(cost, size)
+    plan = replace(_plan(tiers), optimizer_offload="nvme", staging_depth=depth)
+    result = simulate(plan, nvme, optimizer_mode=mode)
+    assert result.compute_s + sum(result.exposed_s.values()) == pytest.approx(result.step_s)
+    assert result.link_bytes["nvme_read"] - ram.link_bytes["nvme_read"] == (L + 2) * size
+    assert result.link_bytes["nvme_write"] - ram.link_bytes["nvme_write"] == (L + 2) * size
+    assert result.peak_bytes["cpu"] == ram.peak_bytes["cpu"] - cost.optimizer_state_bytes() + depth * size
+    assert result.peak_bytes["nvme"] == ram.peak_bytes["nvme"] + (L + 2) * (size + STATE_HEADER_BYTES)
+    if mode == "serial" and links["nvme_read_gbps"] == links["nvme_write_gbps"] == math.inf:
+        assert result.step_s == pytest.approx(ram.step_s)
+    assert result.step_s >= ram.step_s - 1e-9  # the state ops only ever delay
 
 
 def test_device_peak_of_keep_all_two_layers_by_hand() -> None:

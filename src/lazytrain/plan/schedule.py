@@ -8,6 +8,7 @@ windows (`plan/milp.py`). The program is a list of *actions* in the order the ho
     run op     the host thread runs a compute op (lane `compute`)
     wait op    the host thread blocks until op is done (the seconds blocked are that op's lane's stall)
     alloc/free device bytes of one buffer appear / go (the arena counts them at this program point)
+    host_alloc/host_free   host bytes of one buffer (an optimizer-state staging slot) appear / go
 
 Lanes: compute, h2d, d2h, nvme_read, nvme_write, optimizer (the host lane: the previous step's group updates,
 then this step's gradient accumulation into `.grad`; with ranks also each group's sum over the ranks,
@@ -17,6 +18,12 @@ windows. `_StepBuilder` writes the windows in order, one method each (start, for
 backward j, end); what each window issues, holds and frees, the optimizer modes ("overlap": the previous step's
 update group by group under the forward; "serial": MegaTrain's one step after the backward) and the kept layers
 are described in docs/executor.md, "The step program, window by window".
+
+With the optimizer's state on the NVMe SSD (`staging_depth` D >= 1, issue 24) the program also reads each group's
+state file into one of D host staging slots before the group's update (`state_read` on the nvme_read lane) and
+writes it back after (`state_write` on the nvme_write lane), each fenced in a window like an activation's
+transfer and sharing those lanes with the activations' spills and reads; docs/executor.md, "Optimizer state on
+NVMe", says which window issues which.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ STALL_LANES = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 OPTIMIZER_MODES = ("overlap", "serial")
 OFFLOADED = ("cpu", "nvme")
 COMPUTE_KINDS = ("forward", "recompute", "backward", "keep", "backprop", "head", "loss")
+STATE_OPS = ("state_read", "state_write")  # optimizer_offload nvme: a group's state file into / out of staging
 WINDOW_LETTER = {"forward": "F", "keep": "F", "recompute": "R", "backward": "B", "backprop": "B"}
 
 
@@ -58,6 +66,9 @@ class Shapes:
     # layer j's forward or recompute (no autograd) beyond its output; () = working_bytes (a CostModel's bound: the
     # backward's; measured it is less, and a window the backward's set over-counts can be the step's peak)
     forward_working_bytes: tuple[int, ...] = ()
+    # optimizer_offload nvme: each group's state file bytes (what a state_read / state_write moves) at index
+    # target + 1 as sim.update_seconds: the untied embedding (0 when tied), layers 0..L-1, the head; () = in RAM
+    state_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
@@ -74,6 +85,9 @@ class Shapes:
                 object.__setattr__(self, name, (0,) * L)
             elif len(getattr(self, name)) != L:
                 raise LazyTrainError(f"step shapes: {name} needs {L} entries, got {len(getattr(self, name))}")
+        if self.state_bytes and len(self.state_bytes) != L + 2:
+            raise LazyTrainError(f"step shapes: state_bytes needs {L + 2} entries (embedding, layers, head), got "
+                                 f"{len(self.state_bytes)}")
 
     @property
     def num_layers(self) -> int:
@@ -91,9 +105,14 @@ class Shapes:
         streams through the layer slots). Each exists only around the windows that use it."""
         return self.head_param_bytes if self.head_param_bytes > max(self.param_bytes) else 0
 
+    @property
+    def staging_slot_bytes(self) -> int:
+        """One staging slot: the largest group's state file (0 with the states in RAM)."""
+        return max(self.state_bytes, default=0)
+
     @classmethod
     def from_cost(cls, cost: CostModel) -> Shapes:
-        """A CostModel's bytes (a kept layer's: `graph_bounds`)."""
+        """A CostModel's bytes (a kept layer's: `graph_bounds`; state files with optimizer_offload nvme)."""
         L = cost.num_layers
         working = tuple(int(w) for w in cost.working_bytes[:L])
         graphs = graph_bounds(working, cost.graph_bytes[:L], int(max(cost.boundary_bytes)))
@@ -105,7 +124,8 @@ class Shapes:
                    constant_bytes=int(cost.constant_device_bytes),
                    tied_head=bool(cost.spec.tie_word_embeddings),
                    dtype_bytes=int(cost.dtype_bytes),
-                   graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2])
+                   graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2],
+                   state_bytes=cost.state_group_bytes() if cost.optimizer_offload == "nvme" else ())
 
     def reduce_bytes(self, grad_bytes: int) -> int:
         """Bytes the ranks sum for a gradient of `grad_bytes` in the compute dtype (fp32: costmodel/topology.py)."""
@@ -124,7 +144,9 @@ def graph_bounds(working: Sequence[int], graph: Sequence[int], boundary_bytes: i
 @dataclass(frozen=True)
 class Op:
     """One job of the step on one lane. `target` is the layer (compute, weights, grads) or the boundary
-    (boundary0, offload, spill, read, reload, grad0); `use` the weight use a weights/compute op belongs to."""
+    (boundary0, offload, spill, read, reload, grad0), or the group (update, state_read, state_write: -1 the untied
+    embedding, j layer j, L the head); `use` the weight use a weights/compute op belongs to; `slot` the staging
+    slot a state_read fills or a state_write empties."""
 
     index: int
     lane: str
@@ -133,24 +155,26 @@ class Op:
     num_bytes: int = 0
     after: tuple[int, ...] = ()
     use: int = -1
+    slot: int = -1
 
     @property
     def name(self) -> str:
         if self.kind in COMPUTE_KINDS:
             return "H" if self.kind in ("head", "loss") else f"{WINDOW_LETTER[self.kind]}{self.target}"
-        if self.kind == "update":
-            return f"update {'embedding' if self.target < 0 else self.target}"
+        if self.kind in ("update", "state_read", "state_write"):
+            return f"{self.kind} {'embedding' if self.target < 0 else self.target}"
         return f"{self.kind} {self.target}" if self.target >= 0 else self.kind
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of the host thread: `verb` is issue / run / wait (an op) or alloc / free (a buffer's bytes)."""
+    """One step of the host thread: `verb` is issue / run / wait (an op), alloc / free (a device buffer's bytes)
+    or host_alloc / host_free (a host buffer's)."""
 
     verb: str
     op: int = -1
     # (kind, index): weight_slots, grad_slots, head_weights, head_grads, kept_weights, boundary, grad, working,
-    # graph, constants
+    # graph, constants; host: staging (index = slot)
     buffer: tuple[str, int] = ("", -1)
     num_bytes: int = 0
 
@@ -165,15 +189,24 @@ class StepProgram:
     uses: tuple[tuple[str, int], ...]  # weight use u -> (kind, layer); the head's layer is L
     topology: Topology = ONE_RANK  # the ranks the reduce ops sum over (one: none)
     kept_layers: int = 0  # K: layers L-K..L-1 keep their graph and weights (Plan.kept_layers)
+    staging_depth: int = 0  # D: host slots for groups' optimizer states read from NVMe (0 = states in RAM)
 
     def device_peak_bytes(self) -> int:
         """The high-water mark of the alloc/free actions (link speeds do not move it)."""
+        return self._peak("alloc", "free")
+
+    def host_peak_bytes(self) -> int:
+        """The high-water mark of the host_alloc/host_free actions: the staging slots (the rest of the host
+        layout is static, CostModel.host_breakdown; offloaded activations are counted by the simulator)."""
+        return self._peak("host_alloc", "host_free")
+
+    def _peak(self, alloc: str, free: str) -> int:
         used = peak = 0
         for a in self.actions:
-            if a.verb == "alloc":
+            if a.verb == alloc:
                 used += a.num_bytes
                 peak = max(peak, used)
-            elif a.verb == "free":
+            elif a.verb == free:
                 used -= a.num_bytes
         return peak
 
@@ -213,9 +246,53 @@ def update_order(num_layers: int, tied_head: bool) -> list[int]:
     return [num_layers, *layers] if tied_head else [-1, *layers, num_layers]
 
 
+@dataclass(frozen=True)
+class StateSchedule:
+    """Where the state ops of optimizer_offload nvme go (staging depth D >= 1; docs/executor.md, "Optimizer state
+    on NVMe"). Groups k = 0..G-1 in update order (`targets`, update_order); group k lives in slot k % D. The
+    forward's windows are numbered 0 = start, j + 1 = F_j, L + 1 = H.
+
+    fence[k]  the window whose weight h2d (boundary 0's for k = 0) waits for group k's update: max(0, k - 1)
+    read[k]   k >= D: the window that reads group k's state, min(fence[k - D] + 2, fence[k]): two windows after
+              the fence of the slot's previous group (its write is then done), or later chained behind that write
+              when the slot is needed sooner (D < 3); its update is enqueued right after it. -1 for k < D: those
+              are read in the previous step's backward (`prefetch`)
+    write[k]  the window that writes group k's state back: the one after its fence, or the one that reads the
+              slot's next group if that is sooner (chained there): min(fence[k] + 1, read[k + D])
+    prefetch  the backward window B_j, j = L - 1 - k, that reads group k < D for the next step's update
+    """
+
+    targets: tuple[int, ...]
+    depth: int
+    fence: tuple[int, ...]
+    read: tuple[int, ...]
+    write: tuple[int, ...]
+    prefetch: tuple[int, ...]
+
+    def writes_in(self, window: int) -> list[int]:
+        return [k for k, w in enumerate(self.write) if w == window]
+
+    def reads_in(self, window: int) -> list[int]:
+        return [k for k, r in enumerate(self.read) if r == window]
+
+
+def state_schedule(num_layers: int, tied_head: bool, depth: int) -> StateSchedule:
+    """The StateSchedule of `depth` staging slots (1..L: the backward's last D windows prefetch)."""
+    L = num_layers
+    if not 1 <= depth <= L:
+        raise LazyTrainError(f"staging_depth {depth} must be in 1..{L} (the model's layers)")
+    targets = tuple(update_order(L, tied_head))
+    G = len(targets)
+    fence = tuple(max(0, k - 1) for k in range(G))
+    read = tuple(-1 if k < depth else min(fence[k - depth] + 2, fence[k]) for k in range(G))
+    write = tuple(min(fence[k] + 1, read[k + depth]) if k + depth < G else fence[k] + 1 for k in range(G))
+    return StateSchedule(targets=targets, depth=depth, fence=fence, read=read, write=write,
+                         prefetch=tuple(L - 1 - k for k in range(depth)))
+
+
 def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimizer_mode: str = "overlap",
                   updates: bool = True, forward_only: bool = False, topology: Topology = ONE_RANK,
-                  kept_layers: int = 0) -> StepProgram:
+                  kept_layers: int = 0, staging_depth: int = 0, last_micro_batch: bool = True) -> StepProgram:
     """The step program of `tiers` (L+1 entries) with `shapes`' bytes, window by window (docs/executor.md,
     "The step program, window by window").
 
@@ -224,6 +301,11 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
 
     updates: overlap mode: the step starts with the previous step's group updates on the optimizer lane (False:
     a step's later micro-batch, or no update pending).
+
+    staging_depth: D >= 1: the optimizer's states live in files on the NVMe SSD (`shapes.state_bytes` per group)
+    and D host slots stage them (Plan.staging_depth; StateSchedule); 0: in RAM. last_micro_batch: the step's
+    gradients are final after this micro-batch, so its backward reads the first D groups' states ahead of the
+    update (and in serial mode the updates follow it); with D = 0 it changes nothing.
 
     forward_only: evaluation -- the forward with every boundary freed once the next exists, then the loss head
     forward ("loss"); no gradients, no offloads."""
@@ -235,10 +317,15 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
     if not 0 <= kept_layers <= L or any(t != "gpu" for t in tiers[L - kept_layers:]):
         raise LazyTrainError(f"kept_layers={kept_layers} needs 0..{L} and boundaries {L - kept_layers}..{L} on gpu")
+    if staging_depth and not shapes.state_bytes:
+        raise LazyTrainError("staging_depth > 0 needs the step shapes' state_bytes (optimizer_offload nvme)")
     uses = weight_uses(tiers, forward_only, kept_layers)
     if forward_only:
         return _forward_only(tiers, shapes, uses)
-    step = _StepBuilder(tiers, shapes, uses, topology, kept_layers)
+    state = state_schedule(L, shapes.tied_head, staging_depth) if staging_depth else None
+    step = _StepBuilder(tiers, shapes, uses, topology, kept_layers, state,
+                        overlap_updates=optimizer_mode == "overlap" and updates, prefetch=last_micro_batch)
+    step.stage()
     if optimizer_mode == "overlap" and updates:
         step.updates()
     step.start()
@@ -251,10 +338,14 @@ def build_program(tiers: tuple[str, ...] | list[str], shapes: Shapes, *, optimiz
         for j in range(e - 1, s - 1, -1):
             step.backward(j)
     step.end()
-    if optimizer_mode == "serial":
+    if optimizer_mode == "serial" and state is None:
         step.optimizer_step()
+    elif optimizer_mode == "serial" and last_micro_batch:
+        step.serial_updates()
+    step.unstage()
     return StepProgram(tiers=tiers, shapes=shapes, ops=tuple(step.ops), actions=tuple(step.actions),
-                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology, kept_layers=kept_layers)
+                       optimizer_mode=optimizer_mode, uses=tuple(uses), topology=topology, kept_layers=kept_layers,
+                       staging_depth=staging_depth)
 
 
 class _Program:
@@ -265,9 +356,10 @@ class _Program:
         self.actions: list[Action] = []
 
     def enqueue(self, lane: str, kind: str, target: int = -1, num_bytes: int = 0,
-                after: tuple[int | None, ...] = (), use: int = -1) -> int:
+                after: tuple[int | None, ...] = (), use: int = -1, slot: int = -1) -> int:
         """Issue a job on `lane` that no window fences (the optimizer lane's, the evaluation's)."""
-        op = Op(len(self.ops), lane, kind, target, int(num_bytes), tuple(a for a in after if a is not None), use)
+        op = Op(len(self.ops), lane, kind, target, int(num_bytes), tuple(a for a in after if a is not None), use,
+                slot)
         self.ops.append(op)
         self.actions.append(Action("issue", op.index))
         return op.index
@@ -287,6 +379,12 @@ class _Program:
     def free(self, kind: str, index: int, num_bytes: int) -> None:
         self.actions.append(Action("free", buffer=(kind, index), num_bytes=int(num_bytes)))
 
+    def host_alloc(self, kind: str, index: int, num_bytes: int) -> None:
+        self.actions.append(Action("host_alloc", buffer=(kind, index), num_bytes=int(num_bytes)))
+
+    def host_free(self, kind: str, index: int, num_bytes: int) -> None:
+        self.actions.append(Action("host_free", buffer=(kind, index), num_bytes=int(num_bytes)))
+
 
 class _StepBuilder(_Program):
     """Writes a training step's program one window at a time, in the order the host thread runs them: `updates`
@@ -296,8 +394,14 @@ class _StepBuilder(_Program):
     waits for them."""
 
     def __init__(self, tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]], topology: Topology,
-                 kept_layers: int) -> None:
+                 kept_layers: int, state: StateSchedule | None = None, *, overlap_updates: bool = False,
+                 prefetch: bool = True) -> None:
         super().__init__()
+        # optimizer_offload nvme: the state ops' windows; the forward's only when the step starts with the updates,
+        # the backward's prefetch only when its gradients are final
+        self.state, self.overlap_updates, self.prefetch = state, overlap_updates, prefetch
+        self.update_ops: dict[int, int] = {}  # group index k (update order) -> its update op
+        self.state_writes: dict[int, int] = {}  # group index k -> its state_write op
         self.tiers, self.shapes, self.uses, self.topology = tiers, shapes, uses, topology
         self.L = len(tiers) - 1
         self.first_kept = self.L - kept_layers  # layers first_kept..L-1 keep their graph and weights
@@ -312,11 +416,24 @@ class _StepBuilder(_Program):
         self.update: dict[int, int] = {}  # group target -> its update op, until the window that fences it
 
     # ---- the windows ----------------------------------------------------------------------------------------
+    def stage(self) -> None:
+        """optimizer_offload nvme: the D staging slots, held by the step (the executor keeps them across steps:
+        the backward's prefetch fills them for the next step's first updates)."""
+        for slot in range(self.state.depth if self.state else 0):
+            self.host_alloc("staging", slot, self.shapes.staging_slot_bytes)
+
+    def unstage(self) -> None:
+        for slot in range(self.state.depth if self.state else 0):
+            self.host_free("staging", slot, self.shapes.staging_slot_bytes)
+
     def updates(self) -> None:
         """Overlap mode, a step's first micro-batch: the previous step's update of every group on the optimizer
-        lane, in forward order; each joins the fence of the window that streams its group."""
-        for j in update_order(self.L, self.shapes.tied_head):
-            self.update[j] = self.enqueue("optimizer", "update", j)
+        lane, in forward order; each joins the fence of the window that streams its group. With the states on
+        NVMe only the first D groups' here (their states were read in the last backward); each later group's is
+        enqueued after its state_read (`_state_ops`)."""
+        for k, j in enumerate(update_order(self.L, self.shapes.tied_head)):
+            if self.state is None or k < self.state.depth:
+                self.update[j] = self.update_ops[k] = self.enqueue("optimizer", "update", j)
 
     def start(self) -> None:
         """Two weight slots and boundary 0 (the embedding gather, after the embedding's update); h2d of boundary 0
@@ -324,6 +441,7 @@ class _StepBuilder(_Program):
         shapes, A = self.shapes, self.shapes.boundary_bytes
         self.alloc("weight_slots", -1, shapes.slots_bytes)
         self.alloc("boundary", 0, A[0])
+        self._state_ops(0)
         first = self._fence_update(self.L if shapes.tied_head else -1)
         self.issue("h2d", "boundary0", 0, A[0], after=(first,))
         self._issue_weights(0)
@@ -335,6 +453,7 @@ class _StepBuilder(_Program):
         j's forward (with autograd for a kept layer, whose graph stays until its backward); boundary j+1. A
         recomputed boundary j goes with the compute, an offloaded one once the fence saw its d2h."""
         tiers, A, WF = self.tiers, self.shapes.boundary_bytes, self.shapes.forward_working_bytes
+        self._state_ops(j + 1)
         self._next_weights()
         if j > 0 and tiers[j] in OFFLOADED:
             self.offload_d2h[j] = self.issue("d2h", "offload", j, A[j])
@@ -372,6 +491,7 @@ class _StepBuilder(_Program):
         reloads = last_start > 0 and tiers[last_start] in OFFLOADED
         if reloads:
             self.alloc("boundary", last_start, A[last_start])  # the device buffer exists from the reload's issue
+        self._state_ops(L + 1)
         self._next_weights()
         if L > 1 and tiers[L - 1] == "nvme":
             self._spill(L - 1)
@@ -407,6 +527,7 @@ class _StepBuilder(_Program):
         tiers, shapes, A = self.tiers, self.shapes, self.shapes.boundary_bytes
         self._next_weights()
         self._send_grads()
+        self._prefetch(self.L - 1 - j)
         self._stage(j - 1)
         previous = self.start_of.get(j, 0) if tiers[j] != "recompute" else 0  # the segment that runs next
         if previous > 0 and tiers[previous] in OFFLOADED:
@@ -454,11 +575,30 @@ class _StepBuilder(_Program):
         """Serial mode (MegaTrain): the whole optimizer step after the backward, waited for."""
         self.wait(self.enqueue("optimizer", "step"))
 
+    def serial_updates(self) -> None:
+        """Serial mode with the states on NVMe, the last micro-batch: after the backward, each group's update in
+        update order, its state_write after it, and the state_read of the group that takes its slot next after
+        that write (the first D groups' states were read in this backward); waited for: the last update, then
+        the last write."""
+        state, S = self.state, self.shapes.state_bytes
+        assert state is not None
+        D, targets = state.depth, state.targets
+        reads: dict[int, int] = {}
+        update = write = -1
+        for k, j in enumerate(targets):
+            update = self.enqueue("optimizer", "update", j, after=(reads.get(k),))
+            write = self.enqueue("nvme_write", "state_write", j, S[j + 1], after=(update,), slot=k % D)
+            if k + D < len(targets):
+                n = targets[k + D]
+                reads[k + D] = self.enqueue("nvme_read", "state_read", n, S[n + 1], after=(write,), slot=k % D)
+        self.wait(update)
+        self.wait(write)
+
     # ---- what the windows are made of ------------------------------------------------------------------------
     def issue(self, lane: str, kind: str, target: int = -1, num_bytes: int = 0,
-              after: tuple[int | None, ...] = (), use: int = -1) -> int:
+              after: tuple[int | None, ...] = (), use: int = -1, slot: int = -1) -> int:
         """Issue a job of this window: the window's fence waits for it."""
-        op = self.enqueue(lane, kind, target, num_bytes, after, use)
+        op = self.enqueue(lane, kind, target, num_bytes, after, use, slot)
         self.window.append(op)
         return op
 
@@ -468,8 +608,10 @@ class _StepBuilder(_Program):
         self.use += 1
 
     def fence(self) -> None:
-        """The window ends: wait for every job it issued, then free what waited for them."""
-        for op in self.window:
+        """The window ends: wait for every job it issued, then free what waited for them. The state ops last
+        (issued first): a wait's seconds are charged to the lane of the job it waits on, so a state_write that ran
+        under the group update the window's weights wait for is not reported as exposed."""
+        for op in sorted(self.window, key=lambda op: self.ops[op].kind in STATE_OPS):
             self.wait(op)
         self.window.clear()
         for buffer in self.released:
@@ -483,6 +625,32 @@ class _StepBuilder(_Program):
         if update is not None:
             self.window.append(update)
         return update
+
+    def _state_ops(self, window: int) -> None:
+        """optimizer_offload nvme, a step that starts with the updates: this forward window's state_writes (groups
+        updated, their fences passed) and state_reads (into the slots those writes empty), first on their lanes;
+        each read's group update is enqueued after it, to be fenced where its weights stream (StateSchedule)."""
+        state, S = self.state, self.shapes.state_bytes
+        if state is None or not self.overlap_updates:
+            return
+        D, targets = state.depth, state.targets
+        for k in state.writes_in(window):
+            j = targets[k]
+            self.state_writes[k] = self.issue("nvme_write", "state_write", j, S[j + 1], after=(self.update_ops[k],),
+                                              slot=k % D)
+        for k in state.reads_in(window):
+            j = targets[k]
+            read = self.issue("nvme_read", "state_read", j, S[j + 1], after=(self.state_writes[k - D],), slot=k % D)
+            self.update[j] = self.update_ops[k] = self.enqueue("optimizer", "update", j, after=(read,))
+
+    def _prefetch(self, k: int) -> None:
+        """optimizer_offload nvme, the last micro-batch: the backward window B_{L-1-k} reads group k's state into
+        slot k, for the update after this backward (k < D; first on the nvme_read lane)."""
+        state, S = self.state, self.shapes.state_bytes
+        if state is None or not self.prefetch or not 0 <= k < state.depth:
+            return
+        j = state.targets[k]
+        self.issue("nvme_read", "state_read", j, S[j + 1], slot=k)
 
     def _next_weights(self) -> None:
         self._issue_weights(self.use + 1)
@@ -540,12 +708,18 @@ class _StepBuilder(_Program):
 
 
 def program_for(plan_or_tiers: object, cost: CostModel, *, optimizer_mode: str = "overlap",
-                topology: Topology = ONE_RANK) -> StepProgram:
-    """The program of a Plan (its tiers and kept layers) or a bare tier list, with a CostModel's shapes (and
-    `topology`'s ranks)."""
+                topology: Topology = ONE_RANK, staging_depth: int | None = None) -> StepProgram:
+    """The program of a Plan (its tiers, kept layers and staging depth) or a bare tier list, with a CostModel's
+    shapes (and `topology`'s ranks). `staging_depth` overrides the plan's; a cost model with its optimizer
+    state on NVMe needs a depth >= 1 (a plan's, or this)."""
     tiers = getattr(plan_or_tiers, "tiers", plan_or_tiers)
+    depth = getattr(plan_or_tiers, "staging_depth", 0) if staging_depth is None else staging_depth
+    if cost.optimizer_offload == "nvme" and not depth:
+        raise LazyTrainError("optimizer_offload nvme: the plan has no staging depth (it was made for the states "
+                             "in RAM); make a new plan with optimizer_offload nvme")
     return build_program(tuple(tiers), Shapes.from_cost(cost), optimizer_mode=optimizer_mode, topology=topology,
-                         kept_layers=getattr(plan_or_tiers, "kept_layers", 0))
+                         kept_layers=getattr(plan_or_tiers, "kept_layers", 0),
+                         staging_depth=depth if cost.optimizer_offload == "nvme" else 0)
 
 
 def _forward_only(tiers: tuple[str, ...], shapes: Shapes, uses: list[tuple[str, int]]) -> StepProgram:

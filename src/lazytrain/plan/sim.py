@@ -18,6 +18,11 @@ lane serialization (updates and accumulations share the one FIFO optimizer lane)
 the compute thread or the links through shared memory bandwidth or cores (on the emulated device they share
 the CPU), and the bf16 copy refresh as its own cost (it is part of the measured update).
 
+With the optimizer's state on NVMe (optimizer_offload nvme, the program's staging_depth D >= 1) each group's
+"state_read" and "state_write" are link ops of the nvme_read / nvme_write lanes (their bytes over the NVMe rates),
+queued FIFO with the activations' spills and reads; a later group's update waits for its read (`after`). The
+static host bytes then hold no optimizer state, and the program's host_alloc of the D staging slots counts them.
+
 A program built for several ranks (costmodel/topology.py) sums each group's gradient over the ranks on the optimizer
 lane ("reduce j" before "land j", "gather" before the embedding backward), its seconds the topology's bytes over
 the hardware's intra-/inter-node rates; every rank runs the same program, so one rank's timeline is the step's.
@@ -25,7 +30,8 @@ the hardware's intra-/inter-node rates; every rank runs the same program, so one
 Memory. Device bytes change at the program's alloc/free actions, so the device peak does not depend on link
 speeds and equals `StepProgram.device_peak_bytes` and the executor's arena. Host: the static host bytes plus
 every cpu-tier buffer (from its d2h issue) and nvme staging buffer, held to the end of the step (the executor
-recycles them across steps). NVMe: each spill file from its write start to step end.
+recycles them across steps) and the staging slots (host_alloc/host_free). NVMe: the optimizer's state files
+(optimizer_offload nvme) for the whole step, and each spill file from its write start to step end.
 """
 
 from __future__ import annotations
@@ -188,7 +194,7 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
             raise LazyTrainError(f"plan has {plan.num_layers} layers but the cost model has {cost.num_layers}")
         program = program_for(plan, cost, optimizer_mode=optimizer_mode, topology=topology)
     r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost, program.topology),
-                                                     cost.static_host_bytes())
+                                                     cost.static_host_bytes(), cost.nvme_state_bytes())
     step_s = r.now
     busy = dict.fromkeys(STREAMS, 0.0)
     link_bytes = dict.fromkeys(STREAMS[1:], 0)
@@ -211,19 +217,25 @@ def step_seconds(program: StepProgram, seconds_of: Callable[[Op], float]) -> tup
     return r.now, dict(r.exposed)
 
 
-def _replay(program: StepProgram, seconds_of: Callable[[Op], float], static_host_bytes: int
-            ) -> tuple[_Replay, float, int]:
+def _replay(program: StepProgram, seconds_of: Callable[[Op], float], static_host_bytes: int,
+            static_nvme_bytes: int = 0) -> tuple[_Replay, float, int]:
     """One pass over the program's actions: (the replay, the forward_backward seconds, host activation bytes)."""
     r = _Replay()
     jobs: dict[int, _Job] = {}
     host_activation = 0
     r.mem("cpu", static_host_bytes)
+    if static_nvme_bytes:
+        r.mem("nvme", static_nvme_bytes)
     forward_backward_s = None
     for action in program.actions:
         if action.verb == "alloc":
             r.mem("gpu", action.num_bytes)
         elif action.verb == "free":
             r.mem("gpu", -action.num_bytes)
+        elif action.verb == "host_alloc":  # a staging slot (optimizer_offload nvme)
+            r.mem("cpu", action.num_bytes)
+        elif action.verb == "host_free":
+            r.mem("cpu", -action.num_bytes)
         elif action.verb == "run":
             op = program.ops[action.op]
             r.compute(op.name, seconds_of(op))
@@ -231,8 +243,9 @@ def _replay(program: StepProgram, seconds_of: Callable[[Op], float], static_host
             r.wait(jobs[action.op])
         else:
             op = program.ops[action.op]
-            if op.kind == "step":
-                forward_backward_s = r.now
+            if forward_backward_s is None and (op.kind == "step" or op.kind == "update"
+                                               and program.optimizer_mode == "serial"):
+                forward_backward_s = r.now  # the serial optimizer step starts: the executor's wall_s ends
             job = r.issue(op.lane, op.name, seconds_of(op), op.num_bytes, after=tuple(jobs[a] for a in op.after))
             jobs[op.index] = job
             if op.kind == "offload":  # the host buffer: cpu-tier store or nvme staging, recycled across steps
