@@ -496,7 +496,7 @@ class CostModel:
                          with bf16 masters fp32 weight chunks and a bf16 chunk of an fp32 sum; at most
                          UPDATE_CHUNK_NUMEL elements each, whatever the largest group (no transient grows with it)
         optimizer_states Adam's moments (optimizer_state_bytes); 0 with optimizer_offload nvme (in the state files)
-        staging          optimizer_offload nvme: `staging_depth` slots of `staging_slot_bytes`, the states (and
+        staging          (optimizer_offload nvme only) `staging_depth` slots of `staging_slot_bytes`, the states (and
                          offloaded masters) of that many groups read ahead of their updates (plan/schedule.py)
         """
         spec, c = self.spec, self.dtype_bytes
@@ -524,7 +524,7 @@ class CostModel:
             "grad_sum": 4 * summed,
             "update_scratch": per_element * chunk,
             "optimizer_states": 0 if offload else self.optimizer_state_bytes(),
-            "staging": staging_depth * self.staging_slot_bytes,
+            **({"staging": staging_depth * self.staging_slot_bytes} if offload else {}),
         }
 
     def static_host_bytes(self, staging_depth: int = 0) -> int:
