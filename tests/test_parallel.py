@@ -624,7 +624,7 @@ def _load_shared(rank: int, world: int, init: str, dtype: str, out: str) -> None
     assert all(g.aliased == (dtype == "fp32") for g in groups)
     assert all(inside(g.buffer) == g.aliased for g in groups)  # fp32: the executor streams the mapping itself
     share_streamed_copies(ranks, ex)
-    assert all(inside(g.buffer) and g.shared_copy != g.aliased for g in groups)  # bf16: the one copy, shared
+    assert all(inside(g.buffer) and g.packed_by_update != g.aliased for g in groups)  # bf16: the one copy, shared
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.{rank}")
     torch.save([g.buffer.clone() for g in groups], f"{out}.buffers.{rank}")
     ex.device.close()

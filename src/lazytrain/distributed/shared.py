@@ -278,7 +278,7 @@ class OptimizerShard:
         mine = [i for i in range(len(executor.param_groups())) if i % ranks.local_world_size == ranks.local_rank]
         groups, names = executor.param_groups(), executor.group_names()
         shared_bytes, words = shared if shared is not None else (0, None)
-        copies = {i: g for i in mine if (g := executor.group_at(i)) is not None and g.shared_copy}
+        copies = {i: g for i in mine if (g := executor.group_at(i)) is not None and g.packed_by_update}
         return cls(ranks=ranks, owned={id(p) for i in mine for p in groups[i]}, owned_indices=set(mine),
                    owned_groups=[names[i] for i in mine], shared_bytes=shared_bytes,
                    owner_local={id(p): i % ranks.local_world_size for i, params in enumerate(groups) for p in params},

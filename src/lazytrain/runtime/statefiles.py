@@ -192,7 +192,7 @@ class StateFiles:
         self._staging: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[IOEvent]] = {}
         self._lock = threading.Lock()
-        self._check_room()
+        self._check_room(self.total_bytes)
         self.direct = direct
         try:
             for group, layout in self.layouts.items():
@@ -205,16 +205,31 @@ class StateFiles:
             raise
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="lazytrain-nvme")
 
+    def add(self, group: str, layout: GroupLayout) -> None:
+        """One more group's file (its room checked first), for a caller that learns the layouts one group at a
+        time (an optimizer built group by group, each group's states moved out before the next's exist)."""
+        if group in self.layouts:
+            raise ValueError(f"StateFiles: group {group} exists")
+        self._check_room(layout.file_bytes)
+        try:
+            self._create(group, layout)
+        except OSError as err:
+            fd = self._fds.pop(group, None)
+            if fd is not None:
+                os.close(fd)
+            raise io_error(err, self.directory, "create the optimizer state files") from None
+        self.layouts[group] = layout
+
     @property
     def total_bytes(self) -> int:
         """Bytes the files take on the disk."""
         return sum(layout.file_bytes for layout in self.layouts.values())
 
-    def _check_room(self) -> None:
+    def _check_room(self, need: int) -> None:
         if not self.directory.is_dir():
             what = "is not a directory" if self.directory.exists() else "does not exist"
             raise LazyTrainError(f"NVMe directory {self.directory} {what}; create it or set nvme_dir to another one")
-        need, free = self.total_bytes, shutil.disk_usage(self.directory).free
+        free = shutil.disk_usage(self.directory).free
         if need > free:
             raise LazyTrainError(
                 f"nvme: the optimizer state files need {format_bytes(need)} on {self.directory} but the disk has "
@@ -303,26 +318,41 @@ class StateFiles:
         """Copy the group's tensors (all, or `names`) into a new safetensors file at `path` inside the kernel, fsync
         it, and return its size. Waits for the group's pending ops first. `path` is overwritten: write to a
         temporary name and rename (the checkpoint's one write path does)."""
-        layout = self.layouts[group]
-        chosen = list(layout.extents.values()) if names is None else [layout.extents[n] for n in names]
-        chosen.sort(key=lambda e: e.offset)
+        return self.save_combined(path, [(group, names)])
+
+    def save_combined(self, path: str | Path, parts: Sequence[tuple[str, Iterable[str] | None]]) -> int:
+        """`save_safetensors` of several groups into one file: each part is a group and its tensor names (None =
+        all); names must differ across the parts (e.g. every group's fp32 masters, by parameter name, into one
+        master.safetensors). Tensors lie in order of falling element size, as in the groups' own files."""
+        sources: list[tuple[str, Extent]] = []
+        for group, names in parts:
+            layout = self.layouts[group]
+            chosen = list(layout.extents.values()) if names is None else [layout.extents[n] for n in names]
+            sources += sorted(((group, e) for e in chosen), key=lambda ge: ge[1].offset)
+        if len({e.name for _, e in sources}) != len(sources):
+            raise ValueError("save_combined: a tensor name occurs in two parts")
+        sources.sort(key=lambda ge: -torch.empty((), dtype=ge[1].dtype).element_size())  # stable
         out, offset = [], 0
-        for e in chosen:
+        for _, e in sources:
             out.append(Extent(e.name, e.dtype, e.shape, offset, e.num_bytes))
             offset += e.num_bytes
         header = safetensors_header(out)
-        runs = _runs([(layout.data_offset + src.offset, len(header) + dst.offset, src.num_bytes)
-                      for src, dst in zip(chosen, out, strict=True)])
-        self.wait_all(group)
+        groups = list(dict.fromkeys(group for group, _ in parts))
+        for group in groups:
+            self.wait_all(group)
         try:
             dst_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as err:
             raise io_error(err, Path(path).parent, "write a checkpoint's optimizer file") from None
         try:
             write_all(dst_fd, memoryview(header), 0)
-            with self._buffered(group) as src_fd:
-                for src, dst, num_bytes in runs:
-                    copy_range(src_fd, src, dst_fd, dst, num_bytes)
+            for group in groups:
+                data_offset = self.layouts[group].data_offset
+                runs = _runs([(data_offset + src.offset, len(header) + dst.offset, src.num_bytes)
+                              for (g, src), dst in zip(sources, out, strict=True) if g == group])
+                with self._buffered(group) as src_fd:
+                    for src, dst, num_bytes in runs:
+                        copy_range(src_fd, src, dst_fd, dst, num_bytes)
             os.fsync(dst_fd)
         except OSError as err:
             raise io_error(err, Path(path).parent, "write a checkpoint's optimizer file") from None
@@ -330,9 +360,10 @@ class StateFiles:
             os.close(dst_fd)
         return len(header) + offset
 
-    def load_safetensors(self, group: str, path: str | Path) -> None:
+    def load_safetensors(self, group: str, path: str | Path, names: Iterable[str] | None = None) -> None:
         """Copy the tensors of a safetensors file (a checkpoint's) into the group's file. Every tensor of the layout
-        must be in it with its dtype and shape, and no other. Waits for the group's pending ops first."""
+        (or of `names`) must be in it with its dtype and shape; with `names` None the file holds no other (with
+        `names`, it may: e.g. one master.safetensors for every group). Waits for the group's pending ops first."""
         layout = self.layouts[group]
         try:
             src_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -342,7 +373,7 @@ class StateFiles:
         try:
             data_offset, entries = read_safetensors_header(src_fd, path)
             runs = _runs([(data_offset + begin, layout.data_offset + layout.extents[name].offset, end - begin)
-                          for name, (begin, end) in _matched(entries, layout, path)])
+                          for name, (begin, end) in _matched(entries, layout, path, names)])
             self.wait_all(group)
             with self._buffered(group) as dst_fd:
                 for src, dst, num_bytes in runs:
@@ -433,17 +464,20 @@ def read_safetensors_header(fd: int, path: str | Path) -> tuple[int, dict[str, d
     return 8 + n, header
 
 
-def _matched(entries: dict[str, dict[str, object]], layout: GroupLayout, path: str | Path
-             ) -> list[tuple[str, tuple[int, int]]]:
-    """(name, (begin, end)) of every layout tensor in `entries`, after checking names, dtypes and shapes."""
+def _matched(entries: dict[str, dict[str, object]], layout: GroupLayout, path: str | Path,
+             names: Iterable[str] | None = None) -> list[tuple[str, tuple[int, int]]]:
+    """(name, (begin, end)) of every layout tensor (or of `names`) in `entries`, after checking names, dtypes and
+    shapes (and, for the whole layout, that the file holds no other tensor)."""
     fix = "resume with the model and optimizer settings the checkpoint was saved with"
-    missing = sorted(set(layout.extents) - set(entries))
-    extra = sorted(set(entries) - set(layout.extents))
+    wanted = list(layout.extents) if names is None else list(names)
+    missing = sorted(set(wanted) - set(entries))
+    extra = sorted(set(entries) - set(layout.extents)) if names is None else []
     if missing or extra:
         raise LazyTrainError(f"checkpoint file {path} holds other tensors than this optimizer's (missing "
                              f"{missing[:3]}, unexpected {extra[:3]}); {fix}")
     out = []
-    for name, e in layout.extents.items():
+    for e in (layout.extents[name] for name in wanted):
+        name = e.name
         entry = entries[name]
         want = (SAFETENSORS_DTYPES[e.dtype], list(e.shape))
         got = (entry.get("dtype"), entry.get("shape"))

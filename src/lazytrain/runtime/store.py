@@ -70,7 +70,9 @@ class WeightGroup:
         self.numel = offset
         self._host_empty = host_empty
         self.aliased = all(p.dtype == dtype for p in self.params)
-        self.shared_copy = False  # a compute-dtype copy in a node's shared memory, refreshed by its owner (`adopt`)
+        # a compute-dtype copy that only the group's update refreshes (`pack(force=True)` after it): a node's shared
+        # copy, refreshed by its owner rank (`adopt`), or the copy of masters that live on NVMe (train/offload.py)
+        self.packed_by_update = False
         self._ptrs: list[int] = []
         in_place = packed_region(self.params) if self.aliased else None
         if in_place is not None:  # already packed as this group packs them: no copy
@@ -94,10 +96,10 @@ class WeightGroup:
     def _stale(self) -> bool:
         if self.aliased:  # parameters are views of the buffer unless someone replaced p.data
             return [p.data_ptr() for p in self.params] != self._ptrs
-        # a compute-dtype copy of the fp32 masters: always refresh (see the module docstring), unless the node's
-        # ranks share it: then its owner refreshes it after each update, and another rank's write would race
-        # the h2d of the ranks streaming it
-        return not self.shared_copy
+        # a compute-dtype copy of the fp32 masters: always refresh (see the module docstring), unless its update
+        # does: the node's ranks share it (another rank's write would race the h2d of the ranks streaming it), or
+        # the masters are on NVMe between updates
+        return not self.packed_by_update
 
     def pack(self, force: bool = False) -> bool:
         """Bring the buffer up to date with the parameters; returns whether it copied anything."""
@@ -121,7 +123,7 @@ class WeightGroup:
             raise LazyTrainError(f"{self.name}: a buffer of {buffer.numel()} {buffer.dtype} elements cannot hold "
                                  f"{self.numel} {self.dtype} elements")
         self.buffer = buffer
-        self.shared_copy = not self.aliased
+        self.packed_by_update = not self.aliased
         if self.aliased:
             for s, p in zip(self.slots, self.params, strict=True):
                 p.data = buffer[s.offset:s.offset + s.numel].view(s.shape)

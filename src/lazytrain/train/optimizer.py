@@ -33,6 +33,7 @@ from lazytrain.runtime.hf import find_parts
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig
     from lazytrain.runtime.executor import Executor
+    from lazytrain.train.offload import NvmeStates
 
 ParamGroup = dict[str, object]  # torch's param group: {"params": [...], "lr": ..., "weight_decay": ..., ...}
 
@@ -44,8 +45,10 @@ class NonFiniteRunError(LazyTrainError):
 # =====================================================================================================
 # building
 # =====================================================================================================
-def build_optimizer(job: JobConfig, model: PreTrainedModel) -> torch.optim.Optimizer:
-    """One optimizer over the fp32 master weights, two param groups per layer (decay, no decay); both modes."""
+def build_optimizer(job: JobConfig, model: PreTrainedModel, nvme: NvmeStates | None = None
+                    ) -> torch.optim.Optimizer:
+    """One optimizer over the fp32 master weights, two param groups per layer (decay, no decay); both modes.
+    `nvme`: the states (and offloaded masters) move to its files group by group as they are made."""
     parts = find_parts(model)
     owners: list[tuple[str, torch.nn.Module]] = [("embedding", parts.embedding)]
     owners += [(f"layer{j}", layer) for j, layer in enumerate(parts.layers)]
@@ -61,9 +64,13 @@ def build_optimizer(job: JobConfig, model: PreTrainedModel) -> torch.optim.Optim
         groups += [{"params": decay, "weight_decay": job.optim.weight_decay, "name": name},
                    {"params": no_decay, "weight_decay": 0.0, "name": name}]
     groups = [g for g in groups if g["params"]]
-    if job.optim.optimizer != "adamw":
-        return hybrid8bit_optimizer(job, groups, max_grad_norm=job.optim.max_grad_norm or None)
-    return adamw(job, groups)
+
+    def make(param_groups: list[ParamGroup]) -> torch.optim.Optimizer:
+        if job.optim.optimizer != "adamw":
+            return hybrid8bit_optimizer(job, param_groups, max_grad_norm=job.optim.max_grad_norm or None)
+        return adamw(job, param_groups)
+
+    return make(groups) if nvme is None else nvme.build(make, groups)
 
 
 def adamw(job: JobConfig, groups: list[ParamGroup]) -> torch.optim.AdamW:
@@ -130,7 +137,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # one step (serial mode)
 # =====================================================================================================
 def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor, *,
-                   grad_norm: float, only: set[int] | None = None) -> float:
+                   grad_norm: float, only: set[int] | None = None, nvme: NvmeStates | None = None) -> float:
     """Clip and step on the host, one executor group at a time in forward order (`group_update`); returns the
     global gradient norm before clipping.
 
@@ -143,7 +150,7 @@ def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: E
     # with a gradient in the update's dict are stepped)
     holder = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
     groups = [sorted({holder[id(p)] for p in params}) for params in executor.param_groups()]
-    update = group_update(job, optimizer, executor, groups, grad_norm, lr=None, only=only)
+    update = group_update(job, optimizer, executor, groups, grad_norm, lr=None, only=only, nvme=nvme)
     for index in range(len(groups)):
         update(index)
     return grad_norm
@@ -230,13 +237,15 @@ def step_param_groups(optimizer: torch.optim.Optimizer, indices: list[int]) -> N
 
 
 def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor, groups: list[list[int]],
-                 grad_norm: float, lr: float | None, only: set[int] | None = None) -> Callable[[int], None]:
+                 grad_norm: float, lr: float | None, only: set[int] | None = None, nvme: NvmeStates | None = None
+                 ) -> Callable[[int], None]:
     """`update(executor_group)`: one executor group's update -- the learning rate `lr` of this step (None: as
     set), the clip coefficient of the global `grad_norm`, each param group stepped by its own kernels (torch's
     fused AdamW and Hybrid8bitAdamW step each param group on its own) from the gradients as the executor keeps
     them (`Executor.kept_grads`: no cast of the group, optim/chunked.py), restricted to the parameters in `only`
     when given. Run over every group it equals one whole step bit for bit, in any order; with torch's AdamW, bit
-    for bit `clip_grads_with_norm_` then `optimizer.step()` on fp32 `.grad`s."""
+    for bit `clip_grads_with_norm_` then `optimizer.step()` on fp32 `.grad`s. `nvme`: each group's states and
+    masters are staged from their files for its update and written back (train/offload.py)."""
     hybrid = isinstance(optimizer, Hybrid8bitAdamW)
     coef = optimizer.begin_step(grad_norm=grad_norm) if hybrid else None
     clip = (clip_coefficient_tensor(job.optim.max_grad_norm, grad_norm)
@@ -260,7 +269,7 @@ def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Exe
         for p in executor.param_groups()[index]:
             p.grad = None  # the step is taken: no `.grad` view of the kept gradient stays behind
 
-    return update
+    return update if nvme is None else nvme.staged(update)
 
 
 def _scratch(optimizer: torch.optim.Optimizer) -> Scratch:

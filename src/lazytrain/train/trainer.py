@@ -68,6 +68,7 @@ from lazytrain.train.metrics import (
     start_trackers,
     write_json,
 )
+from lazytrain.train.offload import NvmeStates
 from lazytrain.train.optimizer import (
     NonFinitePolicy,
     Schedule,
@@ -185,6 +186,7 @@ def train(job: JobConfig) -> TrainResult:
 
         # ---- device, executor, optimizer, resume ----------------------------------------------------
         device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
+        trainer: Trainer | None = None
         try:
             executor = build_executor(model, plan, planned.cost, device, job)
             fit_device_cap(job, plan, executor, device)
@@ -201,12 +203,19 @@ def train(job: JobConfig) -> TrainResult:
             # ---- loop -------------------------------------------------------------------------------
             trainer.loop(signals)
             eval_after = trainer.evaluate()
+        except BaseException:
+            if trainer is not None:
+                trainer.close()
+            raise
         finally:
             device.close()  # stop the link threads; no spill file outlives the device
 
         # ---- close: final checkpoint, summary -------------------------------------------------------
         signals.deferred = False  # a signal now stops the save; the previous checkpoint stays intact
-        final = trainer.save()
+        try:
+            final = trainer.save()
+        finally:
+            trainer.close()
     exact_after = None
     if decode:  # greedy decoding of the exported checkpoint, loaded as any HF model is
         hf_logging.disable_progress_bar()  # its loading bar is noise under the report
@@ -320,10 +329,18 @@ class Trainer:
     ranks: Ranks | None = None  # data parallelism: the collectives (None: one process)
 
     def __post_init__(self) -> None:
-        self.optimizer = build_optimizer(self.job, self.model)
+        # optimizer_offload nvme: the states (and fp32 masters under bf16 compute) live in files under nvme_dir,
+        # staged one layer group at a time for its update (train/offload.py)
+        self.nvme = NvmeStates(self.executor.device.nvme_dir, self.executor) \
+            if self.job.runtime.optimizer_offload == "nvme" else None
+        self.optimizer = build_optimizer(self.job, self.model, self.nvme)
         self.schedule = Schedule(self.job)
         self.overlap = self.job.optim.optimizer_mode == "overlap"  # the update runs under the next step's forward
         self.groups = executor_param_groups(self.optimizer, self.executor)
+        if self.nvme is not None:
+            self.nvme.bind(self.optimizer, self.groups)
+            say(f"offload  optimizer states on {self.nvme.files.directory}: {format_bytes(self.nvme.file_bytes)} "
+                f"in {len(self.nvme.groups)} files, staged {format_bytes(self.nvme.slot_bytes)} at a time")
         self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
         self.compute_dtype = compute_dtype(self.job)
@@ -429,13 +446,14 @@ class Trainer:
         else:
             if self.overlap:  # run by the next step's optimizer lane, group by group under its forward
                 assert grad_norm is not None
-                update = group_update(job, self.optimizer, ex, self.groups, grad_norm, lr)
+                update = group_update(job, self.optimizer, ex, self.groups, grad_norm, lr, nvme=self.nvme)
                 # data parallel: this rank's groups, and the fence on every other group's owner
                 ex.defer_update(update if self.shard is None else self.shard.deferred(update))
             else:
                 set_lr(self.optimizer, lr)
                 only = None if self.shard is None else self.shard.owned  # the global norm is taken: this
-                grad_norm = optimizer_step(job, self.optimizer, ex, grad_norm=grad_norm, only=only)  # rank's groups
+                grad_norm = optimizer_step(job, self.optimizer, ex, grad_norm=grad_norm, only=only,  # rank's
+                                           nvme=self.nvme)  # groups
                 if self.shard is not None:
                     self.shard.fence(f"the updated weights of step {global_step}")
             self.policy.applied()
@@ -542,6 +560,11 @@ class Trainer:
         self.resumed = True
         self.first_step = len(self.state.step_times_s)  # the steps before ran in another process
         say(f"resume   from {path} at step {self.state.step} ({self.state.applied_steps} updates applied)")
+
+    def close(self) -> None:
+        """Close the optimizer's state files (optimizer_offload nvme): nothing of them stays in nvme_dir."""
+        if self.nvme is not None:
+            self.nvme.close()
 
     # ---- the summary ------------------------------------------------------------------------------------
     def summary(self, *, num_params: int, eval_before: Evaluation, eval_after: Evaluation, total_run_s: float

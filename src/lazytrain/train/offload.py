@@ -1,0 +1,236 @@
+"""The optimizer's state on the NVMe SSD (`optimizer_offload: nvme`, issue 24): every layer group's state tensors
+and, where the streamed weights are a compute-dtype copy, its fp32 master weights live in a file, and host memory
+holds them only while the group is updated.
+
+One StateFiles file (runtime/statefiles.py) per checkpoint group -- a param group `name`: embedding, layer<j>, head
+-- holding, by the checkpoint's names, each parameter's state tensors `"<param index>.<state key>"` (torch AdamW's
+exp_avg / exp_avg_sq, Hybrid8bitAdamW's 8-bit codes and absmax or fp32 moments) and, with fp32 masters under bf16
+compute, the master itself under its parameter name. Between updates none of them is in host memory: the tensor
+keys are absent from `optimizer.state[p]` (the step counter and flags stay, they are scalars), and an offloaded
+master's `p.data` is a NaN placeholder of its shape that holds 4 bytes (a read gives NaN, a write raises), while
+the executor streams the group's compute-dtype copy, refreshed by the update (`WeightGroup.packed_by_update`;
+the untied embedding's rows are gathered from a copy of its own: `Executor.keep_embedding_copy`).
+
+An update of executor group g (`staged(update)`): its files are read into a staging slot (a reused, aligned host
+buffer sized for the largest group), the states and masters become views of the slot, the optimizer steps them in
+place exactly as it steps tensors of its own (optim/chunked.py's chunks are slices of the views), the streamed
+copy is refreshed from the staged masters, the views go, and the slot is written back. Bit for bit the in-RAM
+optimizer: the same kernels on the same bytes, only where the bytes live differs.
+
+The optimizer is built group by group (`build`): a group's states are created (Hybrid8bitAdamW makes them as a
+param group is added; AdamW's lazy zeros are made here), copied into its file and dropped before the next group's
+exist, so host memory never holds more than one group's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from lazytrain.runtime.device import return_freed_host_memory
+from lazytrain.runtime.statefiles import GroupLayout, StateFiles
+from lazytrain.runtime.store import aligned_empty
+
+if TYPE_CHECKING:
+    from lazytrain.runtime.executor import Executor, GroupUpdate
+
+ParamGroup = dict[str, object]
+
+
+def placeholder(p: torch.Tensor) -> torch.Tensor:
+    """What an offloaded master's `p.data` is between updates: p's shape and dtype, one NaN element behind every
+    index (4 bytes), so a stray read shows as NaN and a write raises."""
+    return torch.full((), float("nan"), dtype=p.dtype).expand(p.shape)
+
+
+def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+@dataclass
+class FileGroup:
+    """One checkpoint group's file: its parameters (torch's numbering), their state keys in the file, and the
+    parameter names of its offloaded masters."""
+
+    name: str
+    params: dict[int, torch.nn.Parameter]
+    keys: dict[int, list[str]] = field(default_factory=dict)
+    masters: dict[int, str] = field(default_factory=dict)
+
+    def state_names(self) -> list[str]:
+        """The tensors of its optimizer/<name>.safetensors (masters excluded)."""
+        return [f"{i}.{key}" for i, keys in self.keys.items() for key in keys]
+
+
+class NvmeStates:
+    """The optimizer states (and offloaded masters) of `executor`'s model in `directory`; see the module docstring.
+
+    Usage: `states = NvmeStates(dir, executor)`; `opt = states.build(make, groups)` (instead of `make(groups)`);
+    `states.bind(opt, executor_groups)`; each group update wrapped in `states.staged(update)`; `states.close()`."""
+
+    def __init__(self, directory: str | Path, executor: Executor) -> None:
+        self.executor = executor
+        self.compute_dtype = executor.compute_dtype
+        self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty)
+        self.groups: dict[str, FileGroup] = {}
+        self._names = {id(p): n for n, p in executor.model.named_parameters()}
+        self._targets: list[list[str]] = []  # executor group index -> its checkpoint groups
+        self._slot: torch.Tensor | None = None
+        # the streamed copies stop following the (soon absent) masters: each update refreshes its group's
+        for index in range(len(executor.param_groups())):
+            group = executor.group_at(index)
+            if group is not None and not group.aliased:
+                group.packed_by_update = True
+        if executor.parts.embedding.weight.dtype != self.compute_dtype:
+            executor.keep_embedding_copy()
+
+    # ---- building ---------------------------------------------------------------------------------
+    def build(self, make: Callable[[list[ParamGroup]], torch.optim.Optimizer], groups: list[ParamGroup]
+              ) -> torch.optim.Optimizer:
+        """`make(groups)`, one checkpoint group at a time: after each group's param groups are added, its states
+        (and masters) move into its file."""
+        optimizer: torch.optim.Optimizer | None = None
+        index = 0
+        for name, named in groupby(groups, key=lambda g: str(g["name"])):
+            params: dict[int, torch.nn.Parameter] = {}
+            for group in named:
+                if optimizer is None:
+                    optimizer = make([group])
+                else:
+                    optimizer.add_param_group(group)
+                for p in group["params"]:  # type: ignore[union-attr]
+                    params[index] = p
+                    index += 1
+            assert optimizer is not None
+            self._move_out(optimizer, FileGroup(name, params))
+        assert optimizer is not None, "an optimizer needs parameters"
+        return_freed_host_memory()  # the heap pages of the states and masters that left
+        return optimizer
+
+    def _move_out(self, optimizer: torch.optim.Optimizer, group: FileGroup) -> None:
+        """Create the group's file from its states (AdamW's lazy zeros made here, as torch makes them) and masters,
+        then drop them from host memory."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, p in group.params.items():
+            state = optimizer.state[p]
+            if not state and isinstance(optimizer, torch.optim.AdamW):  # torch's lazy state (optim/chunked.py)
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            group.keys[i] = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            tensors.update({f"{i}.{k}": state[k] for k in group.keys[i]})
+            if p.dtype != self.compute_dtype:  # fp32 masters of a bf16 stream: the file holds them
+                group.masters[i] = self._names[id(p)]
+                tensors[group.masters[i]] = p.detach()
+        layout = GroupLayout.of(tensors)
+        self.files.add(group.name, layout)
+        slot = aligned_empty(layout.padded_data_bytes, torch.uint8, _plain_empty)
+        views = layout.views(slot)
+        for name, t in tensors.items():
+            views[name].copy_(t)
+        self.files.write(group.name, slot).wait()
+        self.groups[group.name] = group
+        self._detach(optimizer, [group.name])
+
+    def bind(self, optimizer: torch.optim.Optimizer, executor_groups: list[list[int]]) -> None:
+        """`executor_groups`: for each executor group, the optimizer's param groups holding its parameters
+        (train/optimizer.py's executor_param_groups); the staging slot is sized for the largest."""
+        self.optimizer = optimizer
+        self._targets = [list(dict.fromkeys(str(optimizer.param_groups[k]["name"]) for k in ks))
+                         for ks in executor_groups]
+        self.slot_bytes = max(self.staged_bytes(i) for i in range(len(self._targets)))
+        self._slot = aligned_empty(self.slot_bytes, torch.uint8, self.executor.device.host_empty)
+
+    def staged_bytes(self, index: int) -> int:
+        """Bytes executor group `index`'s files take in a staging slot (what its read and write move)."""
+        return sum(self.files.layouts[n].padded_data_bytes for n in self._targets[index])
+
+    @property
+    def file_bytes(self) -> int:
+        return self.files.total_bytes
+
+    # ---- an update --------------------------------------------------------------------------------
+    def staged(self, update: GroupUpdate) -> GroupUpdate:
+        """`update(index)` run on executor group `index`'s states and masters, read before and written after."""
+
+        def run(index: int) -> None:
+            assert self._slot is not None, "bind() first"
+            regions = self._read(index, self._slot)
+            self._attach(regions)
+            try:
+                update(index)
+                self._refresh(index)
+            finally:
+                self._detach(self.optimizer, [name for name, _ in regions])
+            self._write(regions)
+
+        return run
+
+    def _regions(self, index: int, slot: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Each of the group's files' place in `slot` (4 KiB-aligned: padded sizes are multiples of 4 KiB)."""
+        out, offset = [], 0
+        for name in self._targets[index]:
+            size = self.files.layouts[name].padded_data_bytes
+            out.append((name, slot[offset:offset + size]))
+            offset += size
+        return out
+
+    def _read(self, index: int, slot: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        regions = self._regions(index, slot)
+        for event in [self.files.read(name, region) for name, region in regions]:
+            event.wait()
+        return regions
+
+    def _write(self, regions: list[tuple[str, torch.Tensor]]) -> None:
+        for event in [self.files.write(name, region) for name, region in regions]:
+            event.wait()
+
+    def _attach(self, regions: list[tuple[str, torch.Tensor]]) -> None:
+        """The staged bytes become the optimizer's state tensors and the masters' data."""
+        for name, region in regions:
+            group, views = self.groups[name], self.files.layouts[name].views(region)
+            for i, keys in group.keys.items():
+                state = self.optimizer.state[group.params[i]]
+                for key in keys:
+                    state[key] = views[f"{i}.{key}"]
+            for i, pname in group.masters.items():
+                group.params[i].data = views[pname]
+
+    def _detach(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        for name in names:
+            group = self.groups[name]
+            for i, keys in group.keys.items():
+                state = optimizer.state[group.params[i]]
+                for key in keys:
+                    state.pop(key, None)
+            for i in group.masters:
+                p = group.params[i]
+                p.data = placeholder(p)
+
+    def _refresh(self, index: int) -> None:
+        """The streamed compute-dtype copy of a group whose masters are staged, from them."""
+        if not any(self.groups[name].masters for name in self._targets[index]):
+            return
+        group = self.executor.group_at(index)
+        if group is None:
+            self.executor.refresh_embedding_copy()
+        else:
+            group.pack(force=True)
+
+    # ---- whole-state views (tests, conversions) ---------------------------------------------------
+    def tensors(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """Each file's tensors by name, copied out one group at a time (tests; small models)."""
+        for name, layout in self.files.layouts.items():
+            slot = aligned_empty(layout.padded_data_bytes, torch.uint8, _plain_empty)
+            self.files.read(name, slot).wait()
+            yield name, {k: v.clone() for k, v in layout.views(slot).items()}
+
+    def close(self) -> None:
+        """Close the files (the kernel frees their blocks; nothing stays in the directory)."""
+        self.files.close()
+        self._slot = None
