@@ -92,7 +92,7 @@ class Executor:
         self.slot_numel = max(g.numel for g in self.layer_groups)  # layer slots are sized for layers
         self.head_slot_numel = self.head_group.numel if self.head_group.numel > self.slot_numel else 0
         self._embedding_grad: torch.Tensor | None = None  # an untied embedding's gradient, in its dtype
-        self._embedding_copy: torch.Tensor | None = None  # its rows' compute-dtype source (`keep_embedding_copy`)
+        self.embedding_copy: torch.Tensor | None = None  # its rows' compute-dtype source (`keep_embedding_copy`)
         self._cast: torch.Tensor | None = None  # `WeightGroup.expose`'s transient: the largest group, one dtype
         self._accumulating = False  # the last micro-batch was not its step's last: the next one adds to it
         self.store = ActivationStore(self.device.nvme_dir, host_empty)
@@ -132,8 +132,7 @@ class Executor:
         """Group `target`'s update (-1 embedding, j layer, L head) and its streamed copy's refresh (a copy the
         node's ranks share: by its owner, inside `update`)."""
         L = self.parts.num_layers
-        index = self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}")
-        update(index)  # it reads the group's gradients itself (`kept_grads`, or `group_grads` for `.grad`s)
+        update(self.index_of(target))  # it reads the group's gradients itself (`kept_grads`, or `group_grads`)
         if target >= 0:
             (self.head_group if target == L else self.layer_groups[target]).pack()
 
@@ -149,6 +148,11 @@ class Executor:
     def group_names(self) -> list[str]:
         names = [] if self.parts.tied else ["embedding"]
         return names + [g.name for g in self.layer_groups] + ["head"]
+
+    def index_of(self, target: int) -> int:
+        """The `param_groups()` index of a program target: -1 the untied embedding, j layer j, L the head."""
+        L = self.parts.num_layers
+        return self.group_names().index("embedding" if target < 0 else "head" if target == L else f"layer.{target}")
 
     def group_at(self, index: int) -> WeightGroup | None:
         """The streamed group of `param_groups()[index]`; None for an untied embedding (it stays on the host)."""
@@ -198,21 +202,21 @@ class Executor:
         weight = self.parts.embedding.weight
         if self.parts.tied:
             slot = next(s for s, p in zip(self.head_group.slots, self.head_group.params, strict=True) if p is weight)
-            self._embedding_copy = self.head_group.buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self.embedding_copy = self.head_group.buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
             return
-        self._embedding_copy = aligned_empty(weight.numel(), self.compute_dtype, self.device.host_empty
+        self.embedding_copy = aligned_empty(weight.numel(), self.compute_dtype, self.device.host_empty
                                              ).view(weight.shape)
         self.refresh_embedding_copy()
 
     def refresh_embedding_copy(self) -> None:
         """The untied embedding's compute-dtype copy from its weight (after its update; tied: the head group's
         `pack` refreshes it)."""
-        if self._embedding_copy is not None and not self.parts.tied:
-            self._embedding_copy.copy_(self.parts.embedding.weight.detach())
+        if self.embedding_copy is not None and not self.parts.tied:
+            self.embedding_copy.copy_(self.parts.embedding.weight.detach())
 
     def embedding_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Boundary 0 on the host: the embedding's rows of `input_ids` in the compute dtype, (B, S, H)."""
-        table = self._embedding_copy if self._embedding_copy is not None else self.parts.embedding.weight.detach()
+        table = self.embedding_copy if self.embedding_copy is not None else self.parts.embedding.weight.detach()
         return table[input_ids].to(self.compute_dtype)
 
     def gradients(self, index: int) -> list[torch.Tensor]:

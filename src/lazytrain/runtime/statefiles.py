@@ -360,10 +360,11 @@ class StateFiles:
             os.close(dst_fd)
         return len(header) + offset
 
-    def load_safetensors(self, group: str, path: str | Path, names: Iterable[str] | None = None) -> None:
+    def load_safetensors(self, group: str, path: str | Path, names: Iterable[str] | None = None, *,
+                         others: bool = False) -> None:
         """Copy the tensors of a safetensors file (a checkpoint's) into the group's file. Every tensor of the layout
-        (or of `names`) must be in it with its dtype and shape; with `names` None the file holds no other (with
-        `names`, it may: e.g. one master.safetensors for every group). Waits for the group's pending ops first."""
+        (or of `names`) must be in it with its dtype and shape, and no other unless `others` (e.g. one
+        master.safetensors for every group). Waits for the group's pending ops first."""
         layout = self.layouts[group]
         try:
             src_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -373,7 +374,7 @@ class StateFiles:
         try:
             data_offset, entries = read_safetensors_header(src_fd, path)
             runs = _runs([(data_offset + begin, layout.data_offset + layout.extents[name].offset, end - begin)
-                          for name, (begin, end) in _matched(entries, layout, path, names)])
+                          for name, (begin, end) in _matched(entries, layout, path, names, others)])
             self.wait_all(group)
             with self._buffered(group) as dst_fd:
                 for src, dst, num_bytes in runs:
@@ -464,14 +465,27 @@ def read_safetensors_header(fd: int, path: str | Path) -> tuple[int, dict[str, d
     return 8 + n, header
 
 
+def safetensors_names(path: str | Path) -> set[str]:
+    """The tensor names of a safetensors file (its header read as data, checked as `read_safetensors_header`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise LazyTrainError(f"cannot read checkpoint file {path}: {err.strerror}; resume from another "
+                             "checkpoint") from None
+    try:
+        return set(read_safetensors_header(fd, path)[1])
+    finally:
+        os.close(fd)
+
+
 def _matched(entries: dict[str, dict[str, object]], layout: GroupLayout, path: str | Path,
-             names: Iterable[str] | None = None) -> list[tuple[str, tuple[int, int]]]:
+             names: Iterable[str] | None = None, others: bool = False) -> list[tuple[str, tuple[int, int]]]:
     """(name, (begin, end)) of every layout tensor (or of `names`) in `entries`, after checking names, dtypes and
-    shapes (and, for the whole layout, that the file holds no other tensor)."""
+    shapes (and, unless `others`, that the file holds no other tensor)."""
     fix = "resume with the model and optimizer settings the checkpoint was saved with"
     wanted = list(layout.extents) if names is None else list(names)
     missing = sorted(set(wanted) - set(entries))
-    extra = sorted(set(entries) - set(layout.extents)) if names is None else []
+    extra = [] if others else sorted(set(entries) - set(wanted))
     if missing or extra:
         raise LazyTrainError(f"checkpoint file {path} holds other tensors than this optimizer's (missing "
                              f"{missing[:3]}, unexpected {extra[:3]}); {fix}")

@@ -24,7 +24,9 @@ exist, so host memory never holds more than one group's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -32,20 +34,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.schedule import update_order
 from lazytrain.runtime.device import return_freed_host_memory
-from lazytrain.runtime.statefiles import GroupLayout, StateFiles
+from lazytrain.runtime.statefiles import GroupLayout, StateFiles, safetensors_names
 from lazytrain.runtime.store import aligned_empty
 
 if TYPE_CHECKING:
     from lazytrain.runtime.executor import Executor, GroupUpdate
 
 ParamGroup = dict[str, object]
+MASTER_FILE = "master.safetensors"  # the checkpoint's fp32 masters (train/checkpoint.py's name)
 
 
-def placeholder(p: torch.Tensor) -> torch.Tensor:
-    """What an offloaded master's `p.data` is between updates: p's shape and dtype, one NaN element behind every
-    index (4 bytes), so a stray read shows as NaN and a write raises."""
-    return torch.full((), float("nan"), dtype=p.dtype).expand(p.shape)
+def placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What an offloaded master's `p.data` is between updates: p's shape and dtype (or `dtype`), one NaN element
+    behind every index (4 bytes), so a stray read shows as NaN and a write raises."""
+    return torch.full((), float("nan"), dtype=dtype or p.dtype).expand(p.shape)
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +85,11 @@ class NvmeStates:
         self.groups: dict[str, FileGroup] = {}
         self._names = {id(p): n for n, p in executor.model.named_parameters()}
         self._targets: list[list[str]] = []  # executor group index -> its checkpoint groups
-        self._slot: torch.Tensor | None = None
+        self.slots: list[torch.Tensor] = []  # the staging slots (`bind`)
+        self._lock = threading.Lock()  # reads, updates and writes run on three lanes' threads
+        self._staged: dict[int, int] = {}  # executor group -> the slot a read filled, until its update
+        self._dirty: dict[int, int] = {}  # executor group -> the slot its update left, until written back
+        self._expected: set[int] = set()  # groups the running program writes back (state_write ops)
         # the streamed copies stop following the (soon absent) masters: each update refreshes its group's
         for index in range(len(executor.param_groups())):
             group = executor.group_at(index)
@@ -137,14 +146,19 @@ class NvmeStates:
         self.groups[group.name] = group
         self._detach(optimizer, [group.name])
 
-    def bind(self, optimizer: torch.optim.Optimizer, executor_groups: list[list[int]]) -> None:
+    def bind(self, optimizer: torch.optim.Optimizer, executor_groups: list[list[int]], depth: int = 1) -> None:
         """`executor_groups`: for each executor group, the optimizer's param groups holding its parameters
-        (train/optimizer.py's executor_param_groups); the staging slot is sized for the largest."""
+        (train/optimizer.py's executor_param_groups); `depth` staging slots, each sized for the largest group
+        (the plan's staging depth: how many groups' states are staged at once)."""
         self.optimizer = optimizer
         self._targets = [list(dict.fromkeys(str(optimizer.param_groups[k]["name"]) for k in ks))
                          for ks in executor_groups]
         self.slot_bytes = max(self.staged_bytes(i) for i in range(len(self._targets)))
-        self._slot = aligned_empty(self.slot_bytes, torch.uint8, self.executor.device.host_empty)
+        self.slots = [aligned_empty(self.slot_bytes, torch.uint8, self.executor.device.host_empty)
+                      for _ in range(max(1, depth))]
+        parts = self.executor.parts
+        order = [self.executor.index_of(t) for t in update_order(parts.num_layers, parts.tied)]
+        self._default_slot = {index: k % len(self.slots) for k, index in enumerate(order)}  # StateSchedule's
 
     def staged_bytes(self, index: int) -> int:
         """Bytes executor group `index`'s files take in a staging slot (what its read and write move)."""
@@ -154,20 +168,63 @@ class NvmeStates:
     def file_bytes(self) -> int:
         return self.files.total_bytes
 
-    # ---- an update --------------------------------------------------------------------------------
+    # ---- the lane's ops and an update ----------------------------------------------------------------
+    def read(self, index: int, slot: int | None = None) -> None:
+        """Read executor group `index`'s files into staging slot `slot` (default: its place in the update order,
+        modulo the depth); blocks (a job of the nvme_read lane, or the update's own read)."""
+        slot = self._default_slot[index] if slot is None else slot
+        regions = self._regions(index, self.slots[slot])
+        for event in [self.files.read(name, region) for name, region in regions]:
+            event.wait()
+        with self._lock:
+            self._staged[index] = slot
+
+    def write(self, index: int) -> None:
+        """Write executor group `index`'s updated slot back to its files; blocks (a job of the nvme_write lane,
+        or the update's own write)."""
+        with self._lock:
+            slot = self._dirty.pop(index)
+        regions = self._regions(index, self.slots[slot])
+        for event in [self.files.write(name, region) for name, region in regions]:
+            event.wait()
+
+    def expect_writes(self, indices: Iterable[int]) -> None:
+        """The groups whose write-back the running step program does (state_write ops); every other update
+        writes its slot back itself."""
+        with self._lock:
+            self._expected = set(indices)
+
+    def abandon(self) -> None:
+        """After an error in a step: forget what is staged (an update may have stopped halfway: the run stops,
+        its last checkpoint is what counts)."""
+        with self._lock:
+            self._staged.clear()
+            self._dirty.clear()
+            self._expected = set()
+
     def staged(self, update: GroupUpdate) -> GroupUpdate:
-        """`update(index)` run on executor group `index`'s states and masters, read before and written after."""
+        """`update(index)` run on executor group `index`'s states and masters: those a state_read staged, else
+        read now; written back by the program's state_write, else now."""
 
         def run(index: int) -> None:
-            assert self._slot is not None, "bind() first"
-            regions = self._read(index, self._slot)
+            with self._lock:
+                slot = self._staged.pop(index, None)
+            if slot is None:
+                self.read(index)
+                with self._lock:
+                    slot = self._staged.pop(index)
+            regions = self._regions(index, self.slots[slot])
             self._attach(regions)
             try:
                 update(index)
                 self._refresh(index)
             finally:
                 self._detach(self.optimizer, [name for name, _ in regions])
-            self._write(regions)
+            with self._lock:
+                self._dirty[index] = slot
+                later = index in self._expected
+            if not later:
+                self.write(index)
 
         return run
 
@@ -180,21 +237,11 @@ class NvmeStates:
             offset += size
         return out
 
-    def _read(self, index: int, slot: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        regions = self._regions(index, slot)
-        for event in [self.files.read(name, region) for name, region in regions]:
-            event.wait()
-        return regions
-
-    def _write(self, regions: list[tuple[str, torch.Tensor]]) -> None:
-        for event in [self.files.write(name, region) for name, region in regions]:
-            event.wait()
-
-    def _attach(self, regions: list[tuple[str, torch.Tensor]]) -> None:
-        """The staged bytes become the optimizer's state tensors and the masters' data."""
+    def _attach(self, regions: list[tuple[str, torch.Tensor]], states: bool = True) -> None:
+        """The staged bytes become the optimizer's state tensors (unless not `states`) and the masters' data."""
         for name, region in regions:
             group, views = self.groups[name], self.files.layouts[name].views(region)
-            for i, keys in group.keys.items():
+            for i, keys in group.keys.items() if states else ():
                 state = self.optimizer.state[group.params[i]]
                 for key in keys:
                     state[key] = views[f"{i}.{key}"]
@@ -222,6 +269,87 @@ class NvmeStates:
         else:
             group.pack(force=True)
 
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save(self, state_dir: Path, names: Iterable[str] | None = None) -> None:
+        """A checkpoint's trainer_state/optimizer/<group>.safetensors of the groups `names` (default: every file
+        here) and, where masters are here, trainer_state/master.safetensors: each a copy of file extents inside the
+        kernel (StateFiles.save_combined: os.copy_file_range, nothing through host memory). The same bytes, names
+        and layout as a checkpoint written from the states in RAM, so either kind of run resumes from it."""
+        for name in self.groups if names is None else names:
+            self.files.save_safetensors(name, state_dir / "optimizer" / f"{name}.safetensors",
+                                        self.groups[name].state_names())
+        masters = [(name, list(g.masters.values())) for name, g in self.groups.items() if g.masters]
+        if masters:
+            self.files.save_combined(state_dir / MASTER_FILE, masters)
+
+    def load(self, path: Path) -> None:
+        """Resume from checkpoint `path`: its optimizer/<group>.safetensors and its masters (master.safetensors, or
+        the HF folder's tensors where it has none: its masters were the compute dtype) copied into the files inside
+        the kernel, every name, dtype and shape checked; then each group staged once: its float tensors checked
+        finite and its streamed copy refreshed from the loaded masters. A checkpoint written from the states in RAM
+        has the same files, so it resumes here too."""
+        state_dir = path / "trainer_state"
+        for name, group in self.groups.items():
+            self.files.load_safetensors(name, state_dir / "optimizer" / f"{name}.safetensors", group.state_names())
+        masters = [m for g in self.groups.values() for m in g.masters.values()]
+        if masters:
+            sources = [state_dir / MASTER_FILE] if (state_dir / MASTER_FILE).exists() else \
+                sorted(path.glob("*.safetensors"))
+            loaded: set[str] = set()
+            for source in sources:
+                held = safetensors_names(source)
+                for name, group in self.groups.items():
+                    names = [m for m in group.masters.values() if m in held]
+                    if names:
+                        self.files.load_safetensors(name, source, names, others=True)
+                        loaded.update(names)
+            missing = sorted(set(masters) - loaded)
+            if missing:
+                raise LazyTrainError(f"checkpoint {path} has no weights for {missing[0]} (and {len(missing) - 1} "
+                                     "more); resume with the run's own model")
+        for index in range(len(self._targets)):
+            self._check_and_refresh(path, index)
+
+    def _check_and_refresh(self, path: Path, index: int) -> None:
+        regions = self._regions(index, self.slots[0])
+        for event in [self.files.read(name, region) for name, region in regions]:
+            event.wait()
+        for name, region in regions:
+            for tensor_name, t in self.files.layouts[name].views(region).items():
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise LazyTrainError(f"checkpoint {path} cannot be resumed: {tensor_name} holds NaN or infinite "
+                                         "values (a diverged or damaged checkpoint)")
+        self._attach(regions, states=False)
+        try:
+            self._refresh(index)
+        finally:
+            self._detach(self.optimizer, [name for name, _ in regions])
+
+    @contextmanager
+    def streamed_weights(self) -> Iterator[None]:
+        """While inside, each offloaded master's `p.data` is its streamed compute-dtype copy (the masters rounded,
+        what a checkpoint's HF folder holds), so `model.state_dict()` reads real weights; placeholders again
+        after."""
+        copies = self._streamed_copies()
+        try:
+            for p, view in copies:
+                p.data = view
+            yield
+        finally:
+            for p, _ in copies:
+                p.data = placeholder(p, torch.float32)  # (offloaded masters are fp32)
+
+    def _streamed_copies(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        offloaded = {id(group.params[i]) for group in self.groups.values() for i in group.masters}
+        out = []
+        for group in [*self.executor.layer_groups, self.executor.head_group]:
+            views = group.views(group.buffer)
+            out += [(p, views[s.name]) for s, p in zip(group.slots, group.params, strict=True) if id(p) in offloaded]
+        weight = self.executor.parts.embedding.weight
+        if id(weight) in offloaded and not self.executor.parts.tied:
+            out.append((weight, self.executor.embedding_copy))
+        return out
+
     # ---- whole-state views (tests, conversions) ---------------------------------------------------
     def tensors(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """Each file's tensors by name, copied out one group at a time (tests; small models)."""
@@ -233,4 +361,4 @@ class NvmeStates:
     def close(self) -> None:
         """Close the files (the kernel frees their blocks; nothing stays in the directory)."""
         self.files.close()
-        self._slot = None
+        self.slots = []
