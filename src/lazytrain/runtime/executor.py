@@ -92,7 +92,6 @@ class Executor:
         self.slot_numel = max(g.numel for g in self.layer_groups)  # layer slots are sized for layers
         self.head_slot_numel = self.head_group.numel if self.head_group.numel > self.slot_numel else 0
         self._embedding_grad: torch.Tensor | None = None  # an untied embedding's gradient, in its dtype
-        self.embedding_copy: torch.Tensor | None = None  # its rows' compute-dtype source (`keep_embedding_copy`)
         self._cast: torch.Tensor | None = None  # `WeightGroup.expose`'s transient: the largest group, one dtype
         self._accumulating = False  # the last micro-batch was not its step's last: the next one adds to it
         self.store = ActivationStore(self.device.nvme_dir, host_empty)
@@ -193,31 +192,6 @@ class Executor:
             self._embedding_grad.zero_()
         weight.grad = self._embedding_grad
         return self._embedding_grad
-
-    def keep_embedding_copy(self) -> None:
-        """Gather the embedding's rows from a compute-dtype copy of its weight from now on, refreshed by
-        `refresh_embedding_copy` after each of its updates: its fp32 master then need not be in host memory between
-        updates (train/offload.py). Tied, the head group's streamed buffer holds that copy already; untied, it is
-        one more buffer (2 B/param of the embedding in bf16). Bit for bit the rows of the fp32 weight, cast."""
-        weight = self.parts.embedding.weight
-        if self.parts.tied:
-            slot = next(s for s, p in zip(self.head_group.slots, self.head_group.params, strict=True) if p is weight)
-            self.embedding_copy = self.head_group.buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            return
-        self.embedding_copy = aligned_empty(weight.numel(), self.compute_dtype, self.device.host_empty
-                                             ).view(weight.shape)
-        self.refresh_embedding_copy()
-
-    def refresh_embedding_copy(self) -> None:
-        """The untied embedding's compute-dtype copy from its weight (after its update; tied: the head group's
-        `pack` refreshes it)."""
-        if self.embedding_copy is not None and not self.parts.tied:
-            self.embedding_copy.copy_(self.parts.embedding.weight.detach())
-
-    def embedding_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Boundary 0 on the host: the embedding's rows of `input_ids` in the compute dtype, (B, S, H)."""
-        table = self.embedding_copy if self.embedding_copy is not None else self.parts.embedding.weight.detach()
-        return table[input_ids].to(self.compute_dtype)
 
     def gradients(self, index: int) -> list[torch.Tensor]:
         """The gradient buffers of `param_groups()[index]` as they are kept (compute dtype or fp32, flat): what

@@ -93,8 +93,6 @@ class StepOwner(Protocol):
 
     def embedding_grad(self, fresh: bool) -> torch.Tensor: ...
 
-    def embedding_rows(self, input_ids: torch.Tensor) -> torch.Tensor: ...
-
 
 @dataclass
 class StepStats:
@@ -316,7 +314,7 @@ class Step:
         if op.kind == "boundary0":  # the embedding rows, gathered on the host (after the embedding's update)
             for event in after:  # host wait: the gather reads the embedding its update (optimizer lane) writes
                 self._wait(event)
-            rows = self.ex.embedding_rows(self.input_ids)  # (B, S, H)
+            rows = self.ex.parts.embedding.weight.detach()[self.input_ids].to(self.ex.compute_dtype)  # (B, S, H)
             if dev.torch_device.type == "cuda":
                 rows = rows.pin_memory()
             return dev.copy("h2d", self.on_device[0], rows, after=[dev.record_compute()])  # stream wait: as above

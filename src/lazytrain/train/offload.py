@@ -5,11 +5,13 @@ holds them only while the group is updated.
 One StateFiles file (runtime/statefiles.py) per checkpoint group -- a param group `name`: embedding, layer<j>, head
 -- holding, by the checkpoint's names, each parameter's state tensors `"<param index>.<state key>"` (torch AdamW's
 exp_avg / exp_avg_sq, Hybrid8bitAdamW's 8-bit codes and absmax or fp32 moments) and, with fp32 masters under bf16
-compute, the master itself under its parameter name. Between updates none of them is in host memory: the tensor
-keys are absent from `optimizer.state[p]` (the step counter and flags stay, they are scalars), and an offloaded
+compute, the master itself under its parameter name -- but the embedding matrix's, which the forward gathers rows
+from every step (and, with ranks, every rank from the node's shared copy): it stays in host memory, as the cost
+model counts it (CostModel.masters_offloaded). Between updates none of them is in host memory: the tensor keys
+are absent from `optimizer.state[p]` (the step counter and flags stay, they are scalars), and an offloaded
 master's `p.data` is a NaN placeholder of its shape that holds 4 bytes (a read gives NaN, a write raises), while
-the executor streams the group's compute-dtype copy, refreshed by the update (`WeightGroup.packed_by_update`;
-the untied embedding's rows are gathered from a copy of its own: `Executor.keep_embedding_copy`).
+the executor streams the group's compute-dtype copy, which only the update refreshes (`WeightGroup.
+packed_by_update`).
 
 An update of executor group g (`staged(update)`): its files are read into a staging slot (a reused, aligned host
 buffer sized for the largest group), the states and masters become views of the slot, the optimizer steps them in
@@ -84,6 +86,7 @@ class NvmeStates:
         self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty)
         self.groups: dict[str, FileGroup] = {}
         self._names = {id(p): n for n, p in executor.model.named_parameters()}
+        self._gathered = executor.parts.embedding.weight  # its master stays in RAM (module docstring)
         self._targets: list[list[str]] = []  # executor group index -> its checkpoint groups
         self.slots: list[torch.Tensor] = []  # the staging slots (`bind`)
         self._lock = threading.Lock()  # reads, updates and writes run on three lanes' threads
@@ -95,8 +98,6 @@ class NvmeStates:
             group = executor.group_at(index)
             if group is not None and not group.aliased:
                 group.packed_by_update = True
-        if executor.parts.embedding.weight.dtype != self.compute_dtype:
-            executor.keep_embedding_copy()
 
     # ---- building ---------------------------------------------------------------------------------
     def build(self, make: Callable[[list[ParamGroup]], torch.optim.Optimizer], groups: list[ParamGroup]
@@ -133,7 +134,7 @@ class NvmeStates:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             group.keys[i] = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
             tensors.update({f"{i}.{k}": state[k] for k in group.keys[i]})
-            if p.dtype != self.compute_dtype:  # fp32 masters of a bf16 stream: the file holds them
+            if p.dtype != self.compute_dtype and p is not self._gathered:  # fp32 masters of a bf16 stream
                 group.masters[i] = self._names[id(p)]
                 tensors[group.masters[i]] = p.detach()
         layout = GroupLayout.of(tensors)
@@ -261,12 +262,8 @@ class NvmeStates:
 
     def _refresh(self, index: int) -> None:
         """The streamed compute-dtype copy of a group whose masters are staged, from them."""
-        if not any(self.groups[name].masters for name in self._targets[index]):
-            return
         group = self.executor.group_at(index)
-        if group is None:
-            self.executor.refresh_embedding_copy()
-        else:
+        if group is not None and group.packed_by_update and any(self.groups[n].masters for n in self._targets[index]):
             group.pack(force=True)
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -345,9 +342,6 @@ class NvmeStates:
         for group in [*self.executor.layer_groups, self.executor.head_group]:
             views = group.views(group.buffer)
             out += [(p, views[s.name]) for s, p in zip(group.slots, group.params, strict=True) if id(p) in offloaded]
-        weight = self.executor.parts.embedding.weight
-        if id(weight) in offloaded and not self.executor.parts.tied:
-            out.append((weight, self.executor.embedding_copy))
         return out
 
     # ---- whole-state views (tests, conversions) ---------------------------------------------------
