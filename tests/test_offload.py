@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 
 import pytest
 import torch
 
 from lazytrain.config import load_job_config
 from lazytrain.runtime import store
+from lazytrain.train import offload as offload_module
 from lazytrain.train import train
 from lazytrain.train import trainer as trainer_module
 
@@ -33,7 +35,22 @@ def _final_state(trainer: trainer_module.Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(tmp_path, offload: str, *, bad_step: int | None, **values):
+def _with_depth(mp: pytest.MonkeyPatch, depth: int) -> None:
+    """Plans with `depth` staging slots (until the planners choose it: p24-plan's MILP)."""
+    from dataclasses import replace
+
+    from lazytrain.train import planning
+
+    real = planning.planner.make_plan
+
+    def make_plan(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        return replace(plan, optimizer_offload="nvme", staging_depth=depth)
+
+    mp.setattr(planning.planner, "make_plan", make_plan)
+
+
+def _run(tmp_path, offload: str, *, bad_step: int | None, depth: int = 2, **values):
     """Train with `values`; on `bad_step` (0-based) layer 1's landed gradient holds an inf. Returns the losses and
     the final masters and states."""
     real_land = store.WeightGroup.land
@@ -41,6 +58,7 @@ def _run(tmp_path, offload: str, *, bad_step: int | None, **values):
     real_close = trainer_module.Trainer.close
     current: dict[str, int | None] = {"step": None}
     final: dict[str, torch.Tensor] = {}
+    lanes: list[str] = []  # the thread of every state read and write
 
     def land(self, **kwargs):
         if self.name == "layer.1" and current["step"] == bad_step:
@@ -58,25 +76,43 @@ def _run(tmp_path, offload: str, *, bad_step: int | None, **values):
         final.update(_final_state(self))
         real_close(self)
 
+    real_read, real_write = offload_module.NvmeStates.read, offload_module.NvmeStates.write
+
+    def read(self, index, slot=None):
+        lanes.append(threading.current_thread().name)
+        return real_read(self, index, slot)
+
+    def write(self, index):
+        lanes.append(threading.current_thread().name)
+        return real_write(self, index)
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offload_module.NvmeStates, "read", read)
+        mp.setattr(offload_module.NvmeStates, "write", write)
         mp.setattr(store.WeightGroup, "land", land)
         mp.setattr(trainer_module.Trainer, "train_step", train_step)
         mp.setattr(trainer_module.Trainer, "close", close)
         mp.setattr(trainer_module.Trainer, "save", lambda self: self.executor.drain() or self.out)
+        if offload == "nvme":
+            _with_depth(mp, depth)
         result = train(load_job_config({**BASE, **values, "optimizer_offload": offload,
                                         "output_dir": str(tmp_path / offload)}))
+    result.summary["state_io_threads"] = lanes
     return result, final
 
 
-def _check_identical(tmp_path, steps: int, bad_step: int | None, **values) -> None:
+def _check_identical(tmp_path, steps: int, bad_step: int | None, depth: int = 2, **values) -> None:
     host, host_final = _run(tmp_path, "host", bad_step=bad_step, steps=steps, **values)
-    nvme, nvme_final = _run(tmp_path, "nvme", bad_step=bad_step, steps=steps, **values)
+    nvme, nvme_final = _run(tmp_path, "nvme", bad_step=bad_step, steps=steps, depth=depth, **values)
     assert nvme.losses == host.losses  # bit for bit (None on the skipped step)
     if bad_step is not None:
         assert nvme.losses[bad_step] is None and nvme.summary["skipped_steps"] == 1
     assert sorted(nvme_final) == sorted(host_final)
     for name, t in host_final.items():
         assert torch.equal(nvme_final[name], t), f"{name} differs"
+    # the step program's state ops ran on the NVMe lanes (the rest: the end's drain, on this thread)
+    lanes = nvme.summary["state_io_threads"]
+    assert "lazytrain-nvme_read" in lanes and "lazytrain-nvme_write" in lanes, set(lanes)
 
 
 def _tied_model(path) -> str:
@@ -89,17 +125,19 @@ def _tied_model(path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("optimizer, dtype, masters, accum, mode, tied", [
-    ("adamw", "bf16", "fp32", 1, "overlap", False),
-    ("8bit", "bf16", "fp32", 3, "serial", False),
-    ("8bit", "bf16", "bf16", 1, "overlap", False),
-    ("adamw", "fp32", "fp32", 3, "overlap", False),
-    ("8bit", "bf16", "fp32", 1, "overlap", True),
+@pytest.mark.parametrize("optimizer, dtype, masters, accum, mode, tied, depth", [
+    ("adamw", "bf16", "fp32", 1, "overlap", False, 1),
+    ("8bit", "bf16", "fp32", 3, "serial", False, 2),
+    ("8bit", "bf16", "bf16", 1, "overlap", False, 3),
+    ("adamw", "fp32", "fp32", 3, "overlap", False, 4),
+    ("8bit", "bf16", "fp32", 1, "overlap", True, 2),
+    ("adamw", "bf16", "fp32", 1, "serial", True, 1),
 ])
-def test_offloaded_states_give_the_in_ram_run_bit_for_bit(tmp_path, optimizer, dtype, masters, accum, mode, tied):
+def test_offloaded_states_give_the_in_ram_run_bit_for_bit(tmp_path, optimizer, dtype, masters, accum, mode, tied,
+                                                          depth):
     model = {"model": _tied_model(tmp_path / "tied"), "init": "random"} if tied else {}
     _check_identical(tmp_path, 5, 2, optimizer=optimizer, dtype=dtype, master_weights=masters,
-                     gradient_accumulation_steps=accum, optimizer_mode=mode, **model)
+                     gradient_accumulation_steps=accum, optimizer_mode=mode, depth=depth, **model)
 
 
 @pytest.mark.slow

@@ -13,10 +13,10 @@ counts exactly its alloc/free actions).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -31,13 +31,15 @@ from lazytrain.plan.schedule import Shapes, StepProgram, build_program, update_o
 from lazytrain.runtime.device import Device, EmulatedDevice, check_nvme_dir, check_nvme_space
 from lazytrain.runtime.hf import DecoderParts, Rotary, find_parts, head_named_params, is_packed
 from lazytrain.runtime.shapes import DTYPE_NAMES, StepShapes
-from lazytrain.runtime.step import GradReducer, GroupUpdate, Step, StepStats
+from lazytrain.runtime.step import GradReducer, GroupUpdate, StateTier, Step, StepStats
 from lazytrain.runtime.store import ActivationStore, WeightGroup, aligned_empty
 
 if TYPE_CHECKING:
     from lazytrain.costmodel.cost import CostModel
 
-__all__ = ["Executor", "GradReducer", "GroupUpdate", "StepStats"]  # the step's types, for the executor's callers
+T = TypeVar("T")
+# the step's types, for the executor's callers
+__all__ = ["Executor", "GradReducer", "GroupUpdate", "StateTier", "StepStats"]
 
 
 class Executor:
@@ -73,6 +75,12 @@ class Executor:
         # data parallelism: sums each group's landed gradient over the ranks into the group's owners (None: one
         # process); set with `keep_gradients`
         self.grad_reducer: GradReducer | None = None
+        # optimizer_offload nvme (`stage_states`): who runs the program's state ops, and serial mode's updates as
+        # the step program's last ops (the program waits for them; `run_updates` runs them once the caller has
+        # decided the step)
+        self.states: StateTier | None = None
+        self.serial = False
+        self._tail: Step | None = None
         self.head_chunk_tokens = head_chunk_tokens
         off_host = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
         if off_host:
@@ -104,7 +112,9 @@ class Executor:
     def set_plan(self, plan: Plan) -> None:
         """Run `plan` from the next step on (re-planning switches plans between steps)."""
         self.drain()
-        plan.check_matches(self.spec)
+        plan.check_matches(self.spec, optimizer_offload="nvme" if self.states is not None else "host")
+        if self.states is not None:
+            self.states.set_depth(plan.staging_depth)
         if "nvme" in plan.tiers:
             check_nvme_dir(self.device.nvme_dir)
         self.plan = plan
@@ -126,6 +136,41 @@ class Executor:
         if update is not None:
             for target in update_order(self.parts.num_layers, self.parts.tied):
                 self._run_update(update, target)
+
+    def run_updates(self, update: GroupUpdate) -> None:
+        """Serial mode: every group's update now, in update order -- with the states on NVMe as the step program's
+        last ops (update, state_write, the next group's state_read, on their lanes; their stalls join
+        `last_step`), else on this thread."""
+        tail, self._tail = self._tail, None
+        if tail is None:
+            for target in update_order(self.parts.num_layers, self.parts.tied):
+                self._run_update(update, target)
+            return
+        tail.update = partial(self._run_update, update)
+        self._run_states(tail, tail.run_tail)
+
+    def stage_states(self, states: StateTier, state_bytes: tuple[int, ...], *, serial: bool) -> None:
+        """optimizer_offload nvme: the optimizer's states live in files and `states` runs the program's state ops
+        (the plan's staging_depth slots); `state_bytes`: each group's bytes at target + 1 (Shapes.state_bytes);
+        `serial`: optimizer_mode serial (the updates become the program's last ops, `run_updates`)."""
+        self.plan.check_matches(self.spec, optimizer_offload="nvme")
+        self.states, self.serial = states, serial
+        self.shapes.state_bytes = tuple(state_bytes)
+
+    def _run_states(self, step: Step, run: Callable[[], T]) -> T:
+        """`run()` (a step's actions) with `states` told which groups the program writes back; after an error
+        what is staged is forgotten (the run stops: its last checkpoint counts)."""
+        states = self.states
+        if states is None:
+            return run()
+        states.expect_writes({self.index_of(op.target) for op in step.program.ops if op.kind == "state_write"})
+        try:
+            return run()
+        except BaseException:
+            states.abandon()
+            raise
+        finally:
+            states.expect_writes(())
 
     def _run_update(self, update: GroupUpdate, target: int) -> None:
         """Group `target`'s update (-1 embedding, j layer, L head) and its streamed copy's refresh (a copy the
@@ -244,13 +289,17 @@ class Executor:
         return self.shapes(batch, seq_len, masked=masked)
 
     def program(self, batch: int, seq_len: int, *, masked: bool = False, forward_only: bool = False,
-                updates: bool = False) -> StepProgram:
+                updates: bool = False, last_micro_batch: bool = True) -> StepProgram:
         """The step program this executor runs for a batch of this shape (the plan's tiers and windows);
         `updates`: it starts with the deferred update. With a `grad_reducer` (data parallelism) the gradients' sums
-        over the ranks are ops of the program."""
+        over the ranks are ops of the program; with the states on NVMe (`stage_states`) their reads and writes
+        (and in serial mode, after a step's last micro-batch, its updates)."""
         topology = self.grad_reducer.topology if self.grad_reducer is not None else ONE_RANK
+        depth = self.plan.staging_depth if self.states is not None else 0
         return build_program(self.plan.tiers, self.memory_sizes(batch, seq_len, masked=masked), updates=updates,
-                             forward_only=forward_only, topology=topology, kept_layers=self.plan.kept_layers)
+                             forward_only=forward_only, topology=topology, kept_layers=self.plan.kept_layers,
+                             staging_depth=depth, optimizer_mode="serial" if self.serial and depth else "overlap",
+                             last_micro_batch=last_micro_batch)
 
     def predicted_peak_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> int:
         return self.program(batch, seq_len, masked=masked).device_peak_bytes()
@@ -284,18 +333,21 @@ class Executor:
             spilled = sum(a for a, t in zip(A, self.plan.tiers, strict=True) if t == "nvme")
             check_nvme_space(self.device.nvme_dir, spilled)
         update, self._update = self._update, None  # the deferred update runs on this step's optimizer lane
+        self._tail = None  # serial mode: a skipped step's updates never run
         program = self.program(batch, seq_len, masked=attention_mask is not None or position_ids is not None,
-                               updates=update is not None)
+                               updates=update is not None, last_micro_batch=last_micro_batch)
         step = Step(self, program, input_ids, labels, attention_mask, position_ids,
                     run_update=None if update is None else partial(self._run_update, update),
                     first_micro_batch=not self._accumulating, final_micro_batch=last_micro_batch,
                     loss_scale=loss_scale, num_tokens=None if num_tokens is None else int(num_tokens))
         try:
-            loss = step.run()
+            loss = self._run_states(step, step.run)
         finally:
             step.cleanup()
         self._accumulating = not last_micro_batch
         self.last_step = step.stats
+        if step.has_tail:  # serial mode with the states on NVMe: the updates wait for `run_updates`
+            self._tail = step
         return loss
 
     def forward_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, *,

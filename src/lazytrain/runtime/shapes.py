@@ -57,6 +57,9 @@ class StepShapes:
         # the same keys: (graph, graph forward, graph backward, forward working) bytes per layer (Shapes.graph_*,
         # Shapes.forward_working_bytes)
         self._measured_graphs: dict[ShapeKey, tuple[tuple[int, ...], ...]] = {}
+        # optimizer_offload nvme: each group's state bytes a state_read / state_write moves, at target + 1 (the
+        # executor's real files, `Executor.stage_states`); () = the states in RAM
+        self.state_bytes: tuple[int, ...] = ()
 
     def __call__(self, batch: int, seq_len: int, *, masked: bool = False) -> Shapes:
         """The byte sizes of one step at this batch and sequence length (what the arena will count).
@@ -90,6 +93,7 @@ class StepShapes:
             dtype_bytes=dtype_bytes,
             graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2],
             forward_working_bytes=forward_working,
+            state_bytes=self.state_bytes,
         )
 
     def measured_working_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> tuple[tuple[int, ...], int]:

@@ -26,7 +26,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms, per_tensor_sq_norms_fp32
-from lazytrain.plan.schedule import Op, StepProgram
+from lazytrain.plan.schedule import Action, Op, StepProgram
 from lazytrain.runtime.hf import (
     LayerGraph,
     graph_backward,
@@ -69,6 +69,31 @@ class GradReducer(Protocol):
 GroupUpdate = Callable[[int], None]
 
 
+class StateTier(Protocol):
+    """The optimizer's states on NVMe (optimizer_offload nvme; train/offload.py): what the program's state ops do.
+    Groups by `param_groups()` index; each call blocks (it is a lane job)."""
+
+    def read(self, index: int, slot: int) -> None:
+        """Read group `index`'s states into staging slot `slot` (its update then runs on them)."""
+        ...
+
+    def write(self, index: int) -> None:
+        """Write group `index`'s updated slot back."""
+        ...
+
+    def expect_writes(self, indices: set[int]) -> None:
+        """The groups whose state_write the running program issues (every other update writes back itself)."""
+        ...
+
+    def abandon(self) -> None:
+        """Forget what is staged after an error."""
+        ...
+
+    def set_depth(self, depth: int) -> None:
+        """A new plan's staging depth (between steps)."""
+        ...
+
+
 class StepOwner(Protocol):
     """What a step uses of its executor (runtime/executor.py): the model's streamed pieces and host buffers, which
     outlive steps."""
@@ -86,6 +111,9 @@ class StepOwner(Protocol):
     rotary: Rotary
     store: ActivationStore
     grad_reducer: GradReducer | None
+    states: StateTier | None
+
+    def index_of(self, target: int) -> int: ...
 
     def group_names(self) -> list[str]: ...
 
@@ -216,8 +244,47 @@ class Step:
         self.links_before = dev.link_stats()
         self.t_start = time.perf_counter()
         self.mark_start = dev.mark()
+        self._interpret(self.program.actions[:self.tail_start])
+        dev.synchronize()  # host sync: the compute stream's last kernels end before the step's time is read
+        self.stats.wall_s = time.perf_counter() - self.t_start
+        self._time_compute()
+        if self.loss is None:  # forward only: evaluate
+            return torch.tensor(float("nan"))
+        self.stats.loss = float(self.loss)  # host sync (CUDA): the loss read back, after the synchronize above
+        if self.final_micro_batch:
+            self.stats.grad_sq_norm = self.grad_sq_norm
+            self.stats.grad_norm = self.grad_sq_norm ** 0.5
+        return self.loss.detach().cpu()  # (already synchronized)
+
+    @property
+    def tail_start(self) -> int:
+        """Where serial mode's updates start in the program's actions (its end when it has none): with the states
+        on NVMe the program ends with them, run by `run_tail` once the caller has decided the step."""
         ops = self.program.ops
-        for action in self.program.actions:
+        if self.program.optimizer_mode != "serial":
+            return len(self.program.actions)
+        return next((i for i, a in enumerate(self.program.actions)
+                     if a.verb == "issue" and ops[a.op].kind == "update"), len(self.program.actions))
+
+    @property
+    def has_tail(self) -> bool:
+        return self.tail_start < len(self.program.actions)
+
+    def run_tail(self) -> None:
+        """Serial mode's updates (with `update` set now), their state writes and reads; its stalls join the step's."""
+        t0 = time.perf_counter()
+        try:
+            self._interpret(self.program.actions[self.tail_start:])
+        except BaseException:
+            self._settle()
+            raise
+        self.stats.wall_s += time.perf_counter() - t0
+        for link in self.stats.stall_s:
+            self.stats.stall_s[link] = self.stall.get(link, 0.0)
+
+    def _interpret(self, actions: tuple[Action, ...]) -> None:
+        dev, ops = self.dev, self.program.ops
+        for action in actions:
             if action.verb == "issue":
                 op = ops[action.op]
                 event = self._issue(op)
@@ -230,18 +297,10 @@ class Step:
                 self._wait(self.events[action.op])
             elif action.verb == "alloc":
                 self._alloc_buffer(*action.buffer, action.num_bytes)
-            else:
+            elif action.verb == "free":
                 self._free_buffer(*action.buffer, action.num_bytes)
-        dev.synchronize()  # host sync: the compute stream's last kernels end before the step's time is read
-        self.stats.wall_s = time.perf_counter() - self.t_start
-        self._time_compute()
-        if self.loss is None:  # forward only: evaluate
-            return torch.tensor(float("nan"))
-        self.stats.loss = float(self.loss)  # host sync (CUDA): the loss read back, after the synchronize above
-        if self.final_micro_batch:
-            self.stats.grad_sq_norm = self.grad_sq_norm
-            self.stats.grad_norm = self.grad_sq_norm ** 0.5
-        return self.loss.detach().cpu()  # (already synchronized)
+            # host_alloc / host_free: the staging slots, made once by the StateTier and kept across steps (their
+            # content carries over: the backward's reads fill them for the next step's first updates)
 
     # ---- compute ops ------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:
@@ -311,6 +370,12 @@ class Step:
             update, target = self.update, op.target
             assert update is not None
             return dev.submit("optimizer", lambda: update(target), after=after)
+        if op.kind in ("state_read", "state_write"):  # a group's optimizer states into / out of a staging slot
+            states, index, slot = self.ex.states, self.ex.index_of(op.target), op.slot
+            assert states is not None
+            if op.kind == "state_read":
+                return dev.submit("nvme_read", lambda: states.read(index, slot), op.num_bytes, after=after)
+            return dev.submit("nvme_write", lambda: states.write(index), op.num_bytes, after=after)
         if op.kind == "boundary0":  # the embedding rows, gathered on the host (after the embedding's update)
             for event in after:  # host wait: the gather reads the embedding its update (optimizer lane) writes
                 self._wait(event)
@@ -515,6 +580,13 @@ class Step:
         self.dev.unreserve(num_bytes)
         self.reserved -= num_bytes
 
+    def _settle(self) -> None:
+        for event in self.pending:  # host wait: no lane job may still read or write a buffer freed after this
+            try:
+                event.wait()
+            except BaseException:  # the first error is already propagating
+                pass
+
     def _wait(self, event: Event) -> None:
         """Block compute on a lane's event (stream wait: on CUDA the compute stream waits for the lane's copy or
         the host for a host job); the seconds blocked are that lane's stall."""
@@ -522,11 +594,7 @@ class Step:
 
     def cleanup(self) -> None:
         """Return every device byte and spill file of the step, also after an error."""
-        for event in self.pending:  # host wait: no lane job may still read or write a buffer freed below
-            try:
-                event.wait()
-            except BaseException:  # the first error is already propagating
-                pass
+        self._settle()
         self.graphs.clear()  # after an error: a kept layer's saved tensors go with its graph
         for t in self.allocated.values():
             self.dev.free(t)

@@ -152,14 +152,29 @@ class NvmeStates:
         (train/optimizer.py's executor_param_groups); `depth` staging slots, each sized for the largest group
         (the plan's staging depth: how many groups' states are staged at once)."""
         self.optimizer = optimizer
-        self._targets = [list(dict.fromkeys(str(optimizer.param_groups[k]["name"]) for k in ks))
-                         for ks in executor_groups]
+        # (with ranks, another rank's groups have no file here: their ops are no-ops on this rank)
+        self._targets = [[n for n in dict.fromkeys(str(optimizer.param_groups[k]["name"]) for k in ks)
+                          if n in self.groups] for ks in executor_groups]
         self.slot_bytes = max(self.staged_bytes(i) for i in range(len(self._targets)))
+        self.set_depth(depth)
+
+    def set_depth(self, depth: int) -> None:
+        """`depth` staging slots (a plan's staging_depth; between steps: nothing is staged across a change)."""
+        with self._lock:
+            self._staged.clear()
+            assert not self._dirty, "a group's update is not written back"
         self.slots = [aligned_empty(self.slot_bytes, torch.uint8, self.executor.device.host_empty)
                       for _ in range(max(1, depth))]
         parts = self.executor.parts
         order = [self.executor.index_of(t) for t in update_order(parts.num_layers, parts.tied)]
         self._default_slot = {index: k % len(self.slots) for k, index in enumerate(order)}  # StateSchedule's
+
+    def state_bytes(self) -> tuple[int, ...]:
+        """Each group's bytes in a slot (what a state_read / state_write moves) at target + 1, as
+        Shapes.state_bytes: the untied embedding (0 when tied), layers 0..L-1, the head."""
+        parts, index_of = self.executor.parts, self.executor.index_of
+        return (0 if parts.tied else self.staged_bytes(index_of(-1)),
+                *(self.staged_bytes(index_of(t)) for t in range(parts.num_layers + 1)))
 
     def staged_bytes(self, index: int) -> int:
         """Bytes executor group `index`'s files take in a staging slot (what its read and write move)."""
@@ -174,6 +189,8 @@ class NvmeStates:
         """Read executor group `index`'s files into staging slot `slot` (default: its place in the update order,
         modulo the depth); blocks (a job of the nvme_read lane, or the update's own read)."""
         slot = self._default_slot[index] if slot is None else slot
+        with self._lock:  # the slot's previous group is not staged any more
+            self._staged = {i: s for i, s in self._staged.items() if s != slot}
         regions = self._regions(index, self.slots[slot])
         for event in [self.files.read(name, region) for name, region in regions]:
             event.wait()
@@ -184,7 +201,9 @@ class NvmeStates:
         """Write executor group `index`'s updated slot back to its files; blocks (a job of the nvme_write lane,
         or the update's own write)."""
         with self._lock:
-            slot = self._dirty.pop(index)
+            slot = self._dirty.pop(index, None)
+        if slot is None:  # (another rank's group)
+            return
         regions = self._regions(index, self.slots[slot])
         for event in [self.files.write(name, region) for name, region in regions]:
             event.wait()

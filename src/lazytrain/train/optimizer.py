@@ -138,7 +138,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # =====================================================================================================
 def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Executor, *,
                    grad_norm: float, only: set[int] | None = None, nvme: NvmeStates | None = None) -> float:
-    """Clip and step on the host, one executor group at a time in forward order (`group_update`); returns the
+    """Clip and step on the host, one executor group at a time in update order (`group_update`, `Executor.
+    run_updates`: with the states on NVMe, the step program's last ops); returns the
     global gradient norm before clipping.
 
     `grad_norm`: the norm the executor took as gradients landed (`last_step.grad_norm`): neither the clip nor
@@ -150,9 +151,7 @@ def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: E
     # with a gradient in the update's dict are stepped)
     holder = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
     groups = [sorted({holder[id(p)] for p in params}) for params in executor.param_groups()]
-    update = group_update(job, optimizer, executor, groups, grad_norm, lr=None, only=only, nvme=nvme)
-    for index in range(len(groups)):
-        update(index)
+    executor.run_updates(group_update(job, optimizer, executor, groups, grad_norm, lr=None, only=only, nvme=nvme))
     return grad_norm
 
 

@@ -337,8 +337,9 @@ class Trainer:
         self.schedule = Schedule(self.job)
         self.overlap = self.job.optim.optimizer_mode == "overlap"  # the update runs under the next step's forward
         self.groups = executor_param_groups(self.optimizer, self.executor)
-        if self.nvme is not None:
-            self.nvme.bind(self.optimizer, self.groups)
+        if self.nvme is not None:  # the plan's state ops run through it
+            self.nvme.bind(self.optimizer, self.groups, self.executor.plan.staging_depth)
+            self.executor.stage_states(self.nvme, self.nvme.state_bytes(), serial=not self.overlap)
             say(f"offload  optimizer states on {self.nvme.files.directory}: {format_bytes(self.nvme.file_bytes)} "
                 f"in {len(self.nvme.groups)} files, staged {format_bytes(self.nvme.slot_bytes)} at a time")
         self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
