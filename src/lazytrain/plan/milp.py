@@ -94,6 +94,8 @@ from lazytrain.plan.sim import compute_seconds, op_seconds, update_seconds
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
+    import highspy
+
     from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.budgets import Budgets
 
@@ -911,7 +913,7 @@ def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float,
     h.changeObjectiveOffset(m.offset)
     if start:  # a warm start: the incumbent plan's binaries (HiGHS completes the continuous part)
         h.setSolution(len(start), np.array(list(start), dtype=np.int32), np.array(list(start.values()), dtype=float))
-    h.run()
+    _run_interruptibly(h)
     status = h.getModelStatus()
     info = h.getInfo()
     S = highspy.HighsModelStatus
@@ -924,6 +926,22 @@ def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float,
     bound = float(info.mip_dual_bound) if any(m.integer) else objective
     m.stats = {"bb_nodes": int(info.mip_node_count), "lp_iterations": int(info.simplex_iteration_count)}
     return name, list(h.getSolution().col_value), objective, _gap(objective, bound)
+
+
+def _run_interruptibly(h: highspy.Highs) -> None:
+    """`h.run()` in HiGHS's solver thread while this one waits, so a signal (Ctrl-C; a run's SIGTERM) is acted on
+    at once: HiGHS is cancelled at its next interrupt check and the exception goes on (h.run() held the signal until
+    the solve ended, up to time_limit_s)."""
+    h.HandleUserInterrupt = True  # HiGHS's interrupt callbacks stop the solve once cancelSolve() was called
+    h.startSolve()
+    try:
+        while not h.wait(0.1)[0]:
+            pass
+    except BaseException:
+        h.cancelSolve()
+        while not h.wait(0.1)[0]:
+            pass
+        raise
 
 
 def _solve_scip(m: _Model, time_limit_s: float, mip_rel_gap: float,
