@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -16,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors import SafetensorError, safe_open
 from tiny_models import make_model
 
 from lazytrain.cli import main
 from lazytrain.config import load_job_config
-from lazytrain.errors import LazyTrainError
 from lazytrain.train import checkpoint as checkpoint_module
 from lazytrain.train import train
 from lazytrain.train.checkpoint import incomplete_reason
@@ -52,9 +53,23 @@ def test_checkpoint_layout_and_what_from_pretrained_loads(tmp_path):
     assert len(set(index["weight_map"].values())) >= 2  # sharded
     assert (ck / "generation_config.json").exists()
     state = ck / "trainer_state"
-    assert {p.name for p in state.iterdir()} == {"master.safetensors", "optimizer.pt", "state.pt", "trainer.json",
-                                                 "plan.json", "manifest.json"}
+    assert {p.name for p in state.iterdir()} == {"master.safetensors", "optimizer.json", "optimizer", "rng.json",
+                                                 "rng.safetensors", "data.json", "trainer.json", "plan.json",
+                                                 "manifest.json"}
+    # one optimizer file per layer group, its tensors named <param index>.<state key>
+    assert sorted(p.name for p in (state / "optimizer").iterdir()) == sorted(
+        f"{g}.safetensors" for g in ["embedding", "layer0", "layer1", "layer2", "layer3", "head"])
+    with safe_open(str(state / "optimizer" / "layer0.safetensors"), framework="pt") as f:
+        assert all(re.fullmatch(r"\d+\.(exp_avg|exp_avg_sq)", k) for k in f.keys()) and len(list(f.keys())) > 0
+    optimizer = json.loads((state / "optimizer.json").read_text())
+    assert optimizer["kind"] == "adamw" and all(s["step"] == {"dtype": "float32", "value": 3.0}
+                                                for s in optimizer["scalars"].values())
     assert json.loads((state / "trainer.json").read_text())["step"] == 3
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 3
+    manifest = json.loads((state / "manifest.json").read_text())["files"]
+    assert set(manifest) == {str(p.relative_to(ck)) for p in ck.rglob("*") if p.is_file()} - {
+        "trainer_state/manifest.json"}
+    assert all(len(entry["xxh3_128"]) == 32 for entry in manifest.values())
     assert incomplete_reason(ck) is None
     # the HF folder is in the compute dtype and loads; the masters are the trainer's fp32 weights
     loaded = transformers.AutoModelForCausalLM.from_pretrained(ck, dtype="auto")
@@ -143,23 +158,39 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
     assert not list(out.glob(".tmp-*"))
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, capsys):
+FULL_DISK = {  # what each writer raises on a full disk
+    "OSError": OSError(28, "No space left on device"),
+    "SafetensorError": SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                                       "\"No space left on device\" })"),
+    "RuntimeError": RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: No space left "
+                                 "on device"),
+}
+
+
+@pytest.mark.parametrize("error", list(FULL_DISK))
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, capsys, error):
+    """Whatever the writer raises on a full disk, the run stops in one line naming the intact checkpoint and how to
+    continue, with no temporary left; `auto` then resumes from the intact one."""
     out = tmp_path / "run"
-    real_save = torch.save
-    calls = []
+    real_save = checkpoint_module.save_file
 
-    def full_disk(obj, path, *args, **kwargs):
-        calls.append(path)
-        if "checkpoint-4" in str(path):
-            raise OSError(28, "No space left on device")
-        return real_save(obj, path, *args, **kwargs)
+    def full_disk(tensors, path, *args, **kwargs):
+        if "checkpoint-4" in str(path) and "layer1" in str(path):
+            raise FULL_DISK[error]
+        return real_save(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
-    with pytest.raises(LazyTrainError, match=r"cannot write checkpoint .*checkpoint-4 \(No space left on device\); "
-                                             r"checkpoint-2 is intact"):
-        _run(steps=4, save_steps=2, output_dir=str(out))
+    monkeypatch.setattr(checkpoint_module, "save_file", full_disk)
+    assert main(["train", *ARGV, "--steps", "4", "save_steps=2", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.fullmatch(
+        r"error: cannot write .*checkpoint-4 \(No space left on device\); the run stopped, checkpoint-2 is intact; "
+        r"free disk space .*, then continue with resume_from_checkpoint=auto", err), err
     assert incomplete_reason(out / "checkpoint-2") is None
-    assert not (out / "checkpoint-4").exists() and not list(out.glob(".tmp-*"))
+    assert not (out / "checkpoint-4").exists() and not list(out.glob(".*tmp*"))
+    monkeypatch.undo()
+    assert main(["train", *ARGV, "--steps", "4", "save_steps=2", "resume_from_checkpoint=auto",
+                 "--output-dir", str(out)]) == 0
+    assert "resume   from" in capsys.readouterr().out and incomplete_reason(out / "checkpoint-4") is None
 
 
 def test_a_non_empty_output_dir_is_refused_untouched(tmp_path, capsys):

@@ -154,7 +154,7 @@ def test_a_read_only_nvme_dir_is_one_line(read_only_dir, tmp_path, capsys):
 def test_plan_save_into_a_read_only_dir_is_one_line_and_leaves_nothing(read_only_dir):
     model = make_model("llama")
     plan = Plan.from_tiers(model, MIX_NVME)
-    with pytest.raises(LazyTrainError, match="cannot write plan") as err:
+    with pytest.raises(LazyTrainError, match=r"cannot write .*plan\.json \(") as err:
         plan.save(read_only_dir / "plan.json")
     assert "\n" not in str(err.value) and list(read_only_dir.iterdir()) == []
 
@@ -185,7 +185,7 @@ def test_plan_cli_json_on_a_full_disk_is_one_line(full_disk, capsys):
     assert main(["plan", "--model", "tiny-llama", "--hardware", "emulated", "--batch-size", "2", "--seq-len", "32",
                  "--json", str(target)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: cannot write plan") and err.count("\n") == 1, err
+    assert err.startswith("error: cannot write ") and "plan.json (" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
 
 

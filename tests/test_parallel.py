@@ -66,6 +66,12 @@ def _params(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _optimizer_states(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each layer group's optimizer file (trainer_state/optimizer/<group>.safetensors): its tensors by name."""
+    return {Path(f).stem: load_file(f) for f in sorted(glob.glob(str(checkpoint / "trainer_state" / "optimizer" /
+                                                                       "*.safetensors")))}
+
+
 def _torchrun(config: Path, out: Path, *extra: str) -> subprocess.Popen:
     """The ranks' report lines (stdout, whole lines) kept apart from their progress bars (stderr: `\r` updates with
     no newline, which one rank's line would otherwise be appended to while the other draws one)."""
@@ -113,7 +119,7 @@ def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple
 
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
 def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, model, mode, nodes):
-    """Each rank reads its own optimizer states' shard (and rank 0's trainer state) from checkpoint-2 and the run
+    """Each rank reads its own layer groups' optimizer files (and rank 0's trainer state) from checkpoint-2 and the run
     goes on as if it had never stopped: the losses, every parameter and every optimizer state of checkpoint-5."""
     out, _ = two_rank_runs[model, mode, nodes]
     resumed = out.with_name(out.name + "-resumed")
@@ -125,15 +131,15 @@ def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, mode
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
-    state_dir = out / "checkpoint-5" / "trainer_state"
-    for name in sorted(p.name for p in state_dir.glob("optimizer*.pt")):
-        saved = torch.load(state_dir / name, weights_only=False)
-        again = torch.load(resumed / "checkpoint-5" / "trainer_state" / name, weights_only=False)
-        for sd, sd_again in zip(saved, again, strict=True):
-            assert sd_again["state"].keys() == sd["state"].keys()
-            for pid, st in sd["state"].items():
-                for key, value in st.items():
-                    torch.testing.assert_close(sd_again["state"][pid][key], value, rtol=0, atol=1e-9)
+    saved, again = _optimizer_states(out / "checkpoint-5"), _optimizer_states(resumed / "checkpoint-5")
+    assert again.keys() == saved.keys() and saved
+    for group, tensors in saved.items():
+        assert again[group].keys() == tensors.keys() and tensors
+        for key, value in tensors.items():
+            torch.testing.assert_close(again[group][key], value, rtol=0, atol=1e-9)
+    scalars = [json.loads((d / "checkpoint-5" / "trainer_state" / "optimizer.json").read_text())["scalars"]
+               for d in (out, resumed)]
+    assert scalars[1] == scalars[0] and scalars[0]
 
 
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
@@ -164,22 +170,17 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_ru
     summary_one, summary_two = (json.loads((d / "summary.json").read_text()) for d in (one.output_dir, two))
     for key in ("eval_loss_before", "eval_loss_after"):
         assert summary_two[key] == pytest.approx(summary_one[key], rel=1e-6)
-    # each owner wrote its own optimizer states (one node: a shard per rank, each parameter's in exactly one; one
-    # rank per node: the whole states, from node 0); together they are the single process's
-    states_one = torch.load(one.output_dir / "checkpoint-5" / "trainer_state" / "optimizer.pt", weights_only=False)
-    files = [f"optimizer-{r}-of-{g}.pt" for r in range(g)] if g > 1 else ["optimizer.pt"]
-    state_dir = two / "checkpoint-5" / "trainer_state"
-    assert sorted(p.name for p in state_dir.glob("optimizer*.pt")) == files
-    shards = [torch.load(state_dir / name, weights_only=False) for name in files]
-    for k, sd_one in enumerate(states_one):
-        assert sd_one["state"]
-        owners = {pid: [st for shard in shards if "exp_avg" in (st := shard[k]["state"].get(pid, {}))]
-                  for pid in sd_one["state"]}
-        for pid, st in sd_one["state"].items():
-            assert len(owners[pid]) == 1, f"parameter {pid}: states in {len(owners[pid])} shards"
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(owners[pid][0][key], st[key], rtol=1e-5, atol=1e-9)
-        assert all(set(shard[k]["state"]) <= set(sd_one["state"]) for shard in shards)
+    # each layer group's optimizer file was written by the rank that steps it (each group has one owner, so the
+    # files are those of one process); together they are the single process's states, step counts included
+    states_one, states_two = _optimizer_states(one.output_dir / "checkpoint-5"), _optimizer_states(two / "checkpoint-5")
+    assert states_two.keys() == states_one.keys() and states_one
+    for group, tensors in states_one.items():
+        assert states_two[group].keys() == tensors.keys() and tensors
+        for key, value in tensors.items():
+            torch.testing.assert_close(states_two[group][key], value, rtol=1e-5, atol=1e-9)
+    scalars = [json.loads((d / "checkpoint-5" / "trainer_state" / "optimizer.json").read_text())["scalars"]
+               for d in (one.output_dir, two)]
+    assert scalars[1] == scalars[0] and scalars[0]
     # rank 0 writes the export and the trainer state: rank 1 logs under rank-1/ and makes no checkpoint of its own
     assert not list((two / "rank-1").glob("checkpoint-*"))
     assert read_rows(two / "rank-1" / "metrics.jsonl")[-1]["loss"] == rows_two[-1]["loss"]
@@ -400,20 +401,21 @@ def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes_exactly(tmp
     assert refused.returncode == 2 and "resume with torchrun --nproc_per_node 2" in refused.stderr
 
 
-# Rank 1 dies (SIGKILL-like, half its shard written) or finds the disk full while it writes its optimizer states into
-# checkpoint 4; `lazytrain train` otherwise.
+# Rank 1 dies (SIGKILL-like, half a file written) or finds the disk full while it writes its layer groups' optimizer
+# states into checkpoint 4; `lazytrain train` otherwise.
 FAULTY_RANK_1 = """
-import os, sys, torch
-real_save = torch.save
-def save(obj, path, *args, **kwargs):
-    if os.environ["RANK"] == "1" and "checkpoint-4" in str(path) and "optimizer-1-of-2" in str(path):
+import os, sys
+from lazytrain.train import checkpoint
+real_save = checkpoint.save_file
+def save(tensors, path, *args, **kwargs):
+    if os.environ["RANK"] == "1" and "checkpoint-4" in str(path) and "/optimizer/" in str(path):
         if os.environ["FAULT"] == "dies":
             with open(path, "wb") as f:
-                f.write(b"half a shard")
+                f.write(b"half a file")
             os._exit(9)
         raise OSError(28, "No space left on device")
-    return real_save(obj, path, *args, **kwargs)
-torch.save = save
+    return real_save(tensors, path, *args, **kwargs)
+checkpoint.save_file = save
 from lazytrain.cli import main
 sys.exit(main())
 """

@@ -17,6 +17,7 @@ from typing import Any
 
 from lazytrain import jsonio
 from lazytrain.errors import LazyTrainError
+from lazytrain.writes import write_atomic, writing
 
 ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "H": "#c44e52", "h2d": "#8172b3", "d2h": "#937860",
@@ -82,14 +83,10 @@ def trace_events(ops: Iterable[object], *, process: str = "step") -> dict[str, l
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(ops: Iterable[object], path: str | Path, *, process: str = "step") -> Path:
-    """Write `trace_events(ops)` to `path` (atomically: a temporary name, then a rename)."""
+def write_trace(ops: Iterable[object], path: str | Path, *, process: str = "step", then: str = "") -> Path:
+    """Write `trace_events(ops)` to `path` whole (writes.py: a temporary name, then a rename; a failure is one
+    line ending with `then`)."""
     path = Path(path)
-    try:
+    with writing(path, then=then):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(jsonio.dumps(trace_events(ops, process=process)) + "\n")
-        tmp.replace(path)
-    except OSError as err:
-        raise LazyTrainError(f"cannot write the trace to {path}: {err.strerror}") from None
-    return path
+    return write_atomic(path, jsonio.dumps(trace_events(ops, process=process)) + "\n", then=then)

@@ -339,7 +339,7 @@ class CheckpointConfig:
     """Where the run writes, how often it saves, and what it resumes from."""
 
     output_dir: str | None = None
-    """Where metrics, the plan, the summary and checkpoints go; None = runs/<UTC timestamp>."""
+    """Where metrics, the plan, the summary and checkpoints go; None = runs/<UTC timestamp>-<pid>."""
     overwrite_output_dir: bool = False
     """Write into an existing non-empty output_dir."""
     save_steps: int = 0

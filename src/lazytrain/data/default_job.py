@@ -6,7 +6,8 @@
   the tokenizer's vocabulary and an untied head. No weights: the model loader's `init: random` builds them.
 - `math_train.jsonl`, `math_eval.jsonl`: `messages` rows from `math.py` (held-out questions never in train).
 The directory is reused as it is when its recipe (`recipe.json`) matches, so the tokenizer is trained once
-per directory; it is written under a temporary name and renamed, so a killed run leaves none half-made.
+per directory; it is written under a temporary name and renamed, so a killed run leaves none half-made (and the
+next preparation removes the temporary a killed one left).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lazytrain.data.math import math_problems
 from lazytrain.data.sft import Row
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
+from lazytrain.writes import remove_dead_temporaries
 
 RECIPE_VERSION = 1  # bump when what this module writes changes, so cached directories are remade
 VOCAB_SIZE = 1024  # an upper bound: BPE stops earlier when the texts run out of merges (~660 ids)
@@ -77,12 +79,16 @@ def prepare_default_job(directory: str | Path, *, shapes: dict[str, int], num_tr
     train, heldout = math_problems(num_train, num_heldout, seed=seed, max_operand=max_operand)
     texts = [f"{m['role']}\n{m['content']}" for row in train for m in row["messages"]] + [zen_of_python()]
     staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    remove_dead_temporaries(directory.parent, directory.name)  # what a killed preparation left
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "model").mkdir(parents=True)
     write_model_dir(staging / "model", shapes=shapes, texts=texts, max_position_embeddings=max_position_embeddings)
     _write_jsonl(staging / job.train_file.name, train)
     _write_jsonl(staging / job.eval_file.name, heldout)
     (staging / recipe_file.name).write_text(json.dumps(recipe, indent=1) + "\n")
+    if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe:  # another process made it meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
+        return job
     shutil.rmtree(directory, ignore_errors=True)  # an older recipe's directory (checked above: ours)
     staging.rename(directory)
     return job

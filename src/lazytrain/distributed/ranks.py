@@ -159,6 +159,12 @@ class Ranks:
         self._collective(what, lambda: dist.broadcast_object_list(box, src=0, group=self.host_group))
         return box[0]
 
+    def gather_to_main(self, obj: T, what: str) -> list[T] | None:
+        """Every rank's `obj` on rank 0, in rank order (None on the others): what each owner alone knows."""
+        box: list[T] | None = [obj] * self.world_size if self.is_main else None
+        self._collective(what, lambda: dist.gather_object(obj, box, dst=0, group=self.host_group))
+        return box
+
     def decided_by_main(self, decide: Callable[[], T], what: str) -> T:
         """`decide()` run on rank 0 alone and its result on every rank (one decision for the run: the batch, the
         plan); a LazyTrainError on rank 0 is raised on every rank with the same line."""

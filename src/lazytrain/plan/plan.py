@@ -22,7 +22,6 @@ Every planner (MILP or rule) returns this one frozen type; the simulator and the
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from lazytrain import jsonio
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
+from lazytrain.writes import write_atomic, writing
 
 PLAN_VERSION = 1
 TIERS = ("gpu", "cpu", "nvme", "recompute")
@@ -247,25 +247,14 @@ class Plan:
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise LazyTrainError(f"plan file is malformed: {type(err).__name__}: {err}") from None
 
-    def save(self, path: str | Path) -> None:
-        """Write the plan file atomically: a temporary name, fsync, rename. A failure (disk full, read-only
-        directory) leaves the previous file as it was and no temporary behind."""
-        path = Path(path)
+    def save(self, path: str | Path, then: str = "") -> None:
+        """Write the plan file whole (writes.py: a temporary name, fsync, rename). A failure (disk full, read-only
+        directory) leaves the previous file as it was and no temporary behind, in one line (ending with `then`)."""
         text = jsonio.dumps(self.to_dict(), indent=1) + "\n"  # strict JSON: an infinite gap is null
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
+        path = Path(path)
+        with writing(path, then=then):
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(path)
-        except OSError as err:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass  # nothing was created (read-only directory)
-            raise LazyTrainError(f"cannot write plan to {path}: {err.strerror or err}") from None
+        write_atomic(path, text, then=then)
 
     @classmethod
     def load(cls, path: str | Path, spec: ModelSpec | None = None, workload: Workload | None = None) -> Plan:
@@ -275,7 +264,7 @@ class Plan:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise LazyTrainError(f"plan file {path} does not exist") from None
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:  # (ValueError: not JSON, or not UTF-8 text)
             raise LazyTrainError(f"plan file {path} is not valid JSON: {err}") from None
         plan = cls.from_dict(data)
         if spec is not None:

@@ -1,69 +1,83 @@
-"""The output directory and checkpoints (Contract 5, docs/architecture.md): written whole or not at all, resumed
-exactly.
+"""Checkpoints (Contract 5, docs/architecture.md): data, not code; written whole or not at all; checked before
+they are read; resumed exactly.
 
     output_dir/checkpoint-<step>/
         config.json, generation_config.json        the model, in the compute dtype, that
         model-0000k-of-0000n.safetensors + index    AutoModelForCausalLM.from_pretrained loads
         tokenizer files (with the chat template)    when the run has an HF tokenizer
+        trainer_state.json                          HF-readable (train/hf_state.py writes its content)
         trainer_state/
-            master.safetensors    fp32 master weights (only when they are not the compute dtype)
-            optimizer.pt          each optimizer's state_dict, as stored (8-bit codes and absmax scales);
-                                  data parallel with g ranks per node: optimizer-<l>-of-<g>.pt, local rank l's
-            state.pt              RNG states and the data loader's state
-            trainer.json          step, schedule position, skip counters, losses so far (readable)
-            plan.json             the plan the run executed
-            manifest.json         every file of the checkpoint with its size, written last
+            trainer.json              step, schedule position, skip counters, losses so far
+            data.json                 the data loader's position (and the world size it counts in)
+            rng.json, rng.safetensors Python's and numpy's RNG states; torch's (and CUDA's) as uint8 tensors
+            master.safetensors        fp32 master weights (only when they are not the compute dtype)
+            optimizer.json            optimizer kind, param groups, per-parameter scalars (state_files.py)
+            optimizer/<group>.safetensors   one file per layer group (embedding, layer<j>, head): that group's state
+                                      tensors, `<param index>.<state key>`, written by the rank that steps it
+            plan.json                 the plan the run executed
+            manifest.json             every file: its size and xxh3-128 content hash; written last
 
-A checkpoint is written under a temporary name (`.tmp-checkpoint-<step>`), every file and directory is
-fsynced, and only then renamed into place, so a crash or a full disk never leaves a half-written
-`checkpoint-<step>`, and the previous checkpoint stays intact. `resume_from_checkpoint: auto` takes the newest
-checkpoint whose manifest matches its files (a truncated one is skipped with a one-line note); a named
-checkpoint that does not match is a one-line error.
+Nothing is read with pickle: tensors are safetensors, the rest JSON, and every value is checked against the run
+before it is used (state_files.py). A checkpoint of the old format (pickled `state.pt` / `optimizer.pt`) cannot
+be read safely and is refused in one line.
 
-Data parallel (`ranks`): rank 0 writes everything but the other ranks' optimizer states, and each rank of node 0
-writes its own states' shard into the same temporary directory at the same time, so no rank ever holds another's
-states (the ranks of other nodes hold the same states as node 0's). Rank 0 writes the manifest and renames only
-once every rank said its part is in: a rank lost or failing mid-write leaves no `checkpoint-<step>`. Resuming,
-each rank reads its own shard.
+A checkpoint is written under a temporary name (`.tmp-checkpoint-<step>`), every file and directory fsynced, the
+manifest written last, and only then renamed into place, so a crash, a full disk or a signal never leaves a
+half-written `checkpoint-<step>`, and the previous checkpoint stays intact; any write error is one line saying
+which checkpoint is intact and how to continue (writes.py). A checkpoint is resumed only when every file matches
+its manifest (size and hash) and its weights are finite; `resume_from_checkpoint: auto` takes the newest such
+checkpoint (one that is not is skipped with a one-line note) and refuses when checkpoints exist but none is
+usable (it never starts the run over on top of them); a named checkpoint that does not match is a one-line error.
+
+Data parallel (`ranks`): rank 0 writes everything but the optimizer groups' files, and each rank of node 0 writes
+the files of the groups it steps into the same temporary directory at the same time, so no rank ever holds
+another's states (the ranks of other nodes hold the same states as node 0's). Rank 0 writes the manifest and
+renames only once every rank said its part is in: a rank lost or failing mid-write leaves no `checkpoint-<step>`.
+Resuming, each rank reads the files of its own groups, whatever the number of ranks that wrote them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import shutil
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+import xxhash
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from lazytrain import jsonio
 from lazytrain.distributed.batches import check_world_size
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
-from lazytrain.jsonio import dumps
 from lazytrain.plan.plan import Plan
+from lazytrain.train import rundir, state_files
 from lazytrain.train.metrics import say
+from lazytrain.train.rundir import PREFIX, RUN_FILES  # noqa: F401  (the output directory's names, re-exported)
+from lazytrain.train.signals import Interrupted, critical
+from lazytrain.writes import WRITE_ERRORS, WriteFailed, fsync_dir, reason, remove
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from lazytrain.distributed.ranks import Ranks
 
-PREFIX = "checkpoint-"
 STATE_DIR = "trainer_state"
 HF_STATE_FILE = "trainer_state.json"  # the HF Trainer's view of the run, beside the exact state (train/hf_state.py)
 MANIFEST = f"{STATE_DIR}/manifest.json"
+FORMAT = 2  # 1: pickled state.pt / optimizer.pt (refused)
+LEGACY = ("state.pt", "optimizer.pt")
 SHARD_BYTES = 2 << 30  # the HF folder's shard size: 2 GiB (the model is always written with an index)
-RUN_FILES = ("metrics.jsonl", "summary.json", "plan.json", "train_config.json", "loss.png")
+HASH_CHUNK_BYTES = 8 << 20
+READ_ERRORS = (OSError, ValueError, KeyError, TypeError, SafetensorError, RuntimeError, OverflowError,
+               state_files.BadState)  # (ValueError: UnicodeDecodeError, JSONDecodeError too)
 
 
 @dataclass
@@ -77,44 +91,20 @@ class TrainerState:
     losses: list[float | None] = field(default_factory=list)  # per step (None: non-finite, skipped)
     step_times_s: list[float] = field(default_factory=list)
 
-
-# =====================================================================================================
-# the output directory
-# =====================================================================================================
-def check_output_dir(output_dir: str | None, *, resume: bool, overwrite: bool, default: Path) -> Path:
-    """The output directory, checked before anything is read, built or written (nothing is written here): an
-    existing non-empty one is refused unless the run resumes from it or `overwrite_output_dir` is set, and one
-    that cannot be created or written is refused."""
-    out = Path(output_dir) if output_dir else default
-    if out.exists() and not out.is_dir():
-        raise LazyTrainError(f"output_dir {out} is not a directory; pass a directory path")
-    if out.is_dir() and any(out.iterdir()) and not resume and not overwrite:
-        raise LazyTrainError(f"output_dir {out} already exists and is not empty; set resume_from_checkpoint auto to "
-                             "continue its run, overwrite_output_dir true to replace it, or pick a new output_dir")
-    existing = next(p for p in [out, *out.absolute().parents] if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "Not a directory" if not existing.is_dir() else "Permission denied"
-        raise LazyTrainError(f"output_dir {out} is not writable ({why}: {existing}); pass a writable output_dir")
-    return out
-
-
-def make_output_dir(out: Path, *, overwrite: bool) -> None:
-    """Create the output directory; with `overwrite_output_dir` a previous run's checkpoints and files go first
-    (so `auto` can never pick a checkpoint of another run); other files stay."""
-    if overwrite and out.is_dir():
-        for old in out.iterdir():
-            if old.name.startswith((PREFIX, f".tmp-{PREFIX}")) and old.is_dir():
-                shutil.rmtree(old)
-            elif old.name in RUN_FILES:
-                old.unlink()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise LazyTrainError(f"output_dir {out} is not writable ({err.strerror}); pass a writable output_dir"
-                             ) from None
+    @classmethod
+    def from_json(cls, data: object) -> TrainerState:
+        """trainer.json, checked: the counters are non-negative integers, the lists numbers (or null)."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, dict) or sorted(data) != sorted(names):
+            raise state_files.BadState(f"trainer.json does not hold the keys {', '.join(names)}")
+        for key in names[:4]:
+            if not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] < 0:
+                raise state_files.BadState(f"trainer.json's {key} is not a non-negative integer")
+        for key in names[4:]:
+            if not isinstance(data[key], list) or not all(
+                    v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in data[key]):
+                raise state_files.BadState(f"trainer.json's {key} is not a list of numbers")
+        return cls(**data)
 
 
 # =====================================================================================================
@@ -131,58 +121,115 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
-def incomplete_reason(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint (a missing manifest, a missing or truncated file), or None."""
-    manifest = path / MANIFEST
+def _manifest(path: Path) -> dict[str, dict[str, Any]] | str:
+    """The manifest's files, or why there is none to trust."""
+    if any((path / STATE_DIR / name).exists() for name in LEGACY):
+        return ("it is in the old format (pickled state.pt / optimizer.pt), which cannot be read safely; start the "
+                "run over (overwrite_output_dir true) or resume from a checkpoint of this version")
     try:
-        sizes: dict[str, int] = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError):
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        ok = manifest.get("format") == FORMAT and isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("xxh3_128"), str)
+            for v in files.values())
+    except READ_ERRORS:
         return f"no readable {MANIFEST}"
-    for name, size in sizes.items():
+    if not ok:
+        return f"{MANIFEST} is not a manifest of this version"
+    for name in files:  # every name stays inside the checkpoint
+        if name.startswith("/") or ".." in Path(name).parts:
+            return f"{MANIFEST} names a file outside the checkpoint ({name[:60]})"
+    return files
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint (no manifest, a missing or truncated file), by sizes alone, or None."""
+    files = _manifest(path)
+    if isinstance(files, str):
+        return files
+    for name, entry in files.items():
         try:
             actual = (path / name).stat().st_size
         except OSError:
             return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, the manifest says {size} (truncated)"
+        if actual != entry["bytes"]:
+            return f"{name} has {actual} bytes, the manifest says {entry['bytes']} (truncated)"
     return None
 
 
-def resume_checkpoint(resume_from: str | None, out: Path) -> Path | None:
-    """The checkpoint to resume from: None (a fresh run), the newest complete one in `out` (`auto`; a
-    truncated one is skipped with a note), or the named one (refused when incomplete)."""
+def damage_reason(path: Path) -> str | None:
+    """`incomplete_reason`, then every file's content hash against the manifest; None when all match."""
+    why = incomplete_reason(path)
+    if why is not None:
+        return why
+    files = _manifest(path)
+    assert isinstance(files, dict)
+    for name, entry in files.items():
+        try:
+            digest = file_hash(path / name)
+        except OSError as err:
+            return f"{name} cannot be read ({reason(err)})"
+        if digest != entry["xxh3_128"]:
+            return f"{name}'s content differs from the manifest's hash (changed or damaged)"
+    return None
+
+
+def resume_checkpoint(resume_from: str | None, out: Path, *, overwrite: bool = False) -> Path | None:
+    """The checkpoint to resume from: None (a fresh run: `auto` in a directory without checkpoints), the newest
+    intact one in `out` (`auto`; a damaged one is skipped with a note; none intact is refused, unless `overwrite`:
+    the run then starts over, its old checkpoints deleted), or the named one (refused when damaged)."""
     if resume_from is None:
         return None
     if resume_from == "auto":
-        for path in reversed(checkpoints(out)):
-            reason = incomplete_reason(path)
-            if reason is None:
+        found = checkpoints(out)
+        reasons = []
+        for path in reversed(found):
+            why = damage_reason(path)
+            if why is None:
                 return path
-            say(f"note     skipping {path}: incomplete checkpoint ({reason})")
+            say(f"note     skipping {path}: not a usable checkpoint ({why})")
+            reasons.append(f"{path.name}: {why}")
+        if found and overwrite:
+            say(f"note     no usable checkpoint in {out}: starting over (overwrite_output_dir)")
+        elif found:
+            raise LazyTrainError(f"resume_from_checkpoint auto: no usable checkpoint in {out} ({reasons[0]}); name "
+                                 "another with resume_from_checkpoint, or start the run over with "
+                                 "overwrite_output_dir true (its checkpoints and metrics are then deleted)")
         return None
     path = Path(resume_from)
     if not path.is_dir():
         raise LazyTrainError(f"resume_from_checkpoint {path}: no such directory; name a checkpoint-<step> directory "
                              "or use auto")
-    reason = incomplete_reason(path)
-    if reason is not None:
-        raise LazyTrainError(f"resume_from_checkpoint {path} is not a complete checkpoint ({reason}); name another "
+    why = damage_reason(path)
+    if why is not None:
+        raise LazyTrainError(f"resume_from_checkpoint {path} is not a complete checkpoint ({why}); name another "
                              "one or use auto (the newest complete one)")
     return path
+
+
+def file_hash(path: Path) -> str:
+    """xxh3-128 of a file's bytes (hex): ~10 GB/s, so the disk, not the hash, sets the time."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # =====================================================================================================
 # saving
 # =====================================================================================================
 def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
-                    optimizers: list[torch.optim.Optimizer], data_state: dict[str, object], plan: Plan,
-                    tokenizer: PreTrainedTokenizerBase | None = None, save_total_limit: int | None = None,
-                    ranks: Ranks | None = None, hf_state: Mapping[str, object] | None = None) -> Path:
-    """Write `checkpoint-<state.step>` whole (temporary name, fsync, rename) and keep the newest
-    `save_total_limit`. A failure (a full disk, a read-only directory) removes the partial copy and leaves
-    every earlier checkpoint as it was. With `ranks` a collective (module docstring): `out` is rank 0's, the
-    others learn the temporary directory from it; returns the checkpoint's path on every rank. `hf_state`: the
-    content of trainer_state.json, the HF Trainer's view of the run (train/hf_state.py; rank 0's)."""
+                    optimizer: torch.optim.Optimizer, optimizer_kind: str, data_state: dict[str, object],
+                    plan: Plan, tokenizer: PreTrainedTokenizerBase | None = None,
+                    save_total_limit: int | None = None, ranks: Ranks | None = None,
+                    owned: set[int] | None = None, hf_state: Mapping[str, object] | None = None) -> Path:
+    """Write `checkpoint-<state.step>` whole (temporary name, fsync, manifest, rename) and keep the newest
+    `save_total_limit`. A failure (a full disk, a read-only or vanished directory, a third signal) removes the
+    partial copy and leaves every earlier checkpoint as it was, in one line. With `ranks` a collective (module
+    docstring; `owned`: the id()s of the parameters this rank steps): `out` is rank 0's, the others learn the
+    temporary directory from it; returns the checkpoint's path on every rank. `hf_state`: the content of
+    trainer_state.json, the HF Trainer's view of the run (train/hf_state.py; rank 0's)."""
     main = ranks is None or ranks.is_main
     tmp = out / f".tmp-{PREFIX}{state.step}"
     error: LazyTrainError | None = None
@@ -190,12 +237,14 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
         ranks.barrier(f"the start of checkpoint {state.step}")
     if main:
         try:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            (tmp / STATE_DIR).mkdir(parents=True)
-        except OSError as err:
+            rundir.check(out)
+            remove(tmp)
+            (tmp / STATE_DIR / "optimizer").mkdir(parents=True)
+        except (*WRITE_ERRORS, WriteFailed) as err:
             error = _cannot_write(out, state.step, err)
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
+        except LazyTrainError as err:
+            error = err
     if ranks is not None:
         where = ranks.broadcast_object(None if error else str(tmp), f"the start of checkpoint {state.step}")
         if where is None:
@@ -204,39 +253,70 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
     elif error is not None:
         raise error
     try:
+        scalars: object = {}
         try:
-            if main:
+            scalars = _write_optimizer_groups(tmp / STATE_DIR, optimizer, ranks, owned)
+        except (*WRITE_ERRORS, WriteFailed) as err:
+            error = _cannot_write(tmp.parent, state.step, err)
+        if ranks is not None:  # rank 0 writes optimizer.json with every group's scalars, from their owners (every
+            # rank takes part, its write failed or not: the agreement below stops them all)
+            scalars = ranks.gather_to_main(scalars, f"writing checkpoint {state.step} (the optimizer scalars)")
+        try:
+            if main and error is None:
                 _write_model(tmp, model, compute_dtype)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                if hf_state is not None:
-                    (tmp / HF_STATE_FILE).write_text(dumps(hf_state, indent=2) + "\n")
-                _write_trainer_state(tmp / STATE_DIR, state, model=model, compute_dtype=compute_dtype,
-                                     data_state=data_state, plan=plan)
-            shard, shards = (0, 1) if ranks is None else (ranks.local_rank, ranks.local_world_size)
-            if ranks is None or ranks.rank < ranks.local_world_size:  # node 0's ranks: one owner per parameter
-                torch.save([opt.state_dict() for opt in optimizers], tmp / STATE_DIR / optimizer_file(shard, shards))
-        except OSError as err:
+                _write_trainer_state(tmp, state, model=model, compute_dtype=compute_dtype, data_state=data_state,
+                                     plan=plan, optimizer_doc=state_files.optimizer_json(optimizer, optimizer_kind,
+                                                                                         _merged(scalars)),
+                                     hf_state=hf_state)
+        except (*WRITE_ERRORS, WriteFailed) as err:
             error = _cannot_write(tmp.parent, state.step, err)
         if ranks is None:
             if error is not None:
                 raise error
             return _finish(out, tmp, state.step, save_total_limit)
-        if not ranks.agree(error is None, f"writing checkpoint {state.step}"):  # every shard is in, or none counts
+        if not ranks.agree(error is None, f"writing checkpoint {state.step}"):  # every part is in, or none counts
             raise error or LazyTrainError(f"checkpoint {state.step} abandoned: another rank could not write its part "
                                           "(its line says why)")
         return Path(ranks.decided_by_main(lambda: str(_finish(out, tmp, state.step, save_total_limit)),
                                           f"the end of checkpoint {state.step}"))
+    except Interrupted as stop:  # the third signal during the save
+        if main:
+            _discard(tmp)
+        raise Interrupted(stop.signum, f"{stop}: checkpoint {state.step} abandoned, nothing of it kept"
+                          f"{_intact(out, state.step)}; continue with resume_from_checkpoint=auto") from None
     except (LazyTrainError, RankLost):  # (RankLost: a rank died mid-write) nothing of this checkpoint stays
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp)
         raise
 
 
-def optimizer_file(shard: int, shards: int) -> str:
-    """The optimizer states' file in trainer_state/: one process's (or one rank per node's) whole states, or local
-    rank `shard`'s of `shards` (its own parameters' states; the others' only as the rank keeps them)."""
-    return "optimizer.pt" if shards == 1 else f"optimizer-{shard}-of-{shards}.pt"
+def _merged(scalars: object) -> dict[int, dict[str, Any]]:
+    """One process's scalars, or every rank's (gathered, a list) in one mapping."""
+    if isinstance(scalars, dict):
+        return scalars
+    out: dict[int, dict[str, Any]] = {}
+    for part in scalars or []:
+        out.update(part or {})
+    return out
+
+
+def _write_optimizer_groups(state_dir: Path, optimizer: torch.optim.Optimizer, ranks: Ranks | None,
+                            owned: set[int] | None) -> dict[int, dict[str, Any]]:
+    """This rank's layer groups' files (every group without ranks; node 0's owners with them); returns the scalars
+    of the parameters whose files it wrote."""
+    scalars: dict[int, dict[str, Any]] = {}
+    if ranks is not None and ranks.rank >= ranks.local_world_size:  # node 0 writes; the others hold the same
+        return scalars
+    params = state_files.params_by_index(optimizer)
+    for name, indices in state_files.group_params(optimizer).items():
+        if owned is not None and not all(id(params[i]) in owned for i in indices):
+            continue
+        tensors, group_scalars = state_files.split_states(optimizer, indices)
+        save_file({k: _unshared(v) for k, v in tensors.items()}, str(state_dir / "optimizer" / f"{name}.safetensors"))
+        scalars.update(group_scalars)
+    return scalars
 
 
 def _finish(out: Path, tmp: Path, step: int, save_total_limit: int | None) -> Path:
@@ -244,36 +324,46 @@ def _finish(out: Path, tmp: Path, step: int, save_total_limit: int | None) -> Pa
     final = out / f"{PREFIX}{step}"
     try:
         _write_manifest(tmp)
-        _fsync_tree(tmp)
-        if final.exists():  # the same step again (a resumed run that saved it before): replace it whole
-            old = out / f".old-{PREFIX}{step}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(out)
-    except OSError as err:
+        fsync_dir(tmp)
+        with critical():  # a signal waits: the rename pair below never stops halfway
+            rundir.check(out)
+            if final.exists() or final.is_symlink():  # the same step again (a resumed run saved it): replace whole
+                old = out / f".old-{PREFIX}{step}"
+                remove(old)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                remove(old)
+            else:
+                os.rename(tmp, final)
+            fsync_dir(out)
+    except (*WRITE_ERRORS, WriteFailed) as err:
         raise _cannot_write(out, step, err) from None
     if save_total_limit is not None:
         complete = [p for p in checkpoints(out) if incomplete_reason(p) is None]
         for old in complete[:-save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+            with critical():
+                remove(old)
     return final
 
 
-def _cannot_write(out: Path, step: int, err: OSError) -> LazyTrainError:
-    final = out / f"{PREFIX}{step}"
-    previous = [p.name for p in checkpoints(out) if p != final and incomplete_reason(p) is None]
-    kept = f"; {previous[-1]} is intact" if previous else ""
-    return LazyTrainError(f"cannot write checkpoint {final} ({err.strerror or err}){kept}; free disk space or check "
-                          "the output_dir's permissions")
+def _discard(tmp: Path) -> None:
+    with critical():  # a further signal cannot leave half of it behind
+        remove(tmp)
+
+
+def _intact(out: Path, step: int) -> str:
+    previous = [p.name for p in checkpoints(out) if p.name != f"{PREFIX}{step}" and incomplete_reason(p) is None]
+    return f"; {previous[-1]} is intact" if previous else "; no earlier checkpoint"
+
+
+def _cannot_write(out: Path, step: int, err: BaseException) -> WriteFailed:
+    return WriteFailed(out / f"{PREFIX}{step}", reason(err),
+                       f"the run stopped{_intact(out, step).replace('; ', ', ', 1)}; {rundir.CONTINUE}")
 
 
 def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
     """The HF folder in the compute dtype, sharded with an index (config and generation config included)."""
-    state = {k: unshared(v.to(compute_dtype)) for k, v in model.state_dict().items()}
+    state = {k: _unshared(v.to(compute_dtype)) for k, v in model.state_dict().items()}
     total_bytes = sum(t.numel() * t.element_size() for t in state.values())
     shard_bytes = min(SHARD_BYTES, max(1, total_bytes // 2 + 1))  # at least two shards: always an index
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -291,18 +381,25 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
 
 
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
-                         data_state: dict[str, object], plan: Plan) -> None:
-    """Everything in trainer_state/ but the optimizer states (`optimizer_file`) and the manifest."""
+                         data_state: dict[str, object], plan: Plan, optimizer_doc: dict[str, Any],
+                         hf_state: Mapping[str, object] | None) -> None:
+    """trainer_state.json and everything in trainer_state/ but the optimizer groups' files and the manifest."""
+    state_dir = path / STATE_DIR
     if any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
         # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
-        masters = {k: unshared(v) for k, v in _unique_state(model).items()}
-        save_file(masters, str(path / "master.safetensors"))
-    torch.save({"data": data_state, "rng": rng_states()}, path / "state.pt")
-    (path / "trainer.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
-    plan.save(path / "plan.json")
+        save_file({k: _unshared(v) for k, v in dict(model.named_parameters()).items()},
+                  str(state_dir / "master.safetensors"))
+    rng_doc, rng_tensors = state_files.rng_states()
+    save_file(rng_tensors, str(state_dir / "rng.safetensors"))
+    for name, value in (("rng.json", rng_doc), ("data.json", data_state), ("trainer.json", asdict(state)),
+                        ("optimizer.json", optimizer_doc)):
+        (state_dir / name).write_text(jsonio.dumps(value, indent=1) + "\n")
+    plan.save(state_dir / "plan.json")
+    if hf_state is not None:
+        (path / HF_STATE_FILE).write_text(jsonio.dumps(hf_state, indent=2) + "\n")
 
 
-def unshared(t: torch.Tensor) -> torch.Tensor:
+def _unshared(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes, not copied, as a tensor with a storage of its own (through DLPack). The executor packs each
     layer's parameters in one buffer (with ranks, the node's shared mapping), and safetensors and save_pretrained
     refuse tensors that share a storage; a clone of every tensor would hold the model's size once more while the
@@ -311,105 +408,106 @@ def unshared(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_manifest(path: Path) -> None:
-    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
-    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
-
-
-def _fsync_tree(path: Path) -> None:
+    """Every file's size and content hash (read back once, fsynced on the way), then the manifest itself."""
+    files = {}
     for p in sorted(path.rglob("*")):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            files[str(p.relative_to(path))] = {"bytes": p.stat().st_size, "xxh3_128": file_hash(p)}
     for d in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
-        _fsync_dir(d)
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unique_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Parameters by name, each tensor once (a tied LM head is its embedding)."""
-    return dict(model.named_parameters())
+        fsync_dir(d)
+    manifest = path / MANIFEST
+    with open(manifest, "w") as f:
+        f.write(json.dumps({"format": FORMAT, "files": files}, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # =====================================================================================================
 # loading
 # =====================================================================================================
-def load_checkpoint(path: Path, *, model: PreTrainedModel, compute_dtype: torch.dtype,
-                    optimizers: list[torch.optim.Optimizer], ranks: Ranks | None = None
-                    ) -> tuple[TrainerState, dict[str, object]]:
-    """Put a checkpoint's master weights into `model` (in place: the executor's buffers stay the parameters)
-    and its states into `optimizers` (with `ranks`: this rank's shard); restore the RNG states. A checkpoint of
-    another world size is refused before anything is loaded. Returns the trainer state and the data state."""
+@dataclass
+class Saved:
+    """A checkpoint's JSON parts, read and checked (before anything of the run is touched or written)."""
+
+    path: Path
+    state: TrainerState
+    data: dict[str, object]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def read_checkpoint(path: Path, *, optimizer_kind: str, world_size: int) -> Saved:
+    """The JSON parts of checkpoint `path` (its files already matched the manifest), checked against what the run
+    can resume: its world size and optimizer. One line naming the checkpoint when they do not fit."""
     state_dir = path / STATE_DIR
-    extra = torch.load(state_dir / "state.pt", weights_only=False)
-    check_world_size(extra["data"], 1 if ranks is None else ranks.world_size)
-    saved = torch.load(state_dir / _optimizer_file_of(path, ranks), weights_only=False)
-    params = _unique_state(model)
-    master = state_dir / "master.safetensors"
+    try:
+        docs = {name: json.loads((state_dir / f"{name}.json").read_text())
+                for name in ("trainer", "data", "optimizer", "rng")}
+        saved = Saved(path, TrainerState.from_json(docs["trainer"]), docs["data"], docs["optimizer"], docs["rng"])
+        if not isinstance(saved.data, dict) or not isinstance(saved.rng, dict) or not isinstance(saved.optimizer,
+                                                                                                   dict):
+            raise state_files.BadState("data.json, rng.json and optimizer.json must each hold a mapping")
+        if saved.optimizer.get("kind") != optimizer_kind:
+            raise state_files.BadState(f"it was written with optimizer {saved.optimizer.get('kind')!r} and this run "
+                                       f"has {optimizer_kind!r}; resume with optimizer {saved.optimizer.get('kind')}")
+        check_world_size(saved.data, world_size)
+    except READ_ERRORS as err:
+        raise _unreadable(path, err) from None
+    return saved
+
+
+def load_checkpoint(saved: Saved, *, model: PreTrainedModel, optimizer: torch.optim.Optimizer, optimizer_kind: str,
+                    owned: set[int] | None = None) -> tuple[TrainerState, dict[str, object]]:
+    """Put a checkpoint's master weights into `model` (in place: the executor's buffers stay the parameters), its
+    optimizer states into `optimizer` (with `owned`: the files of this rank's groups only) and restore the RNG
+    states; every tensor is checked (shape, finite) before it is used. Returns the trainer state and data state."""
+    path, state_dir = saved.path, saved.path / STATE_DIR
+    try:
+        _load_weights(path, model)
+        params = state_files.params_by_index(optimizer)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, indices in state_files.group_params(optimizer).items():
+            if owned is None or all(id(params[i]) in owned for i in indices):
+                tensors.update(load_file(str(state_dir / "optimizer" / f"{name}.safetensors")))
+        state_files.load_optimizer(optimizer, optimizer_kind, saved.optimizer, tensors)
+        state_files.set_rng_states(saved.rng, load_file(str(state_dir / "rng.safetensors")))
+    except READ_ERRORS as err:
+        raise _unreadable(path, err) from None
+    return saved.state, saved.data
+
+
+def _load_weights(path: Path, model: PreTrainedModel) -> None:
+    """The masters (or the HF folder's tensors where they are the masters) into the parameters, each checked."""
+    master = path / STATE_DIR / "master.safetensors"
     files = [master] if master.exists() else sorted(path.glob("*.safetensors"))
+    params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                    if name in params:
-                        params[name].copy_(f.get_tensor(name))
-                        loaded.add(name)
+                    if name not in params:
+                        continue
+                    t = f.get_tensor(name)
+                    if t.shape != params[name].shape:
+                        raise state_files.BadState(f"{file.name}'s {name} is {tuple(t.shape)}, the model's "
+                                                   f"{tuple(params[name].shape)}")
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise state_files.BadState(f"{file.name}'s {name} holds NaN or infinite values (a diverged "
+                                                   "or damaged checkpoint)")
+                    params[name].copy_(t)
+                    loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise LazyTrainError(f"checkpoint {path} has no weights for {missing[0]} (and {len(missing) - 1} more); it "
-                             "was saved from another model: resume with the run's own model")
-    if len(saved) != len(optimizers):
-        raise LazyTrainError(f"checkpoint {path} holds {len(saved)} optimizer states but this run has "
-                             f"{len(optimizers)}; resume with the same optimizer and optimizer_mode")
-    try:
-        for opt, sd in zip(optimizers, saved, strict=True):
-            opt.load_state_dict(sd)
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise LazyTrainError(f"checkpoint {path}: its optimizer states do not fit this run's optimizer ({err}); "
-                             "resume with the same optimizer") from None
-    set_rng_states(extra["rng"])
-    state = TrainerState(**json.loads((state_dir / "trainer.json").read_text()))
-    return state, extra["data"]
+        raise state_files.BadState(f"it has no weights for {missing[0]} (and {len(missing) - 1} more); it was saved "
+                                   "from another model: resume with the run's own model")
 
 
-def _optimizer_file_of(path: Path, ranks: Ranks | None) -> str:
-    """This rank's optimizer file in checkpoint `path`: its shard, or the whole states (one process's, one rank per
-    node's: every rank then drops the states of parameters it does not step); refused in one line when the
-    checkpoint was sharded over another number of ranks per node."""
-    whole = optimizer_file(0, 1)
-    if ranks is None or (path / STATE_DIR / whole).exists():
-        return whole
-    mine = optimizer_file(ranks.local_rank, ranks.local_world_size)
-    if not (path / STATE_DIR / mine).exists():
-        shards = sorted(p.name for p in (path / STATE_DIR).glob("optimizer-*-of-*.pt"))
-        saved = shards[0].removesuffix(".pt").rsplit("-", 1)[1] if shards else "?"
-        raise LazyTrainError(f"checkpoint {path} holds the optimizer states of {saved} ranks per node and this run "
-                             f"has {ranks.local_world_size}; resume with torchrun --nproc_per_node {saved}")
-    return mine
+def _unreadable(path: Path, err: BaseException) -> LazyTrainError:
+    if isinstance(err, LazyTrainError) and not isinstance(err, state_files.BadState):
+        return err
+    why = str(err) if isinstance(err, state_files.BadState) else f"{type(err).__name__}: {reason(err)}"
+    return LazyTrainError(f"checkpoint {path} cannot be resumed: {why}")
 
-
-def rng_states() -> dict[str, object]:
-    states: dict[str, object] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                                 "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict[str, object]) -> None:
-    random.setstate(states["python"])  # type: ignore[arg-type]
-    np.random.set_state(states["numpy"])  # type: ignore[arg-type]
-    torch.set_rng_state(states["torch"])  # type: ignore[arg-type]
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])  # type: ignore[arg-type]

@@ -18,6 +18,8 @@ from typing import IO, TYPE_CHECKING
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.jsonio import Json, dumps
+from lazytrain.train import rundir
+from lazytrain.writes import WRITE_ERRORS, temporary, write_atomic, writing
 
 if TYPE_CHECKING:
     from accelerate.tracking import GeneralTracker
@@ -70,7 +72,9 @@ def say(text: str) -> None:
 
 
 def write_json(path: Path, value: object) -> None:
-    path.write_text(dumps(value, indent=1) + "\n")
+    """A run's JSON file, whole or not at all (writes.py); a failure stops the run in one line."""
+    rundir.check(path.parent)
+    write_atomic(path, dumps(value, indent=1) + "\n", then=rundir.CONTINUE)
 
 
 # =====================================================================================================
@@ -143,34 +147,62 @@ class MetricsLog:
     scalars go to `trackers` (started by `start_trackers`; closed here).
 
     A resumed run appends: rows of steps after the checkpoint it resumed from are dropped first, so the file
-    holds every step once, whichever run wrote it. Steps count from 1 (the HF Trainer's global_step).
+    holds every step once, whichever run wrote it; a line a killed run or a full disk cut short is dropped too
+    (with a note). Steps count from 1 (the HF Trainer's global_step). A write that fails stops the run in one line
+    (writes.py); so does a directory deleted under it.
     """
 
     def __init__(self, output_dir: Path, *, trackers: Sequence[GeneralTracker] = (),
                  resume_step: int | None = None) -> None:
         self.path = output_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        elif self.path.exists():
-            self.path.unlink()
-        self._file: IO[str] = open(self.path, "a")  # noqa: SIM115  (closed in close())
+        self.output_dir = output_dir
+        with writing(self.path, then=rundir.CONTINUE):
+            if resume_step is not None and self.path.exists():
+                rows, cut = _rows_through(self.path, resume_step)
+                if cut:
+                    say(f"note     {self.path}: dropped {cut} line(s) that are not JSON rows (a write cut short)")
+                write_atomic(self.path, "".join(row + "\n" for row in rows))
+            elif self.path.exists():
+                self.path.unlink()
+            self._file: IO[str] = open(self.path, "a")  # noqa: SIM115  (closed in close())
         self.trackers = list(trackers)
 
     def write(self, row: Mapping[str, object]) -> None:
         """One strict-JSON line; the row's numbers to every tracker at its step."""
-        self._file.write(dumps(row) + "\n")
-        self._file.flush()
+        rundir.check(self.output_dir)
+        with writing(self.path, then=rundir.CONTINUE):
+            self._file.write(dumps(row) + "\n")
+            self._file.flush()
         values = scalars(row)
         for tracker in self.trackers:
             tracker.log(values, step=int(row["step"]))  # type: ignore[call-overload]
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except WRITE_ERRORS:  # its failed write already stopped the run with a line
+            pass
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
+
+
+def _rows_through(path: Path, step: int) -> tuple[list[str], int]:
+    """metrics.jsonl's lines of steps up to `step`, and how many lines were not JSON rows (cut short)."""
+    kept, cut = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row_step = row.get("step", 0) if isinstance(row, dict) else None
+        except ValueError:
+            row_step = None
+        if not isinstance(row_step, int):
+            cut += 1
+        elif row_step <= step:
+            kept.append(line)
+    return kept, cut
 
 
 def read_rows(path: Path) -> list[dict[str, Json]]:
@@ -199,6 +231,11 @@ def plot_losses(metrics_path: Path, png_path: Path) -> bool:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    tmp = temporary(png_path)
+    try:
+        with writing(png_path, then=rundir.CONTINUE, temporaries=(tmp,)):
+            fig.savefig(tmp, dpi=100, format="png")
+            os.replace(tmp, png_path)
+    finally:
+        plt.close(fig)
     return True

@@ -9,9 +9,10 @@ micro-batch, optimizer, log), saving a checkpoint every `save_steps`, at the end
 from __future__ import annotations
 
 import math
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from lazytrain.job.inputs import resolved_dtype
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor, StepStats
+from lazytrain.train import rundir
 from lazytrain.train.build import (
     build_device,
     build_executor,
@@ -49,10 +51,10 @@ from lazytrain.train.build import (
     starts_from_weights,
 )
 from lazytrain.train.checkpoint import (
+    Saved,
     TrainerState,
-    check_output_dir,
     load_checkpoint,
-    make_output_dir,
+    read_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -80,7 +82,7 @@ from lazytrain.train.optimizer import (
     set_lr,
 )
 from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for
-from lazytrain.train.signals import Interrupted, StopSignals
+from lazytrain.train.signals import Interrupted, StopSignals, saving
 from lazytrain.units import format_bytes
 from lazytrain.viz import write_trace
 
@@ -115,7 +117,15 @@ class TrainResult:
 # the run: build -> loop -> close
 # =====================================================================================================
 def train(job: JobConfig) -> TrainResult:
-    """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary."""
+    """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary; the output
+    directory is this run's until it returns or raises (rundir.py)."""
+    try:
+        return _train(job)
+    finally:
+        rundir.release_all()
+
+
+def _train(job: JobConfig) -> TrainResult:
     t_start = time.perf_counter()
     check_job(job)
     dtype = resolved_dtype(job.runtime, emulated=pick_device_kind(job.runtime.device) == "cpu")
@@ -135,7 +145,7 @@ def train(job: JobConfig) -> TrainResult:
     job, note = resolve_batch(job) if ranks is None else ranks.decided_by_main(lambda: resolve_batch(job), "the batch")
     if note:
         say(f"batch    {note}")
-    out, resume_from = output_dir(job, ranks)
+    out, resume_from, saved = output_dir(job, ranks)
     if job.runtime.nvme_dir is not None:  # like the output dir: refused before anything is built
         check_nvme_dir(Path(job.runtime.nvme_dir))
     torch.manual_seed(job.runtime.seed)
@@ -178,12 +188,6 @@ def train(job: JobConfig) -> TrainResult:
         say(f"plan     {plan.placement_map()}   {_counts(plan)}   ({planned.how})")
         predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
         say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
-        make_output_dir(out, overwrite=job.checkpoint.overwrite_output_dir and resume_from is None)
-        if ranks is not None and not ranks.is_main:
-            CONSOLE.to_file(out / "console.log")  # this rank's lines, those said so far included
-        plan.save(out / "plan.json")
-        write_json(out / "train_config.json", job.to_dict())
-
         # ---- device, executor, optimizer, resume ----------------------------------------------------
         device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
         trainer: Trainer | None = None
@@ -193,8 +197,16 @@ def train(job: JobConfig) -> TrainResult:
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
                               eval_set=data.eval_set, out=out, tokenizer=data.tokenizer, ranks=ranks)
-            if resume_from is not None:
-                trainer.resume(resume_from)
+            if saved is not None:
+                trainer.resume(saved)
+            # every refusal is behind: the run writes from here on (a refused run leaves the directory as it was)
+            rundir.make_output_dir(out, overwrite=job.checkpoint.overwrite_output_dir and resume_from is None,
+                                   resume=job.checkpoint.resume_from_checkpoint is not None,
+                                   claim=ranks is None or ranks.is_main)
+            if ranks is not None and not ranks.is_main:
+                CONSOLE.to_file(out / "console.log")  # this rank's lines, those said so far included
+            plan.save(out / "plan.json", then=rundir.CONTINUE)
+            write_json(out / "train_config.json", job.to_dict())
             eval_before = trainer.evaluate()
             if data.eval_set:
                 say(f"eval     held-out loss {'at resume' if resume_from else 'before training'}: "
@@ -202,7 +214,7 @@ def train(job: JobConfig) -> TrainResult:
 
             # ---- loop -------------------------------------------------------------------------------
             trainer.loop(signals)
-            eval_after = trainer.evaluate()
+            eval_after = trainer.evaluate(stop=lambda: signals.received is not None)  # a signal ends it early
         except BaseException:
             if trainer is not None:
                 trainer.close()
@@ -211,11 +223,13 @@ def train(job: JobConfig) -> TrainResult:
             device.close()  # stop the link threads; no spill file outlives the device
 
         # ---- close: final checkpoint, summary -------------------------------------------------------
-        signals.deferred = False  # a signal now stops the save; the previous checkpoint stays intact
         try:
-            final = trainer.save()
+            final = trainer.save()  # a signal now waits for it (a third abandons it: signals.py)
         finally:
             trainer.close()
+        if signals.received is not None:  # during the final evaluation or checkpoint: stop with the run saved
+            raise Interrupted(signals.received, f"{_signal_name(signals.received)} after the last step: saved "
+                              f"{final} (the run's {trainer.state.step} steps are complete; no summary)")
     exact_after = None
     if decode:  # greedy decoding of the exported checkpoint, loaded as any HF model is
         hf_logging.disable_progress_bar()  # its loading bar is noise under the report
@@ -235,20 +249,25 @@ def train(job: JobConfig) -> TrainResult:
     return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
 
 
-def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path | None]:
-    """The run's output directory, checked before anything is written (rank 0 checks it; the other ranks log
-    under out/rank-<r>/), and the checkpoint to resume from."""
+def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path | None, Saved | None]:
+    """The run's output directory, checked before anything is written (rank 0 checks it and, when it exists,
+    claims it: rundir.py; the other ranks log under out/rank-<r>/), the checkpoint to resume from, and its JSON
+    parts, read and checked (world size, optimizer) before anything is built or written."""
     out = Path()
     if ranks is None or ranks.is_main:
-        out = check_output_dir(job.checkpoint.output_dir, resume=job.checkpoint.resume_from_checkpoint is not None,
-                               overwrite=job.checkpoint.overwrite_output_dir,
-                               default=Path("runs") / datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+        out = rundir.check_output_dir(job.checkpoint.output_dir,
+                                      resume=job.checkpoint.resume_from_checkpoint is not None,
+                                      overwrite=job.checkpoint.overwrite_output_dir,
+                                      default=rundir.default_output_dir())
     if ranks is not None:
         out = Path(ranks.broadcast_object(str(out) if ranks.is_main else None, "the output directory"))
-    resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out)
+    resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out,
+                                    overwrite=job.checkpoint.overwrite_output_dir)
+    saved = None if resume_from is None else read_checkpoint(
+        resume_from, optimizer_kind=job.optim.optimizer, world_size=1 if ranks is None else ranks.world_size)
     if ranks is not None and not ranks.is_main:
         out = out / f"rank-{ranks.rank}"  # made beside rank 0's, once the data and the model are built
-    return out, resume_from
+    return out, resume_from, saved
 
 
 def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_s: float, plotted: bool,
@@ -378,24 +397,29 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {_fmt(row['loss'])}  {row['tokens_per_s']:,.0f} tok/s  "
                                     f"step {row['step_s']:.2f} s (pred {self.predicted_s:.2f})")
-                stop = signals.received is not None
-                if self.ranks is not None:  # every rank stops after the same step, or none does
-                    stop = not self.ranks.agree(not stop, f"the stop check after step {self.state.step}")
-                if stop:
-                    signals.deferred = False
-                    path = self.save()
-                    signum = signals.received or 15  # a rank told by another rank stops as if sent SIGTERM
-                    name = "SIGINT" if signum == 2 else "SIGTERM"
-                    raise Interrupted(signum, f"{name} after step {self.state.step}: saved {path}; continue "
-                                      "with resume_from_checkpoint=auto")
+                stop = self.stop_requested(signals)
+                saved = None
                 # no periodic save during a run of non-finite steps: the last good checkpoint stays the newest
-                if job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
+                if not stop and job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
                         and self.state.step < job.optim.max_steps and self.policy.consecutive == 0:
-                    self.save()
+                    saved = self.save()
+                    stop = self.stop_requested(signals)  # a signal during that save: stop now, it is in
+                if stop:
+                    path = saved or self.save()
+                    signum = signals.received or 15  # a rank told by another rank stops as if sent SIGTERM
+                    raise Interrupted(signum, f"{_signal_name(signum)} after step {self.state.step}: saved {path}; "
+                                      "continue with resume_from_checkpoint=auto")
             self.executor.drain()  # the last step's overlapped update
         finally:
             bar.close()
             self.metrics.close()
+
+    def stop_requested(self, signals: StopSignals) -> bool:
+        """A signal arrived (with ranks: on any rank; every rank stops after the same step, or none does)."""
+        stop = signals.received is not None
+        if self.ranks is not None:
+            stop = not self.ranks.agree(not stop, f"the stop check after step {self.state.step}")
+        return stop
 
     def train_step(self, step: int) -> dict[str, object]:
         """One optimizer step (`step`: how many ran before it): fetch, stream forward + backward per micro-batch,
@@ -428,8 +452,10 @@ class Trainer:
             peak = max(peak, ex.last_step.peak_device_bytes)
         grad_norm = ex.last_step.grad_norm  # the norm the executor took as the gradients landed (its own groups')
         if global_step == min(2, job.optim.max_steps):  # one measured step (after a warm-up) beside its prediction
-            write_trace(ex.last_step.timeline, self.out / "step_trace_measured.json", process="measured step")
-            write_trace(self.planned.sim.events, self.out / "step_trace_predicted.json", process="predicted step")
+            write_trace(ex.last_step.timeline, self.out / "step_trace_measured.json", process="measured step",
+                        then=rundir.CONTINUE)
+            write_trace(self.planned.sim.events, self.out / "step_trace_predicted.json", process="predicted step",
+                        then=rundir.CONTINUE)
         if self.ranks is not None:  # each rank's share of the global mean; each group's squared norm from its owner
             assert self.shard is not None and ex.last_step.grad_sq_norm is not None
             loss, sq_norm = self.ranks.all_reduce_sum([loss, self.shard.norm_share(ex.last_step.grad_sq_norm)],
@@ -499,16 +525,19 @@ class Trainer:
         return decide() if self.ranks is None else self.ranks.decided_by_main(decide, f"the re-plan after step {step}")
 
     # ---- evaluation -------------------------------------------------------------------------------------
-    def evaluate(self) -> Evaluation:
+    def evaluate(self, stop: Callable[[], bool] | None = None) -> Evaluation:
         """Mean held-out token loss over the eval set (the whole held-out split unless eval_batches caps it),
         forward-only through the executor (streaming like training). With ranks, each rank takes its rows of
-        every global held-out batch and the sums are added over the ranks."""
+        every global held-out batch and the sums are added over the ranks. `stop` (a signal arrived) ends it before the
+        next batch."""
         if not self.eval_set:
             return Evaluation(math.nan, 0, 0)
         loss_sum, count = 0.0, 0
         mine = self.eval_set if not isinstance(self.batches, RankBatches) else [
             self.batches.rows_of(b) for b in self.eval_set]
         for batch in mine:
+            if stop is not None and stop():
+                break
             batch_sum, batch_count = self.executor.forward_loss(  # host sync
                 batch.input_ids, batch.labels, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
             loss_sum, count = loss_sum + batch_sum, count + batch_count
@@ -519,15 +548,17 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """A checkpoint (with ranks: each rank of node 0 writes its own optimizer states, rank 0 the rest, with
-        trainer_state.json, the HF Trainer's view of the run)."""
+        """A checkpoint (with ranks: each rank of node 0 writes its own layer groups' optimizer states, rank 0 the
+        rest, with trainer_state.json, the HF Trainer's view of the run); a signal waits for it (signals.py)."""
         self.executor.drain()  # the overlapped update of the last step first
         hf_state = self.hf_state() if self.ranks is None or self.ranks.is_main else None
-        return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
-                               optimizers=self.optimizers, data_state=self.batches.state_dict(),
-                               plan=self.planned.plan, tokenizer=self.tokenizer,
-                               save_total_limit=self.job.checkpoint.save_total_limit, ranks=self.ranks,
-                               hf_state=hf_state)
+        with saving():
+            return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
+                                   optimizer=self.optimizer, optimizer_kind=self.job.optim.optimizer,
+                                   data_state=self.batches.state_dict(), plan=self.planned.plan,
+                                   tokenizer=self.tokenizer, save_total_limit=self.job.checkpoint.save_total_limit,
+                                   ranks=self.ranks, owned=None if self.shard is None else self.shard.owned,
+                                   hf_state=hf_state)
 
     def hf_state(self) -> dict[str, object]:
         """trainer_state.json's content at this step (its log_history from metrics.jsonl, so a resumed run's too)."""
@@ -550,11 +581,12 @@ class Trainer:
             return None
         return source.epoch + source.position / len(source.examples)
 
-    def resume(self, path: Path) -> None:
-        self.state, data_state = load_checkpoint(path, model=self.model, compute_dtype=self.compute_dtype,
-                                                 optimizers=self.optimizers, ranks=self.ranks)
-        if self.shard is not None:  # every rank loaded its states (and wrote the same weights)
-            self.shard.drop_foreign_states(self.optimizers)  # (a whole-states file: one rank per node's)
+    def resume(self, saved: Saved) -> None:
+        path = saved.path
+        self.state, data_state = load_checkpoint(saved, model=self.model, optimizer=self.optimizer,
+                                                 optimizer_kind=self.job.optim.optimizer,
+                                                 owned=None if self.shard is None else self.shard.owned)
+        if self.shard is not None:  # every rank loaded its groups' states (and wrote the same weights)
             self.shard.fence("loading the checkpoint")
         self.batches.load_state_dict(data_state)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
@@ -609,6 +641,10 @@ def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prob
 
 def _counts(plan: Plan) -> str:
     return " ".join(f"{tier} {n}" for tier, n in plan.counts().items() if n)
+
+
+def _signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 def _fmt(value: object) -> str:
