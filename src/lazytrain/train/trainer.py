@@ -128,11 +128,7 @@ def train(job: JobConfig) -> TrainResult:
 def _train(job: JobConfig) -> TrainResult:
     t_start = time.perf_counter()
     check_job(job)
-    dtype = resolved_dtype(job.runtime, emulated=pick_device_kind(job.runtime.device) == "cpu")
-    if dtype != job.runtime.dtype:  # dtype auto
-        if dtype == "fp32":
-            say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
-        job = replace(job, runtime=replace(job.runtime, dtype=dtype))
+    job = with_dtype(job)
     # Data parallelism (torchrun): None for one process. Rank 0 checks the output directory; the others log
     # under out/rank-<r>/ and never write a checkpoint. The job then names the launched layout (its world_size
     # 1 meant "as many as launched"): the planner plans one rank of it, and rank 0 decides the batch and the plan.
@@ -247,6 +243,16 @@ def _train(job: JobConfig) -> TrainResult:
     if ranks is not None:
         ranks.close()
     return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
+
+
+def with_dtype(job: JobConfig) -> JobConfig:
+    """The job with `dtype: auto` resolved for this machine's device."""
+    dtype = resolved_dtype(job.runtime, emulated=pick_device_kind(job.runtime.device) == "cpu")
+    if dtype == job.runtime.dtype:
+        return job
+    if dtype == "fp32":
+        say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
+    return replace(job, runtime=replace(job.runtime, dtype=dtype))
 
 
 def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path | None, Saved | None]:
