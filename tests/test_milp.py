@@ -136,6 +136,36 @@ def test_milp_optimum_equals_brute_force_with_the_sums_over_the_ranks(case: int)
     assert ev.step_s > alone.step_s + 1e-3  # the optimizer lane's queue of sums shows in the step
 
 
+def with_states(rng: random.Random, inst: PlanningInstance) -> PlanningInstance:
+    """The instance with its optimizer state on NVMe: a drawn staging depth, each group's file from a fraction of
+    a boundary to a few (its read and write from hidden under a window to longer than the update), the updates
+    from free to slower than a forward (serial mode too: they follow the backward group by group)."""
+    L = inst.num_layers
+    update_s = tuple(rng.choice([0.0, rng.uniform(0.0, 0.2)]) for _ in range(L + 2))
+    return replace(inst, staging_depth=rng.randint(1, L), update_s=update_s, optimizer_step_s=sum(update_s),
+                   state_bytes=tuple(rng.uniform(0.02, 1.0) * GB for _ in range(L + 2)))
+
+
+@pytest.mark.parametrize("mode", ["overlap", "serial"])
+@pytest.mark.parametrize("case", range(8))
+def test_milp_optimum_equals_brute_force_with_the_states_on_nvme(case: int, mode: str) -> None:
+    """The optimizer's state on NVMe against the program: each group's state read, update and write in the
+    windows StateSchedule gives, sharing the NVMe lanes with the activations' spills and reads, the prefetch in
+    the last backward windows, serial mode's updates through the slots after the backward; the optimum over every
+    tier list and the MILP's step of its tiers are the simulator's."""
+    rng = random.Random(SEED + 500 + case)
+    L, K = rng.randrange(2, 7), rng.randrange(2, 4)
+    inst = with_states(rng, random_instance(rng, L, nvme=case % 2 == 0, optimizer_mode=mode))
+    solved = assert_brute_force_optimum(inst, K)
+    if solved is None:
+        return
+    sol, ev = solved
+    ram = evaluate_tiers(sol.tiers, replace(inst, staging_depth=0, state_bytes=(),
+                                            update_s=inst.update_s if mode == "overlap" else ()),
+                         max_segment=K, kept_layers=sol.kept_layers)
+    assert ev.step_s >= ram.step_s - 1e-9  # the state ops only ever delay
+
+
 def slow_and_tight(rng: random.Random, L: int, mode: str) -> PlanningInstance:
     """Where the tightened rows bite (milp.py: the lifted windows, the backward rows' C[s]): a d2h link slower
     than the forward (an offload's copy and a segment's gradient d2h show in their windows), working sets of two
@@ -181,11 +211,15 @@ def test_brute_force_cases_exercise_every_tier() -> None:
     assert {"cpu", "recompute"} <= seen and kept == {True, False}
 
 
+@pytest.mark.parametrize("states", [False, True])
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
 @pytest.mark.parametrize("case", range(3))
-def test_fixed_tiers_objective_equals_the_simulated_step(case: int, mode: str) -> None:
+def test_fixed_tiers_objective_equals_the_simulated_step(case: int, mode: str, states: bool) -> None:
+    """Random tier lists (nvme boundaries among them) fixed: the MILP's step is the simulated one; with the
+    optimizer's state on NVMe too (its writes before a window's spill, its reads before the backward's)."""
     rng = random.Random(SEED + 100 + case)
     inst = random_instance(rng, 6, tight=2.0, optimizer_mode=mode)
+    inst = with_states(rng, inst) if states else inst
     options = ("gpu", "cpu", "nvme", "recompute")
     checked = kept_checked = 0
     for _ in range(40):

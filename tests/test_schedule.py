@@ -128,6 +128,46 @@ def test_the_milp_step_is_the_simulated_step_and_its_plans_fit_their_cap(case: d
     assert milp_step_s(plan.tiers, inst, plan.kept_layers) == pytest.approx(milp_s, rel=1e-6)
 
 
+offloads = st.fixed_dictionaries({
+    "depth": st.integers(1, 8),
+    "optimizer": st.sampled_from(["adamw", "8bit"]),
+    "masters": st.sampled_from(["fp32", "bf16"]),
+    "update_gbps": st.sampled_from([1.0, 10.0, 100.0, math.inf]),  # host bytes an update moves per second
+})
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=instances, offload=offloads)
+def test_the_milp_step_is_the_simulated_step_with_the_states_on_nvme(case: dict, offload: dict) -> None:
+    """Issue 10's property with the optimizer's state on NVMe (issue 24): a drawn staging depth, 8-bit or fp32
+    states with or without the fp32 masters, updates from free to slower than the forward, the NVMe link from
+    very slow to free and shared with the activations'; the MILP's step of its plan is the simulated one."""
+    L, mode = case["L"], case["mode"]
+    base = _cost(L, case["rate_gbps"], case["links"])
+    master = "bf16" if offload["optimizer"] == "8bit" else offload["masters"]
+    cost = CostModel(base.spec, base.hardware, base.workload, offload["optimizer"], master_weights=master,
+                     optimizer_offload="nvme")
+    seconds = cost.param_bytes[0] * 8 / 1e9 / offload["update_gbps"]  # per layer group: 4 B of state per byte
+    cost.optimizer_s = [seconds] * L
+    cost.head_optimizer_s = cost.embedding_optimizer_s = seconds * cost.head_param_bytes / cost.param_bytes[0]
+    A = max(cost.boundary_bytes)
+    cap = int(cost.static_device_bytes() + A * min(case["cap_boundaries"], L + 3))
+    budgets = Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=int(A * case["cpu_boundaries"]),
+                      nvme_act_bytes=int(A * L) if case["nvme"] else 0)
+    depth = min(offload["depth"], L)
+    try:
+        plan = solve_milp(cost, budgets, time_limit_s=20, optimizer_mode=mode, staging_depth=depth)
+    except LazyTrainError:
+        return
+    assert plan.report.status in ("optimal", "time_limit")
+    assert (plan.optimizer_offload, plan.staging_depth) == ("nvme", depth)
+    sim = simulate(plan, cost, optimizer_mode=mode)
+    assert sim.peak_bytes["gpu"] <= cap
+    assert plan.report.options["step_s"] == pytest.approx(sim.step_s, rel=1e-6)
+    inst = instance_from_cost(cost, budgets, optimizer_mode=mode, staging_depth=depth)
+    assert milp_step_s(plan.tiers, inst, plan.kept_layers) == pytest.approx(sim.step_s, rel=1e-6)
+
+
 ranks = st.fixed_dictionaries({
     "local_ranks": st.sampled_from([1, 2, 4, 8]),
     "nodes": st.sampled_from([1, 2, 4]),

@@ -109,7 +109,8 @@ def test_paper_presets_have_the_papers_shapes() -> None:
             spec.intermediate_size) == (64, 5120, 24, 4, 17408)
     assert 26e9 < spec.num_params < 28e9  # language model of a "27B" (the vision tower is not planned)
     for preset, low, high in [("qwen2.5-3b", 3.0e9, 3.2e9), ("qwen2.5-7b", 7.5e9, 7.7e9),
-                              ("qwen2.5-14b", 14.6e9, 14.9e9), ("llama-3.1-8b", 8.0e9, 8.1e9),
+                              ("qwen2.5-14b", 14.6e9, 14.9e9), ("qwen2.5-32b", 32.7e9, 32.8e9),
+                              ("llama-3.1-8b", 8.0e9, 8.1e9),
                               ("llama-3.1-70b", 70.5e9, 70.6e9), ("gpt-oss-120b", 116e9, 118e9)]:
         assert low < ModelSpec.load(preset).num_params < high, preset
     oss = ModelSpec.load("gpt-oss-120b")  # OpenAI: 116.8 B total, 5.13 B active (the embedding not counted)

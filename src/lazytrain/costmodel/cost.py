@@ -578,6 +578,21 @@ class CostModel:
             out.head_s = float(head_s)
         return out
 
+    def with_optimizer_offload(self, optimizer_offload: str) -> CostModel:
+        """A copy with the optimizer's state in RAM (`host`) or on NVMe (`nvme`): the same seconds, another host
+        layout (what `lazytrain plan` compares, and what a refusal suggests)."""
+        if optimizer_offload not in OPTIMIZER_OFFLOADS:
+            raise LazyTrainError(f"optimizer_offload {optimizer_offload!r} is not one of "
+                                 f"{', '.join(OPTIMIZER_OFFLOADS)}")
+        out = copy.copy(self)
+        out.optimizer_offload = optimizer_offload
+        return out
+
+    @property
+    def least_staging_depth(self) -> int:
+        """The staging slots every plan holds: 1 with the states on NVMe (a plan may take more), 0 in RAM."""
+        return 1 if self.optimizer_offload == "nvme" else 0
+
     def with_device_constants(self, num_bytes: int) -> CostModel:
         """A copy whose per-step device constants are the executor's own count (`Shapes.constant_bytes`:
         padded or packed batches make positions and every mask per row, which the shapes alone do not tell)."""

@@ -29,7 +29,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
 from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
-from lazytrain.plan.admission import host_need
+from lazytrain.plan.admission import check_nvme_space, host_need
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import Deadline, make_plan
 from lazytrain.plan.ranks import predict_ranks
@@ -76,9 +76,14 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(note)
         topology, cost, admission, budgets = rank_inputs(job, spec, hardware, job.data.per_device_train_batch_size)
+        if job.runtime.nvme_dir is not None:  # the job names its SSD: what it writes there must fit
+            check_nvme_space(cost, budgets.nvme_act_bytes, job.runtime.nvme_dir)
         plan = make_plan(job.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode,
                          topology=topology)
+        in_ram = _in_ram(job, spec, hardware, deadline) if cost.optimizer_offload == "nvme" else None
     own, milp_s = _print_plan(job, cost, admission, plan, topology)
+    if in_ram is not None:
+        _print_offload(job, cost, plan, own, in_ram)
     if topology.parallel:
         _print_ranks(job, cost, plan, topology)
     if args.json:
@@ -111,6 +116,52 @@ def _print_max_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, de
     for name, batch in sizes.items():
         total = global_batch(job, batch)
         print(f"  {name:<16} {batch}" + (f"   global batch {total}" if total != str(batch) else ""))
+
+
+# ---- the optimizer's state on NVMe ----------------------------------------------------------------------
+IN_RAM_HOST_BYTES = 1 << 40  # the host memory the in-RAM comparison assumes at least (issue 24's 1 TiB)
+
+
+def _in_ram(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, deadline: Deadline
+            ) -> tuple[SimResult, Plan, int, int | None]:
+    """The same job with the optimizer's state in RAM and at least IN_RAM_HOST_BYTES of host memory: its
+    prediction, plan, host need, and the host limit it would have had (None: not checked)."""
+    ram = replace(job, runtime=replace(job.runtime, optimizer_offload="host"))
+    limit = job.plan.cpu_mem_bytes if job.plan.cpu_mem_bytes is not None else hardware.host_mem_bytes
+    big = replace(ram, plan=replace(ram.plan, cpu_mem_bytes=max(limit or 0, IN_RAM_HOST_BYTES)))
+    topology, cost, _, budgets = rank_inputs(big, spec, hardware, job.data.per_device_train_batch_size)
+    plan = make_plan(big.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode,
+                     topology=topology)
+    return simulate(plan, cost, optimizer_mode=job.optim.optimizer_mode, topology=topology), plan, \
+        host_need(cost)[0], limit
+
+
+def _print_offload(job: JobConfig, cost: CostModel, plan: Plan, own: SimResult,
+                   in_ram: tuple[SimResult, Plan, int, int | None]) -> None:
+    """Where the optimizer's state lives, bytes per parameter on each side, the step beside the same job's with the
+    state in RAM, and whether offload is what makes the job fit."""
+    n, D = cost.spec.num_params, plan.staging_depth
+    ram, ram_plan, ram_need, limit = in_ram
+    host = host_need(cost, D)[0]
+    files = sum(1 for b in cost.state_group_bytes() if b)
+    where = job.runtime.nvme_dir or "nvme_dir (a temporary directory)"
+    masters = " and fp32 masters (but the embedding's)" if cost.masters_offloaded else ""
+    print(f"optimizer state on nvme: {cost.optimizer} states{masters}, {format_bytes(cost.nvme_state_bytes())} in "
+          f"{files} files under {where}; staged through {D} host slot(s) of {format_bytes(cost.staging_slot_bytes)}")
+    steps = plan.report.options.get("staging_steps", [])
+    if len(steps) > 1:
+        print("  staging depth: " + ", ".join(f"{d} slot(s) {s:.3f} s" for d, s in steps) + f"; planned with {D}")
+    staging = cost.host_breakdown(D)["staging"]
+    print(f"  bytes per parameter: host {(host - staging) / n:.2f} + staging {staging / n:.2f} = {host / n:.2f}, "
+          f"nvme {cost.nvme_state_bytes() / n:.2f} (with the state in RAM: host {ram_need / n:.2f})")
+    fits = limit is None or ram_need <= limit
+    why = ("offload is not needed to fit: with the state in RAM it needs " + format_bytes(ram_need)
+           + (f" of {format_bytes(limit)}" if limit is not None else "")) if fits else (
+        f"offload is what makes this job fit: with the state in RAM it needs {format_bytes(ram_need)} of host "
+        f"memory, {format_bytes(limit)} here")
+    print(f"  step: {own.step_s:.3f} s with the state on nvme vs {ram.step_s:.3f} s in RAM with "
+          f"{format_bytes(max(limit or 0, IN_RAM_HOST_BYTES))} of host memory ({own.step_s / ram.step_s:.3f}x; "
+          f"{ram_plan.counts()['cpu']} cpu boundaries there, {plan.counts()['cpu']} here); {why}")
 
 
 # ---- data parallelism -----------------------------------------------------------------------------------
@@ -161,6 +212,7 @@ def _prediction_rows(job: JobConfig, cost: CostModel, plan: Plan, topology: Topo
     rows = [(name, mode, own)] + [(name, other, simulate(plan, cost, optimizer_mode=other, topology=topology))
                                   for other in ("overlap", "serial") if other != mode]
     rule = make_rule_plan("megatrain", cost.spec, interval=interval, workload=cost.workload)
+    rule = replace(rule, optimizer_offload=plan.optimizer_offload, staging_depth=plan.staging_depth)
     if plan.tiers != rule.tiers:
         rows += [(f"megatrain K={interval}", other, simulate(rule, cost, optimizer_mode=other, topology=topology))
                  for other in ("overlap", "serial")]
@@ -173,11 +225,12 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}"
           f"{'; masks of padded or packed batches counted' if wl.masked else ''}), optimizer {job.optim.optimizer}")
-    need, detail = host_need(cost)  # the rule `lazytrain train` checks against the machine's available memory
+    need, detail = host_need(cost, plan.staging_depth)  # `lazytrain train` checks it against the available memory
     limit = admission.host_limit_bytes
     print(f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
           + (f"fits {format_bytes(limit)}" if limit is not None else "not checked (no --cpu-mem)"))
-    cpu = "unlimited" if admission.cpu_act_bytes is None else format_bytes(admission.cpu_act_bytes)
+    cpu_act = plan.budgets_bytes.get("cpu_act_bytes", admission.cpu_act_bytes)  # a plan's staging takes its share
+    cpu = "unlimited" if cpu_act is None else format_bytes(cpu_act)
     nvme = "unlimited" if admission.nvme_act_bytes is None else format_bytes(admission.nvme_act_bytes)
     print(f"budgets: gpu cap {format_bytes(admission.gpu_mem_cap_bytes)} = static "
           f"{format_bytes(cost.static_device_bytes())} + activations {format_bytes(admission.gpu_act_bytes)}; "
@@ -203,7 +256,8 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
               f"MILP objective of its tiers {r.objective:.3f} s")
     rows, own = _prediction_rows(job, cost, plan, topology)
     milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission, optimizer_mode=job.optim.optimizer_mode,
-                                                        topology=topology), plan.kept_layers)
+                                                        topology=topology, staging_depth=plan.staging_depth),
+                         plan.kept_layers)
     if milp_s is None:
         print(f"step: simulated {own.step_s:.3f} s (the MILP does not place the last segment's start on nvme)")
     else:

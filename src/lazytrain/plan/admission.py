@@ -1,8 +1,9 @@
 """Admission control: refuse a request that no plan can satisfy, before any solve, in one line.
 
 Four budgets are checked, in this order, each against what *every* plan needs:
-  host memory     static_host_bytes() (weights, grads, optimizer states by mode, staging) against --cpu-mem
-                  (or the hardware's host memory; unchecked when neither is known);
+  host memory     static_host_bytes() (weights, grads, optimizer states by mode; with optimizer_offload nvme no
+                  states but one staging slot, the least any plan holds) against --cpu-mem (or the hardware's
+                  host memory; unchecked when neither is known);
   device memory   static_device_bytes() (2 weight slots + 2 gradient slots sized for layers, the largest working
                   set of a layer or the loss head, 2 boundary gradients, constants) against --gpu-mem-cap (or the
                   device's memory);
@@ -13,17 +14,25 @@ Four budgets are checked, in this order, each against what *every* plan needs:
                   the gradient of L, + the head's own weight and gradient slots when it has them: not static,
                   they are live in its window);
   cpu activations --cpu-act-budget must fit in the host memory left after the static host bytes.
-The result carries the activation budgets the planners use (M_G, M_C, M_N).
+The result carries the activation budgets the planners use (M_G, M_C, M_N) and the host room a plan's further
+staging slots come out of (`staging_budgets`).
+With the optimizer's state on NVMe, `check_nvme_space` is the NVMe side ("nvme: needs M GiB on <dir>"): `lazytrain
+train` calls it before it writes anything, `lazytrain plan` when the job names its nvme_dir.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.budgets import Budgets
 from lazytrain.units import format_bytes
+
+MAX_STAGING_DEPTH = 8  # staging slots a plan may take: beyond a few the reads have all the slack they can use
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class Admission:
     gpu_act_bytes: int  # M_G: cap - static_device_bytes()
     cpu_act_bytes: int | None  # M_C: --cpu-act-budget, else the host room left, else None
     nvme_act_bytes: int | None  # M_N: --nvme-act-budget (0 = no NVMe tier; None = unlimited)
+    host_room_bytes: int | None = None  # the host limit less the static bytes (and the least staging); None: unknown
 
 
 def device_floor_bytes(cost: CostModel) -> int:
@@ -62,15 +72,20 @@ def _short(what: str, need: int, need_detail: str, limit: int, knob: str, advice
     )
 
 
-def host_need(cost: CostModel) -> tuple[int, str]:
-    """The static host bytes and their breakdown in words ("weights 28.4 GiB, grads ...")."""
-    host = cost.host_breakdown()
+def host_need(cost: CostModel, staging_depth: int | None = None) -> tuple[int, str]:
+    """The static host bytes and their breakdown in words ("weights 28.4 GiB, grads ..."), with `staging_depth`
+    staging slots (None: the least any plan holds)."""
+    host = cost.host_breakdown(cost.least_staging_depth if staging_depth is None else staging_depth)
     return sum(host.values()), ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
 
 
 def host_advice(cost: CostModel) -> str:
     """What would shrink the host layout, most effective first (the same words from both commands)."""
     options = []
+    if cost.optimizer_offload == "host":
+        nvme = cost.with_optimizer_offload("nvme")
+        options.append(f"--optimizer-offload nvme (the optimizer's state on an NVMe SSD: host memory "
+                       f"{format_bytes(host_need(nvme)[0])}, {format_bytes(nvme.nvme_state_bytes())} on the SSD)")
     if cost.optimizer != "8bit":
         options.append("--optimizer 8bit (2 instead of 8 bytes of state per parameter)")
     if cost.master_weights == "fp32" and cost.dtype_bytes == 2:
@@ -92,7 +107,7 @@ def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     hw = cost.hardware
 
     # ---- host memory: weights, grads, optimizer states, staging ------------------------------------
-    static_host = cost.static_host_bytes()
+    static_host = cost.static_host_bytes(cost.least_staging_depth)
     host_limit = budgets.host_mem_bytes if budgets.host_mem_bytes is not None else hw.host_mem_bytes
     host_knob = "--cpu-mem" if budgets.host_mem_bytes is not None else f"the {hw.name} host memory"
     if host_limit is not None:
@@ -139,4 +154,55 @@ def admit(cost: CostModel, budgets: Budgets | None = None) -> Admission:
     return Admission(host_need_bytes=static_host + (cpu_act or 0), host_limit_bytes=host_limit,
                      device_floor_bytes=floor, gpu_mem_cap_bytes=cap, gpu_act_bytes=gpu_act,
                      cpu_act_bytes=cpu_act if cpu_act is not None else host_room,
-                     nvme_act_bytes=budgets.nvme_act_bytes)
+                     nvme_act_bytes=budgets.nvme_act_bytes, host_room_bytes=host_room)
+
+
+def staging_budgets(cost: CostModel, budgets: Budgets, num_layers: int | None = None
+                    ) -> list[tuple[int, Budgets]]:
+    """The staging depths a plan may take, each with its budgets: with the optimizer's state on NVMe D = 1 ..
+    min(L, MAX_STAGING_DEPTH) slots of `staging_slot_bytes`, as many as the host holds beside the cpu activations:
+    the slots beyond the first (which admission counted) come out of the host room the activations would get, so
+    M_C(D) = min(M_C, room - (D - 1) slot) with room = the host limit less the static bytes and one slot (the cpu
+    activation budget itself when the limit is unknown). In RAM: [(0, budgets)]."""
+    if cost.optimizer_offload != "nvme":
+        return [(0, budgets)]
+    slot, L = cost.staging_slot_bytes, num_layers or cost.num_layers
+    limit = budgets.host_mem_bytes if budgets.host_mem_bytes is not None else cost.hardware.host_mem_bytes
+    # the host limit less the static bytes and one slot; unknown: the cpu activation budget (None = unlimited)
+    room = budgets.cpu_act_bytes if limit is None else limit - cost.static_host_bytes(1)
+    out = []
+    for depth in range(1, min(L, MAX_STAGING_DEPTH) + 1):
+        left = math.inf if room is None else room - (depth - 1) * slot
+        if left < 0:
+            break
+        cpu = budgets.cpu_act_bytes
+        out.append((depth, budgets if left == math.inf else replace(
+            budgets, cpu_act_bytes=int(left if cpu is None else min(cpu, left)))))
+    return out
+
+
+def nvme_need(cost: CostModel, nvme_act_bytes: int | None) -> tuple[int, str]:
+    """The NVMe bytes a run writes at most: the optimizer's state files (optimizer_offload nvme) and the activation
+    spills (its nvme activation budget; 0 = none, None = unlimited: not counted), with the breakdown in words."""
+    spills = nvme_act_bytes or 0
+    states = cost.nvme_state_bytes()
+    parts = [f"optimizer state files {format_bytes(states)}"] if states else []
+    parts += [f"activation spills up to {format_bytes(spills)}"] if spills else []
+    return states + spills, ", ".join(parts)
+
+
+def check_nvme_space(cost: CostModel, nvme_act_bytes: int | None, directory: str | Path) -> None:
+    """Raise, before anything is written, when `directory` cannot hold what the run writes there (`nvme_need`): the
+    one rule of `lazytrain train` (its nvme_dir) and `lazytrain plan` (a job that names one)."""
+    need, detail = nvme_need(cost, nvme_act_bytes)
+    if not need:
+        return
+    path = Path(directory)
+    if not path.is_dir():
+        raise LazyTrainError(f"nvme: needs {format_bytes(need)} ({detail}) on {path}, which is not a directory; "
+                             "create it or set nvme_dir to a directory on an NVMe SSD")
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise LazyTrainError(f"nvme: needs {format_bytes(need)} ({detail}) on {path} but it has {format_bytes(free)} "
+                             f"free (short by {format_bytes(need - free)}); free space there, set nvme_dir to another "
+                             "disk, or lower --nvme-act-budget")

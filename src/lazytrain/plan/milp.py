@@ -88,6 +88,7 @@ from lazytrain.plan.schedule import (
     StepProgram,
     build_program,
     segments_of,
+    state_schedule,
     update_order,
 )
 from lazytrain.plan.sim import compute_seconds, op_seconds, update_seconds
@@ -154,7 +155,8 @@ class PlanningInstance:
     embedding_s: float = 0.0  # the embedding backward on the host (and its group's optimizer step in overlap)
     optimizer_step_s: float = 0.0  # mode "serial": the whole optimizer step after the backward
     # mode "overlap": the previous step's update of each group at the step's start, at index target + 1
-    # (embedding, layers 0..L-1, head; sim.update_seconds), run in forward order (schedule.update_order)
+    # (embedding, layers 0..L-1, head; sim.update_seconds), run in forward order (schedule.update_order); also in
+    # mode "serial" with the states on NVMe, where they follow the backward group by group
     update_s: tuple[float, ...] = ()
     tied_head: bool = False  # the head's group owns the embedding: its update goes first
     # data parallelism (costmodel/topology.py): every group's gradient is summed over the ranks on the optimizer lane
@@ -163,13 +165,22 @@ class PlanningInstance:
     topology: Topology = ONE_RANK
     reduce_s: tuple[float, ...] = ()
     gather_s: float = 0.0
+    # optimizer_offload nvme (issue 24): D staging slots and each group's state file bytes at index target + 1
+    # (embedding, layers 0..L-1, head), read and written by the step program's state ops; 0 / () = the states in RAM
+    staging_depth: int = 0
+    state_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         L = len(self.forward_s)
+        if self.staging_depth and (not 1 <= self.staging_depth <= L or len(self.state_bytes) != L + 2):
+            raise LazyTrainError(f"planning instance: staging_depth {self.staging_depth} needs 1..{L} and state_bytes "
+                                 f"for the embedding, {L} layers and the head ({L + 2} entries), got "
+                                 f"{len(self.state_bytes)}")
         if self.topology.parallel and len(self.reduce_s) != L + 1:
             raise LazyTrainError(f"planning instance: {self.topology.world_size} ranks need reduce_s for the {L} "
                                  f"layers and the head ({L + 1} entries), got {len(self.reduce_s)}")
-        for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes", "working_bytes", "graph_bytes"):
+        for name in ("forward_s", "backward_s", "boundary_bytes", "param_bytes", "working_bytes", "graph_bytes",
+                     "state_bytes"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if not self.working_bytes:
             object.__setattr__(self, "working_bytes", (0.0,) * L)
@@ -217,9 +228,27 @@ class PlanningInstance:
         shapes = Shapes(boundary_bytes=tuple(round(a) for a in self.boundary_bytes),
                         param_bytes=tuple(round(p) for p in self.param_bytes),
                         head_param_bytes=round(self.head_param_bytes), working_bytes=(0,) * L, head_working_bytes=0,
-                        tied_head=self.tied_head)
+                        tied_head=self.tied_head, state_bytes=tuple(round(b) for b in self.state_bytes))
         return build_program(tuple(tiers), shapes, optimizer_mode=self.optimizer_mode, updates=bool(self.update_s),
-                             topology=self.topology, kept_layers=kept_layers)
+                             topology=self.topology, kept_layers=kept_layers, staging_depth=self.staging_depth)
+
+    def serial_updates_s(self) -> float:
+        """Serial mode with the states on NVMe: the seconds of the program's updates after the backward (update k,
+        its write, the read of group k + D after that write, FIFO per lane; the first D groups prefetched), from
+        lanes idle at the backward's end: the step's constant tail."""
+        state = state_schedule(self.num_layers, self.tied_head, self.staging_depth)
+        D, targets = state.depth, state.targets
+        rate_r, rate_w = self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s
+        read_s = [0.0 if not math.isfinite(rate_r) else self.state_bytes[t + 1] / rate_r for t in targets]
+        write_s = [0.0 if not math.isfinite(rate_w) else self.state_bytes[t + 1] / rate_w for t in targets]
+        update = write = read = 0.0
+        ready: dict[int, float] = {}
+        for k, t in enumerate(targets):
+            update = max(update, ready.get(k, 0.0)) + self.update_s[t + 1]
+            write = max(write, update) + write_s[k]
+            if k + D < len(targets):
+                read = ready[k + D] = max(read, write) + read_s[k + D]
+        return max(update, write)
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e] = sum_{j=s..e-2} rho[j]: the block's last layer output is e, already materialized."""
@@ -264,7 +293,7 @@ class PlanningInstance:
 
 
 def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optimizer_mode: str = "overlap",
-                       topology: Topology = ONE_RANK, **options: Any) -> PlanningInstance:
+                       topology: Topology = ONE_RANK, staging_depth: int = 0, **options: Any) -> PlanningInstance:
     """A PlanningInstance from a CostModel (costmodel/cost.py) and Budgets (plan/budgets.py).
 
     M_G = (budgets.gpu_mem_cap_bytes or the device's memory) - cost.static_device_bytes(); M_C = cpu activation
@@ -272,11 +301,16 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
     U_F = the layer gradient slots and boundary-gradient buffers, which the schedule allocates only at the loss
     head; h = cost.head_slot_bytes (charged where live, not in the static bytes).
     The optimizer-lane seconds are the simulator's for `optimizer_mode`, with (`topology` of more than one rank)
-    each group's sum over the ranks as the simulator times the program's bytes. `options` override
-    PlanningInstance fields (e.g. lambda_z).
+    each group's sum over the ranks as the simulator times the program's bytes. A cost model with its optimizer
+    state on NVMe (optimizer_offload nvme) needs `staging_depth` D >= 1 (the planner tries each that fits the host
+    memory: planner.staging_choices). `options` override PlanningInstance fields (e.g. lambda_z).
     """
     if optimizer_mode not in OPTIMIZER_MODES:
         raise LazyTrainError(f"optimizer_mode {optimizer_mode!r} is not one of {', '.join(OPTIMIZER_MODES)}")
+    offload = getattr(cost, "optimizer_offload", "host") == "nvme"
+    if offload != (staging_depth > 0):
+        raise LazyTrainError(f"staging_depth {staging_depth} with optimizer_offload "
+                             f"{getattr(cost, 'optimizer_offload', 'host')}: nvme needs a depth >= 1, host none")
     L = int(cost.num_layers)
     gpu_cap = getattr(budgets, "gpu_mem_cap_bytes", None)
     if gpu_cap is None:
@@ -307,9 +341,11 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         land_s=tuple(op_seconds(Op(0, "optimizer", "land", j), cost) for j in range(L + 1)),
         embedding_s=op_seconds(Op(0, "optimizer", "embedding", 0), cost),
         optimizer_step_s=op_seconds(Op(0, "optimizer", "step"), cost),
-        update_s=update_seconds(cost) if optimizer_mode == "overlap" else (),
+        update_s=update_seconds(cost) if optimizer_mode == "overlap" or offload else (),
         tied_head=bool(cost.spec.tie_word_embeddings),
         graph_bytes=Shapes.from_cost(cost).graph_bytes,
+        staging_depth=staging_depth,
+        state_bytes=cost.state_group_bytes() if offload else (),
     )
     if topology.parallel:  # the program's bytes (Shapes.from_cost), timed as the simulator times them
         shapes = Shapes.from_cost(cost)
@@ -384,7 +420,7 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
                    "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
                    "head_working_bytes", "static_working_bytes", "head_slot_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
-    for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes"):
+    for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes", "state_bytes"):
         changes[name] = tuple(b / unit for b in getattr(inst, name))
     return replace(inst, **changes)
 
@@ -404,6 +440,12 @@ class _Formulation:
         self.aW, self.aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
         self.p = [*inst.param_bytes, inst.head_param_bytes]
         self.send = [self.aD * p for p in self.p]
+        # optimizer_offload nvme: where the state ops go (plan/schedule.py), and the seconds of the state read each
+        # backward window B_j prefetches for the next update (B_{L-1-k}, group k < D)
+        self.state = state_schedule(self.L, inst.tied_head, inst.staging_depth) if inst.staging_depth else None
+        self.prefetch_s = {self.L - 1 - k: self.aR * inst.state_bytes[t + 1]
+                           for k, t in enumerate(self.state.targets[:self.state.depth])} if self.state else {}
+        self.T0: int | None = None  # the start window's seconds, a column when the state ops make it one
         for family in (self._add_variables, self._add_path, self._add_placement, self._add_kept, self._add_capacity,
                        self._add_gpu_memory, self._add_nvme_reads, self._add_forward_windows, self._add_head_window,
                        self._add_recompute_windows, self._add_backward_windows, self._add_updates, self._add_step,
@@ -681,7 +723,9 @@ class _Formulation:
             T[B_j] >= lb = beta[j] (kb[j] when j may be kept),   T[B_j] >= beta[j] - (beta[j] - kb[j]) y[j]
             T[B_j] >= lb + (d[j+1] - lb)+ w
             T[B_j] >= a_H (p[j-1] (1 - z[j] - y[j-1]) + sum_s x[s,j] p[s] + sum_s A[s] v[s,j])
-            T[B_j] >= a_R sum_s A[s] vn[s,j-1]"""
+            T[B_j] >= a_R (P[j] + sum_s A[s] vn[s,j-1])
+        P[j]: with the optimizer's state on NVMe, the state file B_j prefetches for the next update (group k < D in
+        B_{L-1-k}), queued on the nvme_read lane before the activations' reads; 0 otherwise."""
         inst, m, x, A, aH = self.inst, self.m, self.x, self.inst.boundary_bytes, self.aH
         p = self.p
         self.B: list[int] = []
@@ -703,8 +747,9 @@ class _Formulation:
                         _add(h2d, v, aH * A[s])
                 _add(h2d, self.y[j - 1], -aH * p[j - 1])  # B_{j-1} kept: no weights to stream
                 loads.append((aH * p[j - 1], h2d))
-            if j > 1:
-                loads.append((0.0, self._reads(j - 1)))
+            reads = self._reads(j - 1) if j > 1 else {}
+            if reads or j in self.prefetch_s:
+                loads.append((self.prefetch_s.get(j, 0.0), reads))
             if inst.graph_bytes and kb < beta:
                 loads.append((beta, {self.y[j]: -(beta - kb)}))
             self.B.append(self._window(f"T[B{j}]", lb, loads))
@@ -717,7 +762,10 @@ class _Formulation:
             start + sum_{i<=j} T[F_i] >= ends[j+1] + a_H p[j+1]"""
         inst, m, L, A, aH = self.inst, self.m, self.L, self.inst.boundary_bytes, self.aH
         self.start_s = aH * (A[0] + self.p[0])
-        if not inst.update_s:
+        if not inst.update_s or inst.optimizer_mode != "overlap":
+            return
+        if self.state is not None:
+            self._add_state_pipeline()
             return
         ends, t = {}, 0.0
         for target in update_order(L, inst.tied_head):
@@ -729,6 +777,77 @@ class _Formulation:
             due = ends[j + 1] + aH * self.p[j + 1] - self.start_s
             if due > 0:
                 m.row(f"update[{j + 1}]", {T: 1.0 for T in self.F[:j + 1]}, lo=due)
+
+    def _window_end(self, w: int) -> dict[int, float]:
+        """E(w), the end of forward-phase window w (0 = start, j + 1 = F_j, L + 1 = H) as column coefficients."""
+        assert self.T0 is not None
+        return {self.T0: 1.0, **{T: 1.0 for T in self.F[:w]}, **({self.H: 1.0} if w > self.L else {})}
+
+    def _add_state_pipeline(self) -> None:
+        """Overlap mode with the optimizer's state on NVMe (staging depth D; plan/schedule.py's StateSchedule):
+        group k (update order, targets t[k]) is updated from its staging slot, written back in window write[k] and
+        the slot refilled with group k + D in window read[k + D]; the ops start at their window's start E(w - 1),
+        first on their lanes, FIFO. The event times are columns with the simulator's max-plus as lower bounds (the
+        objective pushes each down to its max): update end U, read end R, write end W, with u = the update's
+        seconds, r = a_R S, w = a_W S of the group's file S:
+            U[k] >= U[k-1] + u[k],   U[k] >= R[k] + u[k] (k >= D; the first D were read in the last backward)
+            R[k] >= E(read[k] - 1) + r[k],   R[k] >= R[k-1] + r[k],   R[k] >= W[k - D] + r[k]
+            W[k] >= U[k] + w[k],   W[k] >= E(write[k] - 1) + w[k],   W[k] >= W[k-1] + w[k]
+        and each window ends after what it issued: E(read[k]) >= R[k], E(write[k]) >= W[k], the start's h2d
+        (boundary 0 after group 0's update, then layer 0's weights after its own) E(0) >= U[0] + a_H (A[0] + p[0]),
+        E(0) >= U[1] + a_H p[0], the weights of group k >= 2 E(k - 1) >= U[k] + a_H p[t[k]], and a spill behind the
+        window's state writes E(w) >= W[last written in w] + a_W A[b] n[b]. The start window is a column T0; the
+        host mode's rows (`update[j]`, a constant start) are these with R and W absent."""
+        inst, m, L, A = self.inst, self.m, self.L, self.inst.boundary_bytes
+        aH, aR, aW = self.aH, self.aR, self.aW
+        state = self.state
+        assert state is not None
+        D, targets, G = state.depth, state.targets, len(state.targets)
+        S = [inst.state_bytes[t + 1] for t in targets]
+        self.T0 = m.var("T[start]", lb=aH * (A[0] + self.p[0]))
+        self.start_s = 0.0
+
+        def after(name: str, later: int | dict[int, float], earlier: int | dict[int, float] | None,
+                  seconds: float) -> None:
+            """later >= earlier + seconds (each a column or E(w)'s coefficients; earlier None: the step's start)."""
+            coefs = dict(later) if isinstance(later, dict) else {later: 1.0}
+            for var, coef in ({} if earlier is None else earlier if isinstance(earlier, dict) else {earlier: 1.0}
+                              ).items():
+                _add(coefs, var, -coef)
+            m.row(name, coefs, lo=seconds)
+
+        def start_of(w: int) -> dict[int, float] | None:
+            return None if w == 0 else self._window_end(w - 1)
+
+        U = [m.var(f"U[{k}]") for k in range(G)]
+        R = {k: m.var(f"R[{k}]") for k in range(D, G)}
+        W = [m.var(f"W[{k}]") for k in range(G)]
+        for k, t in enumerate(targets):
+            upd = inst.update_s[t + 1]
+            after(f"U[{k}]_lane", U[k], U[k - 1] if k else None, upd)
+            if k >= D:
+                after(f"U[{k}]_read", U[k], R[k], upd)
+                after(f"R[{k}]_issue", R[k], start_of(state.read[k]), aR * S[k])
+                if k > D:
+                    after(f"R[{k}]_lane", R[k], R[k - 1], aR * S[k])
+                after(f"R[{k}]_slot", R[k], W[k - D], aR * S[k])
+                after(f"R[{k}]_fence", self._window_end(state.read[k]), R[k], 0.0)
+            after(f"W[{k}]_update", W[k], U[k], aW * S[k])
+            after(f"W[{k}]_issue", W[k], start_of(state.write[k]), aW * S[k])
+            if k:
+                after(f"W[{k}]_lane", W[k], W[k - 1], aW * S[k])
+            after(f"W[{k}]_fence", self._window_end(state.write[k]), W[k], 0.0)
+            if k >= 2 and not (inst.tied_head and t == L):
+                after(f"update[{t}]", self._window_end(k - 1), U[k], aH * self.p[t])
+        after("update[first]", self._window_end(0), U[0], aH * (A[0] + self.p[0]))
+        after("update[0]", self._window_end(0), U[1], aH * self.p[0])
+        if inst.nvme_act_bytes > 0:  # a spill queues behind its window's state writes: F_j spills j-1, H spills L-1
+            for w in range(3, L + 2):
+                written = state.writes_in(w)
+                b = w - 2 if w <= L else L - 1
+                if written and b > 0:
+                    coefs = {**self._window_end(w), W[written[-1]]: -1.0, self.n[b]: -aW * A[b]}
+                    m.row(f"spill[{b}]_after_state", coefs, lo=0.0)
 
     def _add_step(self) -> None:
         """The step S: Q[k] is the end of B_k less the recompute windows of B_k's own segment that run before it,
@@ -750,7 +869,8 @@ class _Formulation:
             land = tuple(a + r for a, r in zip(land, inst.reduce_s, strict=True))
         grad0 = self.aD * (self.p[0] + A[0])
         Q = [m.var(f"Q[{k}]") for k in range(L + 1)]
-        m.row(f"Q[{L}]", {Q[L]: 1.0, self.H: -1.0, **{T: -1.0 for T in F}}, self.start_s, self.start_s)
+        start = {self.T0: -1.0} if self.T0 is not None else {}  # the start window: a column, or a constant
+        m.row(f"Q[{L}]", {Q[L]: 1.0, self.H: -1.0, **{T: -1.0 for T in F}, **start}, self.start_s, self.start_s)
         for k in range(L):
             m.row(f"Q[{k}]", {Q[k]: 1.0, Q[k + 1]: -1.0, B[k]: -1.0, **({R[k]: -1.0} if k < L - 1 else {})}, 0, 0)
         S = self.S = m.var("S", cost=1.0)
@@ -779,7 +899,8 @@ class _Formulation:
                 for xv in starts:
                     coefs[xv] = -M
                 m.row(f"S_land[{k},{s}]", coefs, lo=send[k] + queued[k] - M)
-        m.offset = inst.optimizer_step_s if inst.optimizer_mode == "serial" else 0.0
+        if inst.optimizer_mode == "serial":  # the optimizer step after the backward, from idle lanes: a constant
+            m.offset = inst.serial_updates_s() if self.state is not None else inst.optimizer_step_s
 
     def _window(self, name: str, lb: float, loads: list[tuple[float, dict[int, float]]], ub: float = INF) -> int:
         """T >= lb and T >= const + sum coef var for every (const, coefs) in loads."""
@@ -1047,6 +1168,7 @@ def solve_instance(inst: PlanningInstance, *, max_segment: int = DEFAULT_MAX_SEG
                  "num_binaries": sum(m.integer) - len(form.counts), "fixed_tiers": fixed_tiers is not None,
                  "build_s": round(sum(form.build_s.values()), 4), "step_s": step_s,
                  "optimizer_mode": inst.optimizer_mode, "kept_layers": kept, **m.stats,
+                 **({"staging_depth": inst.staging_depth} if inst.staging_depth else {}),
                  **({"world_size": inst.topology.world_size, "nodes": inst.topology.nodes}
                     if inst.topology.parallel else {})},
     )
@@ -1104,15 +1226,19 @@ def solve_milp(cost: CostModel, budgets: Budgets | None = None, *, max_segment: 
                solver: str = DEFAULT_SOLVER,
                fixed_tiers: Sequence[str] | None = None, start_tiers: Sequence[str] | None = None,
                deadline_s: float | None = None, optimizer_mode: str = "overlap",
-               topology: Topology = ONE_RANK, kept_layers: int | None = None, start_kept: int = 0) -> Plan:
+               topology: Topology = ONE_RANK, kept_layers: int | None = None, start_kept: int = 0,
+               staging_depth: int = 0) -> Plan:
     """Solve the MILP for a CostModel under Budgets and return the Plan (Contract 1, docs/architecture.md); its report's
     `options["step_s"]` is the MILP's step seconds of the plan for `optimizer_mode` on one rank of `topology`.
-    kept_layers: K fixed, or None: the MILP decides how many layers keep their graphs."""
-    inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode, topology=topology)
+    kept_layers: K fixed, or None: the MILP decides how many layers keep their graphs. staging_depth: D >= 1 for a
+    cost model with its optimizer state on NVMe (the planner tries each D the host memory allows)."""
+    inst = instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode, topology=topology,
+                              staging_depth=staging_depth)
     solution = solve_instance(inst, max_segment=max_segment, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap,
                               solver=solver, fixed_tiers=fixed_tiers, start_tiers=start_tiers, deadline_s=deadline_s,
                               kept_layers=kept_layers, start_kept=start_kept)
-    return to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
+    plan = to_plan(solution, cost.spec, workload=getattr(cost, "workload", None), budgets=budgets)
+    return replace(plan, optimizer_offload="nvme" if staging_depth else "host", staging_depth=staging_depth)
 
 
 def milp_step_s(tiers: Sequence[str], inst: PlanningInstance, kept_layers: int = 0) -> float | None:

@@ -5,7 +5,7 @@ budgets and the same planner (train's cost model is calibrated on its device; pl
 
     budgets = default_budgets(options, cost)              # None in the plan options = the rule below, written once
     admission, budgets = admitted(cost, budgets)          # refuse what no plan fits; M_C = the host room left
-    plan = make_plan(options, cost, budgets)              # MILP (planner auto|milp) or a rule
+    plan = make_plan(options, cost, budgets)              # MILP (planner auto|milp) or a rule (and a staging depth)
 
 `options` is the job's plan section (PlanConfig: planner, interval, solver, max_segment, time_limit_s,
 mip_rel_gap and the budgets). Data parallelism (costmodel/topology.py): every rank runs the same plan on its
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.errors import LazyTrainError
-from lazytrain.plan.admission import Admission, admit
+from lazytrain.plan.admission import Admission, admit, staging_budgets
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import instance_from_cost, solve_milp
 from lazytrain.plan.plan import Plan
@@ -78,22 +78,68 @@ def make_plan(options: PlanConfig, cost: CostModel, budgets: Budgets, *, feasibi
     (train passes False when the cap is its own default and gives the device the rule's peak instead).
     `feasibility_only`: any incumbent will do (the largest-batch search). The MILP's step is for the job's
     `optimizer_mode`, on one rank of `topology` (the sums over the ranks in its step).
+
+    With the optimizer's state on NVMe the staging depth D is a decision under the host memory: one plan per D the
+    host holds beside the cpu activations (admission.staging_budgets: each D's slots come out of M_C), the fastest
+    kept, a tie to the fewer slots; its report lists each D's step (`staging_steps`). D changes which window each
+    state read runs in, i.e. the MILP's rows, not only their coefficients: a D chosen inside one MILP would need a
+    big-M row per read and depth, so each D is its own exact MILP (<= MAX_STAGING_DEPTH of them, deepest first; a
+    deadline that runs out keeps the best so far). The largest-batch search tries D = 1, the most host room.
     """
+    choices = staging_budgets(cost, budgets)
+    if choices == [(0, budgets)]:
+        return _plan_at(options, cost, budgets, 0, feasibility_only, strict_rules, deadline, optimizer_mode,
+                        topology)[0]
+    if not choices:
+        raise LazyTrainError("host memory: not even one optimizer-state staging slot fits beside the cpu "
+                             "activation budget; lower --cpu-act-budget or raise --cpu-mem")
+    if feasibility_only:
+        choices = choices[:1]
+    end_s = deadline.end_s if deadline is not None else time.perf_counter() + options.time_limit_s
+    best: tuple[Plan, float] | None = None
+    steps, error = [], None
+    for depth, budgets_d in reversed(choices):
+        if best is not None and time.perf_counter() >= end_s:
+            break  # out of time: the best depth so far
+        try:
+            plan, step_s = _plan_at(options, cost, budgets_d, depth, feasibility_only, strict_rules, deadline,
+                                    optimizer_mode, topology, time_limit_s=max(1e-3, end_s - time.perf_counter()))
+        except LazyTrainError as err:
+            error = error or err
+            continue
+        steps.append([depth, step_s])
+        if best is None or step_s <= best[1] * (1 + 1e-9):
+            best = plan, step_s
+    if best is None:
+        assert error is not None
+        raise error
+    plan = best[0]
+    return replace(plan, report=replace(plan.report, options={**plan.report.options,
+                                                              "staging_steps": sorted(steps)}))
+
+
+def _plan_at(options: PlanConfig, cost: CostModel, budgets: Budgets, staging_depth: int, feasibility_only: bool,
+             strict_rules: bool, deadline: Deadline | None, optimizer_mode: str, topology: Topology,
+             time_limit_s: float | None = None) -> tuple[Plan, float]:
+    """One plan at one staging depth (0: the states in RAM) and its step seconds."""
     if options.planner in RULES:
         plan = make_rule_plan(options.planner, cost.spec, interval=options.interval, workload=cost.workload)
         evaluation = evaluate_tiers(plan.tiers, instance_from_cost(cost, budgets, optimizer_mode=optimizer_mode,
-                                                                   topology=topology))
+                                                                   topology=topology, staging_depth=staging_depth))
         if strict_rules and not evaluation.feasible:
             raise LazyTrainError(f"the {options.planner} rule does not fit: {evaluation.violations[0]}; lower "
                                  "per_device_train_batch_size or raise the budget")
         report = replace(plan.report, objective=evaluation.objective)
         budgets_bytes = {k: int(v) for k, v in budgets.to_dict().items() if v is not None}
-        return replace(plan, report=report, budgets_bytes=budgets_bytes)
-    time_limit_s = options.time_limit_s if deadline is None else deadline.left_s()
-    return solve_milp(cost, budgets, max_segment=options.max_segment, time_limit_s=time_limit_s,
+        return replace(plan, report=report, budgets_bytes=budgets_bytes, staging_depth=staging_depth,
+                       optimizer_offload="nvme" if staging_depth else "host"), evaluation.step_s
+    if time_limit_s is None:
+        time_limit_s = options.time_limit_s if deadline is None else deadline.left_s()
+    plan = solve_milp(cost, budgets, max_segment=options.max_segment, time_limit_s=time_limit_s,
                       mip_rel_gap=0.999 if feasibility_only else options.mip_rel_gap, solver=options.solver,
                       deadline_s=None if deadline is None else deadline.end_s, optimizer_mode=optimizer_mode,
-                      topology=topology)
+                      topology=topology, staging_depth=staging_depth)
+    return plan, plan.report.options["step_s"]
 
 
 def describe(plan: Plan) -> str:

@@ -1,0 +1,141 @@
+"""The optimizer's state on NVMe, planned (issue 24): admission's host and NVMe sides, the staging depth the
+planner picks under the host memory, and `lazytrain plan`'s lines for the issue's three jobs (with the state in
+RAM they are refused; with it on NVMe admitted at a predicted step within 1.15x of the same job in 1 TiB)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from lazytrain.cli import main
+from lazytrain.config import PlanConfig
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import PRESET_DIR, ModelSpec
+from lazytrain.costmodel.workload import Workload
+from lazytrain.errors import LazyTrainError
+from lazytrain.plan.admission import MAX_STAGING_DEPTH, admit, check_nvme_space, staging_budgets
+from lazytrain.plan.budgets import Budgets
+from lazytrain.plan.plan import Plan
+from lazytrain.plan.planner import admitted, make_plan
+from lazytrain.plan.sim import simulate
+
+GiB = 2**30
+
+
+def _cost(model: str = "qwen2.5-7b", offload: str = "nvme", masters: str = "bf16") -> CostModel:
+    return CostModel(ModelSpec.load(model), HardwareSpec.load("rtx3090"), Workload(4, 1024, "bf16"), "8bit",
+                     master_weights=masters, optimizer_offload=offload)
+
+
+def test_admission_counts_one_staging_slot_and_suggests_offload() -> None:
+    """In RAM the 7B needs its states (42.8 GiB) and 32 GiB refuses it, naming offload with its figures; on NVMe
+    the host holds the streamed weights, the gradients and one slot, the least any plan holds."""
+    ram, nvme = _cost(offload="host"), _cost()
+    with pytest.raises(LazyTrainError) as err:
+        admit(ram, Budgets(host_mem_bytes=32 * GiB))
+    message = str(err.value)
+    assert message.startswith("host memory: needs 42.8 GiB") and "--optimizer-offload nvme" in message
+    offloaded = re.search(r"host memory ([0-9.]+) GiB, ([0-9.]+) GiB on the SSD", message).groups()
+    assert float(offloaded[0]) == pytest.approx(nvme.static_host_bytes(1) / GiB, abs=0.05)
+    assert float(offloaded[1]) == pytest.approx(nvme.nvme_state_bytes() / GiB, abs=0.05)
+    admission = admit(nvme, Budgets(host_mem_bytes=32 * GiB))
+    assert admission.host_need_bytes == nvme.static_host_bytes(1)
+    assert admission.host_room_bytes == 32 * GiB - nvme.static_host_bytes(1) == admission.cpu_act_bytes
+    with pytest.raises(LazyTrainError, match="host memory: needs .* staging 1.03 GiB"):
+        admit(nvme, Budgets(host_mem_bytes=nvme.static_host_bytes(1) - 1))
+
+
+def test_staging_depths_share_the_host_room_with_the_cpu_activations() -> None:
+    """D = 1.. as many slots as the host room left after one holds, at most MAX_STAGING_DEPTH and L; M_C(D) is
+    the room less the D - 1 further slots (capped by a given cpu budget); in RAM one choice, D = 0."""
+    cost = _cost()
+    slot, static = cost.staging_slot_bytes, cost.static_host_bytes(1)
+    room = 3 * slot + slot // 2
+    choices = staging_budgets(cost, Budgets(host_mem_bytes=static + room))
+    assert [d for d, _ in choices] == [1, 2, 3, 4]
+    assert [b.cpu_act_bytes for _, b in choices] == [room - (d - 1) * slot for d in (1, 2, 3, 4)]
+    capped = staging_budgets(cost, Budgets(host_mem_bytes=static + room, cpu_act_bytes=slot))
+    assert [b.cpu_act_bytes for _, b in capped] == [slot, slot, slot, slot // 2]
+    assert len(staging_budgets(cost, Budgets(host_mem_bytes=2**50))) == MAX_STAGING_DEPTH
+    assert staging_budgets(_cost(offload="host"), Budgets()) == [(0, Budgets())]
+
+
+def test_the_planner_picks_the_fastest_depth_and_records_each() -> None:
+    """Each depth is one MILP; the plan keeps the fastest (a tie to fewer slots), its report lists every depth's
+    step, and its step is the simulated one; a largest-batch search takes one slot."""
+    cost = _cost()
+    admission, budgets = admitted(cost, Budgets(gpu_mem_cap_bytes=22 * 10**9, host_mem_bytes=40 * GiB))
+    options = PlanConfig()
+    plan = make_plan(options, cost, budgets)
+    steps = dict(plan.report.options["staging_steps"])
+    assert plan.optimizer_offload == "nvme" and steps[plan.staging_depth] == min(steps.values())
+    assert plan.staging_depth == min(d for d, s in steps.items() if s <= min(steps.values()) * (1 + 1e-9))
+    assert steps[1] > steps[plan.staging_depth] * 1.2  # one slot chains each write, read and update
+    assert simulate(plan, cost).step_s == pytest.approx(plan.report.options["step_s"], rel=1e-6)
+    assert make_plan(options, cost, budgets, feasibility_only=True).staging_depth == 1
+    rule = make_plan(replace(options, planner="megatrain"), cost, budgets)
+    assert rule.optimizer_offload == "nvme" and 1 <= rule.staging_depth <= MAX_STAGING_DEPTH
+    assert simulate(rule, cost).step_s > 0
+
+
+def test_nvme_space_is_checked_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    """"nvme: needs M GiB on <dir>": the state files and the activation spills against the directory's free
+    space; a missing directory is named; nothing to write, nothing checked."""
+    cost = _cost()
+    check_nvme_space(cost, 0, tmp_path)  # 14 GiB of state files: fakes the free space below
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("U", (), {"free": 10 * GiB})())
+    with pytest.raises(LazyTrainError, match=r"^nvme: needs 16.4 GiB \(optimizer state files 14.4 GiB, activation "
+                                             r"spills up to 2 GiB\) on .* but it has 10 GiB free \(short by 6.4"):
+        check_nvme_space(cost, 2 * GiB, tmp_path)
+    with pytest.raises(LazyTrainError, match="which is not a directory"):
+        check_nvme_space(cost, 0, tmp_path / "missing")
+    check_nvme_space(_cost(offload="host"), 0, tmp_path / "missing")
+
+
+def _plan_lines(capsys, model: str, cpu_mem: str, *extra: str) -> tuple[int, str, str]:
+    code = main(["plan", "--model", model, "--hardware", "rtx3090", "--seq-len", "1024", "--batch-size", "4",
+                 "--gpu-mem-cap", "22GB", "--optimizer", "8bit", "--cpu-mem", cpu_mem, *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _check_admitted_with_offload(capsys, model: str, cpu_mem: str, json_path=None) -> float:
+    """The issue's plan line: refused in RAM with the "needs N GiB" line, admitted on NVMe, the step beside the
+    1 TiB job's; returns the ratio."""
+    code, _, err = _plan_lines(capsys, model, cpu_mem, "--master-weights", "bf16")
+    assert code == 2 and err.startswith("error: host memory: needs ") and "--optimizer-offload nvme" in err
+    extra = ["--json", str(json_path)] if json_path else []
+    code, out, _ = _plan_lines(capsys, model, cpu_mem, "--master-weights", "bf16", "--optimizer-offload", "nvme",
+                               *extra)
+    assert code == 0 and "offload is what makes this job fit" in out
+    host, nvme = re.search(r"bytes per parameter: host [0-9.]+ \+ staging [0-9.]+ = ([0-9.]+), nvme ([0-9.]+)",
+                           out).groups()
+    assert float(nvme) == pytest.approx(2.03, abs=0.02) and float(host) < 4.3 + 1.0
+    assert re.search(r"bytes per parameter: host (4\.0[0-9])", out)  # streamed weights and gradients
+    offload_s, ram_s, ratio = re.search(r"step: ([0-9.]+) s with the state on nvme vs ([0-9.]+) s in RAM with "
+                                        r"1 TiB of host memory \(([0-9.]+)x", out).groups()
+    assert float(ratio) == pytest.approx(float(offload_s) / float(ram_s), abs=1e-3)
+    return float(ratio)
+
+
+def test_14b_on_a_64gib_desktop(tmp_path, capsys) -> None:
+    """Issue 24's headline: Qwen2.5-14B on an RTX 3090 with 64 GiB of RAM and an NVMe SSD."""
+    ratio = _check_admitted_with_offload(capsys, "qwen2.5-14b", "64GiB", tmp_path / "plan.json")
+    assert ratio <= 1.15
+    plan = Plan.load(tmp_path / "plan.json", spec=ModelSpec.load("qwen2.5-14b"))
+    assert plan.optimizer_offload == "nvme" and plan.staging_depth >= 3
+    assert plan.prediction is not None and plan.prediction.peak_bytes["cpu"] <= 64 * GiB
+
+
+@pytest.mark.slow
+def test_7b_at_32gib_and_a_32b_config_at_160gib(tmp_path, capsys) -> None:
+    """The issue's other two lines: a 7B at 32 GiB, and a 32B given as a config.json with Qwen2.5-32B's shapes."""
+    assert _check_admitted_with_offload(capsys, "qwen2.5-7b", "32GiB") <= 1.15
+    (tmp_path / "qwen32b").mkdir()
+    (tmp_path / "qwen32b" / "config.json").write_text((PRESET_DIR / "qwen2.5-32b.json").read_text())
+    assert json.loads((tmp_path / "qwen32b" / "config.json").read_text())["num_hidden_layers"] == 64
+    assert _check_admitted_with_offload(capsys, str(tmp_path / "qwen32b"), "160GiB") <= 1.15
