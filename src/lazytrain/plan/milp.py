@@ -35,6 +35,9 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
     B_D, B_H, B_W, B_R   d2h, h2d, NVMe write, NVMe read rates; a_X = 1 / B_X (0 for an unlimited link)
     U_F         static device bytes not yet allocated during the forward (gradient slots, boundary gradients)
     T_F, T_B    extra transient device bytes in the forward / backward (0 for the shared schedule)
+    D, S[k], u[k]  optimizer state on NVMe (issue 24): the staging depth (fixed per solve; the planner solves one
+                MILP per depth the host memory allows), group k's state file bytes and update seconds, groups in
+                update order; the state ops' windows from plan/schedule.py's StateSchedule
 
 Variables
     x[s,e] in {0,1}   edge (s, e) is a segment: s and e materialized, s+1..e-1 recomputed
@@ -48,20 +51,24 @@ Variables
     N_g, N_c, N_n, N_z, N_long  integer counts of the binaries (boundaries per home, materialized, segments that
                       recompute with their end's gradient d2h longer than the recompute window), bounded by what
                       the rows admit: for the branch-and-bound only (`_add_counts`)
+    T0, U[k], R[k], W[k] >= 0  optimizer state on NVMe, overlap mode: the start window's seconds and the ends of
+                      group k's update, state read and state write (`_add_state_pipeline`)
 
 Constraints (one `_add_<family>` each; equations repeated there)
     path, placement, capacity (cpu, nvme), kept (the suffix), gpu_memory (the forward windows, the loss head and
     every backward segment, each with its own working set and the kept layers' graphs and slots: the transient
     memory of recompute blocks, reload buffers and working sets, the paper's weak spot 3), nvme_reads (vn, and the
     last segment's start off nvme), the windows forward_windows, head_window, recompute_windows, backward_windows
-    (each T[w] at least its compute and each lane's load: weights, activations, gradients), updates (overlap: the
-    forward's weight h2d after each group's update), step (Q: the end of each backward window; the step S at least
+    (each T[w] at least its compute and each lane's load: weights, activations, gradients, a prefetched state
+    file), updates (overlap: the forward's weight h2d after each group's update; with the state on NVMe the
+    state pipeline's max-plus rows instead), step (Q: the end of each backward window; the step S at least
     the sum of the windows and at least each optimizer-lane release plus the host work queued behind it; a
     release's row is left out where the step's end row implies it), counts (cardinality: at most as many
     boundaries per home as its rows admit).
 
 Objective (seconds)
-    min S + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i] (+ the whole optimizer step in serial mode)
+    min S + lambda_z sum z[i] + lambda_c sum c[i] + lambda_n sum n[i] (+ the whole optimizer step in serial mode,
+    with the state on NVMe its updates through the slots: a constant either way)
     Without the tie-breakers (1e-5 s per materialized or cpu boundary, 1e-4 s per nvme boundary) it is the
     simulated step of the plan's program: `MilpSolution.step_s`.
 """
