@@ -42,7 +42,7 @@ def remembered_plan_path(cost: CostModel, budgets: dict[str, int], *, device: st
         spec=cost.spec.fingerprint(), workload=[cost.workload.batch_size, cost.workload.seq_len, cost.workload.dtype],
         masked=cost.workload.masked, budgets=budgets, device=device, hardware=hardware.name,
         links=[hardware.h2d_gbps, hardware.d2h_gbps, hardware.nvme_read_gbps, hardware.nvme_write_gbps],
-        optimizer=optimizer, constant_bytes=cost.constant_device_bytes,
+        optimizer=optimizer, constant_bytes=cost.constant_device_bytes, offload=cost.optimizer_offload,
         plan={k: v for k, v in plan_options.items() if k != "time_limit_s"},
         machine=[_cpu_model(), os.cpu_count(), torch_version],
     )
@@ -57,9 +57,13 @@ def keep_or_replace(plan: Plan, how: str, cost: CostModel, budgets: dict[str, in
     the plan chosen is remembered. A cache that cannot be read or written is ignored: it only ever steadies
     plans."""
     incumbent = _read_remembered(remembered, cost)
-    if incumbent is not None and incumbent.tiers != plan.tiers:
-        inst = instance_from_cost(cost, Budgets(**budgets), optimizer_mode=optimizer_mode, topology=topology)
-        fits = evaluate_tiers(incumbent.tiers, inst).feasible
+    if incumbent is not None and (incumbent.tiers, incumbent.staging_depth) != (plan.tiers, plan.staging_depth):
+        # the optimizer's state on NVMe: judged at this plan's staging depth and the cpu budget its slots left (an
+        # incumbent of another depth does not fit: this run sized its slots for the new plan)
+        staged = {k: v for k, v in plan.budgets_bytes.items() if k == "cpu_act_bytes" and plan.staging_depth}
+        inst = instance_from_cost(cost, Budgets(**{**budgets, **staged}), optimizer_mode=optimizer_mode,
+                                  topology=topology, staging_depth=plan.staging_depth)
+        fits = incumbent.staging_depth == plan.staging_depth and evaluate_tiers(incumbent.tiers, inst).feasible
         old_s = simulate(incumbent, cost, optimizer_mode=optimizer_mode, topology=topology).step_s
         new_s = simulate(plan, cost, optimizer_mode=optimizer_mode, topology=topology).step_s
         if fits and not new_s < old_s * (1 - KEEP_GAIN):
@@ -83,7 +87,7 @@ def _read_remembered(path: Path, cost: CostModel) -> Plan | None:
         plan = Plan.load(path, cost.spec, cost.workload)
     except (LazyTrainError, KeyError, TypeError, ValueError):
         return None  # a damaged or foreign file: solved afresh and overwritten
-    return plan if plan.report.planner == "milp" else None
+    return plan if plan.report.planner == "milp" and plan.optimizer_offload == cost.optimizer_offload else None
 
 
 def _cpu_model() -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from lazytrain.costmodel import hardware as hardware_module
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 from lazytrain.job.inputs import cost_model, resolve_hardware, topology_of
@@ -101,7 +102,8 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) 
         # the one dispatcher of both commands; a rule over the default cap runs with the device sized to its peak
         # (fit_device_cap), so only a user's cap makes a rule that does not fit an error
         deadline = planner.Deadline(job.plan.time_limit_s)  # the solver gets what is left of the time limit
-        plan = planner.make_plan(job.plan, cost, Budgets(**budgets), deadline=deadline,
+        plan = planner.make_plan(job.plan, cost, Budgets(**budgets, host_mem_bytes=_staging_room(job, cost)),
+                                 deadline=deadline,
                                  strict_rules=job.plan.gpu_mem_cap_bytes is not None,
                                  optimizer_mode=job.optim.optimizer_mode, topology=topology)
         how = planner.describe(plan)
@@ -112,11 +114,23 @@ def _decide(job: JobConfig, model: PreTrainedModel, kind: str, cost: CostModel) 
             plan, how = keep_or_replace(plan, how, cost, budgets, job.optim.optimizer_mode, remembered, topology)
     sim = _simulate(plan, cost, job.optim.optimizer_mode, topology)
     milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, Budgets(**budgets),
-                                                        optimizer_mode=job.optim.optimizer_mode, topology=topology),
-                         plan.kept_layers)
+                                                        optimizer_mode=job.optim.optimizer_mode, topology=topology,
+                                                        staging_depth=plan.staging_depth), plan.kept_layers)
     plan = plan.with_prediction(replace(sim.to_prediction(), milp_step_s=milp_s))
     return PlannedRun(plan=plan, cost=cost, how=how, sim=sim, budgets=budgets, topology=topology,
                       serial_step_s=_micro_batch_s(plan, cost, sim, job.optim.optimizer_mode, topology))
+
+
+def _staging_room(job: JobConfig, cost: CostModel) -> int | None:
+    """With the optimizer's state on NVMe, the host memory its staging slots may come out of (planner: one plan per
+    depth that fits): --cpu-mem, else what this machine has available now plus the masters this process already
+    holds (the model is built; the rest of the host layout is not yet). None in RAM: the budgets as they were."""
+    if cost.optimizer_offload != "nvme":
+        return None
+    if job.plan.cpu_mem_bytes is not None:
+        return job.plan.cpu_mem_bytes
+    available = hardware_module.available_host_memory_bytes()
+    return None if available is None else available + cost.host_breakdown()["weights"]
 
 
 def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
@@ -146,10 +160,13 @@ def replanner_for(job: JobConfig, planned: PlannedRun) -> Replanner:
     options = job.plan
 
     def solve(cost: CostModel, start: Plan) -> Plan:
-        return solve_milp(cost, Budgets(**planned.budgets), max_segment=options.max_segment,
+        # the running plan's staging depth and the cpu budget it left (the slots are allocated: D stays)
+        staged = {k: v for k, v in start.budgets_bytes.items() if k == "cpu_act_bytes" and start.staging_depth}
+        return solve_milp(cost, Budgets(**{**planned.budgets, **staged}), max_segment=options.max_segment,
                           time_limit_s=options.time_limit_s, mip_rel_gap=options.mip_rel_gap, solver=options.solver,
                           start_tiers=start.tiers, start_kept=start.kept_layers,
-                          optimizer_mode=job.optim.optimizer_mode, topology=planned.topology)
+                          optimizer_mode=job.optim.optimizer_mode, topology=planned.topology,
+                          staging_depth=start.staging_depth)
 
     return Replanner(planned.cost, planned.plan, solve, optimizer_mode=job.optim.optimizer_mode,
                      topology=planned.topology)
