@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lazytrain.config import JobConfig, add_job_arguments, job_config_from_args
@@ -29,7 +30,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
 from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
-from lazytrain.plan.admission import check_nvme_space, host_need
+from lazytrain.plan.admission import check_nvme_space, host_need, nvme_need
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import Deadline, make_plan
 from lazytrain.plan.ranks import predict_ranks
@@ -76,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(note)
         topology, cost, admission, budgets = rank_inputs(job, spec, hardware, job.data.per_device_train_batch_size)
-        if job.runtime.nvme_dir is not None:  # the job names its SSD: what it writes there must fit
-            check_nvme_space(cost, budgets.nvme_act_bytes, job.runtime.nvme_dir)
+        if job.runtime.nvme_dir is not None and Path(job.runtime.nvme_dir).is_dir():  # its SSD is here: must fit
+            check_nvme_space(cost, budgets.nvme_act_bytes, job.runtime.nvme_dir)  # (else: planned for elsewhere)
         plan = make_plan(job.plan, cost, budgets, deadline=deadline, optimizer_mode=job.optim.optimizer_mode,
                          topology=topology)
         in_ram = _in_ram(job, spec, hardware, deadline) if cost.optimizer_offload == "nvme" else None
@@ -148,6 +149,11 @@ def _print_offload(job: JobConfig, cost: CostModel, plan: Plan, own: SimResult,
     masters = " and fp32 masters (but the embedding's)" if cost.masters_offloaded else ""
     print(f"optimizer state on nvme: {cost.optimizer} states{masters}, {format_bytes(cost.nvme_state_bytes())} in "
           f"{files} files under {where}; staged through {D} host slot(s) of {format_bytes(cost.staging_slot_bytes)}")
+    need, detail = nvme_need(cost, plan.budgets_bytes.get("nvme_act_bytes"))
+    checked = job.runtime.nvme_dir is not None and Path(job.runtime.nvme_dir).is_dir()
+    print(f"  nvme: needs {format_bytes(need)} ({detail})" + (
+        f", free on {job.runtime.nvme_dir}: checked" if checked else
+        " (free space checked by `lazytrain train` on its nvme_dir, before it writes anything)"))
     steps = plan.report.options.get("staging_steps", [])
     if len(steps) > 1:
         print("  staging depth: " + ", ".join(f"{d} slot(s) {s:.3f} s" for d, s in steps) + f"; planned with {D}")
