@@ -151,9 +151,9 @@ def _print_offload(job: JobConfig, cost: CostModel, plan: Plan, own: SimResult,
           f"{files} files under {where}; staged through {D} host slot(s) of {format_bytes(cost.staging_slot_bytes)}")
     need, detail = nvme_need(cost, plan.budgets_bytes.get("nvme_act_bytes"))
     checked = job.runtime.nvme_dir is not None and Path(job.runtime.nvme_dir).is_dir()
-    print(f"  nvme: needs {format_bytes(need)} ({detail})" + (
-        f", free on {job.runtime.nvme_dir}: checked" if checked else
-        " (free space checked by `lazytrain train` on its nvme_dir, before it writes anything)"))
+    print(f"  nvme: needs {format_bytes(need)} ({detail}); " + (
+        f"{job.runtime.nvme_dir} has room" if checked else
+        "`lazytrain train` checks its nvme_dir's free space before it writes anything"))
     steps = plan.report.options.get("staging_steps", [])
     if len(steps) > 1:
         print("  staging depth: " + ", ".join(f"{d} slot(s) {s:.3f} s" for d, s in steps) + f"; planned with {D}")
