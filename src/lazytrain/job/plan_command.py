@@ -159,7 +159,7 @@ def _print_offload(job: JobConfig, cost: CostModel, plan: Plan, own: SimResult,
         print("  staging depth: " + ", ".join(f"{d} slot(s) {s:.3f} s" for d, s in steps) + f"; planned with {D}")
     staging = cost.host_breakdown(D)["staging"]
     print(f"  bytes per parameter: host {(host - staging) / n:.2f} + staging {staging / n:.2f} = {host / n:.2f}, "
-          f"nvme {cost.nvme_state_bytes() / n:.2f} (with the state in RAM: host {ram_need / n:.2f})")
+          f"nvme {sum(cost.state_group_bytes()) / n:.2f} (with the state in RAM: host {ram_need / n:.2f})")
     fits = limit is None or ram_need <= limit
     why = ("offload is not needed to fit: with the state in RAM it needs " + format_bytes(ram_need)
            + (f" of {format_bytes(limit)}" if limit is not None else "")) if fits else (

@@ -162,14 +162,13 @@ def staging_budgets(cost: CostModel, budgets: Budgets, num_layers: int | None = 
     """The staging depths a plan may take, each with its budgets: with the optimizer's state on NVMe D = 1 ..
     min(L, MAX_STAGING_DEPTH) slots of `staging_slot_bytes`, as many as the host holds beside the cpu activations:
     the slots beyond the first (which admission counted) come out of the host room the activations would get, so
-    M_C(D) = min(M_C, room - (D - 1) slot) with room = the host limit less the static bytes and one slot (the cpu
-    activation budget itself when the limit is unknown). In RAM: [(0, budgets)]."""
+    M_C(D) = min(M_C, room - (D - 1) slot) with room = the host limit less the static bytes and one slot (no limit
+    known: the host is not checked, every depth keeps the budgets). In RAM: [(0, budgets)]."""
     if cost.optimizer_offload != "nvme":
         return [(0, budgets)]
     slot, L = cost.staging_slot_bytes, num_layers or cost.num_layers
     limit = budgets.host_mem_bytes if budgets.host_mem_bytes is not None else cost.hardware.host_mem_bytes
-    # the host limit less the static bytes and one slot; unknown: the cpu activation budget (None = unlimited)
-    room = budgets.cpu_act_bytes if limit is None else limit - cost.static_host_bytes(1)
+    room = None if limit is None else limit - cost.static_host_bytes(1)  # unknown: the host is not checked
     out = []
     for depth in range(1, min(L, MAX_STAGING_DEPTH) + 1):
         left = math.inf if room is None else room - (depth - 1) * slot
