@@ -61,6 +61,8 @@ def test_staging_depths_share_the_host_room_with_the_cpu_activations() -> None:
     capped = staging_budgets(cost, Budgets(host_mem_bytes=static + room, cpu_act_bytes=slot))
     assert [b.cpu_act_bytes for _, b in capped] == [slot, slot, slot, slot // 2]
     assert len(staging_budgets(cost, Budgets(host_mem_bytes=2**50))) == MAX_STAGING_DEPTH
+    unchecked = staging_budgets(cost, Budgets(cpu_act_bytes=5))  # no host limit known: every depth, M_C kept
+    assert [(d, b.cpu_act_bytes) for d, b in unchecked] == [(d, 5) for d in range(1, MAX_STAGING_DEPTH + 1)]
     assert staging_budgets(_cost(offload="host"), Budgets()) == [(0, Budgets())]
 
 
