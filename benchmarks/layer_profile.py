@@ -27,7 +27,7 @@ def profiled_cost(model: Any, hardware: HardwareSpec, workload: Workload, optimi
     `model` is a `transformers` causal LM on the CPU (random weights are fine). One layer of each
     distinct shape is timed (fastest of `repeats`): forward without autograd, and autograd forward +
     backward; the loss head is timed chunked, as the executor runs it. Optimizer seconds come from
-    `hardware.optimizer_gparams_per_s` (`HardwareSpec.profile()` measures it).
+    `hardware.host_mem_gbps` (`HardwareSpec.profile()` measures it) and `update_bytes_per_param`.
     """
     spec = spec_of(model)
     cost = CostModel(spec, hardware, workload, optimizer, **kwargs)

@@ -39,7 +39,7 @@ def once(overrides: list[str]) -> dict[str, object]:
     cost = planned.cost
     return dict(plan=planned.plan.placement_map(), how=planned.how, step_s=planned.sim.step_s,
                 forward_s=sum(cost.forward_s), backward_s=sum(cost.backward_s), head_s=cost.head_s,
-                optimizer_gparams_per_s=cost.hardware.optimizer_gparams_per_s)
+                host_mem_gbps=cost.hardware.host_mem_gbps)
 
 
 def main() -> None:
@@ -60,8 +60,8 @@ def main() -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         plans[r["plan"]] += 1
         print(f"run {i + 1:2d}  {r['plan']}  predicted {r['step_s']:.3f} s  fwd {r['forward_s']:.4f} s  "
-              f"bwd {r['backward_s']:.4f} s  head {r['head_s']:.4f} s  opt {r['optimizer_gparams_per_s']:.3f} "
-              f"Gparam/s  ({r['how']}; {time.perf_counter() - t0:.0f} s)", flush=True)
+              f"bwd {r['backward_s']:.4f} s  head {r['head_s']:.4f} s  host {r['host_mem_gbps']:.3g} "
+              f"GB/s  ({r['how']}; {time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"{args.runs} runs -> {len(plans)} distinct plans: "
           + ", ".join(f"{p} x{n}" for p, n in plans.most_common()))
 

@@ -17,7 +17,7 @@ RNG = random.Random(20261202)
 def test_presets_load_with_the_papers_h800_numbers() -> None:
     for name in ("h800", "rtx3090", "h100", "h200", "emulated"):
         hw = HardwareSpec.load(name)
-        assert hw.name == name and hw.matmul_tflops > 0 and hw.optimizer_gparams_per_s > 0
+        assert hw.name == name and hw.matmul_tflops > 0 and hw.host_mem_gbps > 0
     h800 = HardwareSpec.load("H800")  # case-insensitive
     assert (h800.h2d_gbps, h800.d2h_gbps, h800.nvme_read_gbps, h800.nvme_write_gbps) == (12.0, 12.0, 2.83, 3.35)
     assert h800.gpu_mem_bytes == 80 * 2**30
@@ -40,10 +40,10 @@ def test_yaml_file_with_base_and_json_file_with_every_field(tmp_path) -> None:
     hw = HardwareSpec.load(yaml_file)
     assert hw.name == "box" and hw.matmul_tflops == rate and hw.gpu_mem_bytes == 40 * 2**30
     assert math.isinf(hw.nvme_read_gbps) and hw.h2d_gbps == 12.0
-    full = {**PRESETS["rtx3090"], "name": "x", "optimizer_gparams_per_s": 0.37}
+    full = {**PRESETS["rtx3090"], "name": "x", "host_mem_gbps": 23.7}
     json_file = tmp_path / "full.json"
     json_file.write_text(json.dumps(full))
-    assert HardwareSpec.load(json_file).optimizer_gparams_per_s == 0.37
+    assert HardwareSpec.load(json_file).host_mem_gbps == 23.7
     # a file can itself be overridden by keyword
     assert HardwareSpec.load(json_file, h2d_gbps=1.5).h2d_gbps == 1.5
 
@@ -83,7 +83,7 @@ def test_profile_measures_positive_rates_and_caps_links_at_memcpy() -> None:
     hw = HardwareSpec.profile(seconds=0.05)
     assert hw.name == "emulated-profiled"
     assert 1e-4 < hw.matmul_tflops < 100  # a CPU: between 0.1 GFLOPS and 100 TFLOPS
-    assert hw.optimizer_gparams_per_s > 0 and hw.grad_accumulate_gbps > 0
+    assert hw.host_mem_gbps > 0 and hw.grad_accumulate_gbps > 0
     assert hw.h2d_gbps <= PRESETS["emulated"]["h2d_gbps"]
     assert HardwareSpec.profile(seconds=0.01, h2d_gbps=0.5).h2d_gbps == 0.5
 

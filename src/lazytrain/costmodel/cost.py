@@ -200,8 +200,8 @@ class CostModel:
 
         # ---- optimizer time ---------------------------------------------------------------------
         self.optimizer_s = [self._optimizer_seconds(p) for p in spec.layer_params]
-        self.head_optimizer_s = self._optimizer_seconds(spec.head_params)
-        self.embedding_optimizer_s = self._optimizer_seconds(spec.embedding_params)
+        self.head_optimizer_s = self._optimizer_seconds(spec.head_params, "head")
+        self.embedding_optimizer_s = self._optimizer_seconds(spec.embedding_params, "embedding")
 
         # host: adding each landed gradient (compute dtype) into the fp32 .grad, on the optimizer stream
         acc_rate = _rate(hardware.grad_accumulate_gbps)
@@ -406,14 +406,44 @@ class CostModel:
             return max(mlp, h * (2 * key_dim + 2 * value_dim)) * self.dtype_bytes
         return max(mlp, h * q) * self.dtype_bytes
 
-    def _optimizer_seconds(self, params: int) -> float:
-        hw = self.hardware
-        fp32_rate, q8_rate = hw.optimizer_params_per_s(False), hw.optimizer_params_per_s(True)
-        if self.optimizer == "adamw":
-            return params / fp32_rate
-        if self.optimizer == "8bit":
-            return params / q8_rate
-        return params * ((1 - HYBRID_8BIT_FRACTION) / fp32_rate + HYBRID_8BIT_FRACTION / q8_rate)
+    def update_bytes_per_param(self, group: str = "layer") -> float:
+        """Host memory bytes one update of a `group` ("layer", "head", "embedding") reads and writes per parameter,
+        clipping on (the default), as the optimizer lane runs it (train/optimizer.py, optim/chunked.py):
+
+            gradient   the kept gradient (k B: the compute dtype where it landed, 4 where summed, the masters' for
+                       an untied embedding) read into an fp32 chunk (k + 4) unless it is fp32 for fp32 masters; a
+                       bf16 master's fp32 sum rounds to bf16 first (+ 2 + 2)
+            bf16 masters  the weights copied to an fp32 chunk (2 + 4) and rounded back (4 + 2)
+            kernel     fp32 states, torch's AdamW: clip pass (4 + 4) + fused step (p, m, v read and written, g read:
+                       28); Hybrid8bitAdamW's fp32 slice: fused step with the clip scale, g written back (32); 8-bit
+                       states: p read and written, g read, codes read and written, absmax (16 + 16/256)
+            refresh    bf16 compute, fp32 masters, a streamed group: its bf16 copy re-packed (4 + 2)
+
+        The update streams through memory (tens of bytes per parameter, a few operations per byte), so its seconds
+        are these bytes over the host's memory bandwidth (`host_mem_gbps`).
+        """
+        m = 2 if self.master_weights == "bf16" else 4
+        c, spec = self.dtype_bytes, self.spec
+        streamed = group != "embedding" or spec.tie_word_embeddings
+        summed = self.grad_accumulation > 1 or (group != "layer" and spec.tie_word_embeddings and c < 4)
+        kept = m if not streamed else 4 if summed else c
+        gradient = 0 if (kept == 4 and m == 4) else kept + 4 + (4 if m == 2 and kept == 4 else 0)
+        masters = 12 if m == 2 else 0
+        kernel_8bit = 16 + 16 / QUANT_BLOCK
+        kernel = {"adamw": 36.0, "8bit": kernel_8bit,
+                  "hybrid8bit": (1 - HYBRID_8BIT_FRACTION) * 32 + HYBRID_8BIT_FRACTION * kernel_8bit}[self.optimizer]
+        refresh = 6 if streamed and c == 2 and m == 4 else 0
+        return gradient + masters + kernel + refresh
+
+    def _optimizer_seconds(self, params: int, group: str = "layer") -> float:
+        return params * self.update_bytes_per_param(group) / _rate(self.hardware.host_mem_gbps)
+
+    def update_bytes(self) -> float:
+        """Bytes one whole optimizer update moves through host memory (every group; `update_bytes_per_param`)."""
+        spec = self.spec
+        return (sum(spec.layer_params) * self.update_bytes_per_param("layer")
+                + spec.head_params * self.update_bytes_per_param("head")
+                + spec.embedding_params * self.update_bytes_per_param("embedding"))
 
     # ---- static memory ------------------------------------------------------------------------------
     @property
@@ -492,8 +522,8 @@ class CostModel:
         grad_sum         gradient accumulation > 1 (or a tied head in bf16, whose gradient adds the LM
                          head's and the embedding's): an fp32 sum per group, so the sum is exact
         update_scratch   the update's chunk buffers (optim/chunked.py): fp32 gradient chunks where a gradient is
-                         cast (bf16 landing, fp32 masters) or clipped apart from the kept one (torch's AdamW), and
-                         with bf16 masters fp32 weight chunks and a bf16 chunk of an fp32 sum; at most
+                         cast (bf16 landing, fp32 masters), and with bf16 masters fp32 weight chunks and a bf16
+                         chunk of an fp32 sum; at most
                          UPDATE_CHUNK_NUMEL elements each, whatever the largest group (no transient grows with it)
         optimizer_states Adam's moments (optimizer_state_bytes); 0 with optimizer_offload nvme (in the state files)
         staging          (optimizer_offload nvme only) `staging_depth` slots of `staging_slot_bytes`, the states (and
@@ -512,9 +542,9 @@ class CostModel:
         # a group is cast when its kept gradient's dtype (c where it lands, 4 where summed) is not the masters'
         casts = (bool(landing_groups) and c != m) or (bool(fp32_sum_groups) and m != 4)
         chunk = min(UPDATE_CHUNK_NUMEL, max(*streamed_groups, embedding))  # a tensor is at most its group
-        # fp32 gradient chunks (cast, clipped by torch's AdamW apart from the kept gradient, or a bf16 master's), fp32
-        # weight chunks of bf16 masters, and a bf16 chunk of an fp32 sum they round to first
-        grad_chunks = casts or self.optimizer == "adamw" or m == 2
+        # fp32 gradient chunks (cast, or a bf16 master's), fp32 weight chunks of bf16 masters, and a bf16 chunk of an
+        # fp32 sum they round to first
+        grad_chunks = casts or m == 2
         per_element = 4 * grad_chunks + (4 + 2 * bool(fp32_sum_groups) if m == 2 else 0)
         offload = self.optimizer_offload == "nvme"
         return {

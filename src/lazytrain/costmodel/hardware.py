@@ -37,8 +37,9 @@ class HardwareSpec:
     nvme_read_gbps: float  # NVMe -> host, GB/s
     nvme_write_gbps: float  # host -> NVMe, GB/s
     matmul_tflops: float  # achieved dense matmul rate in the compute dtype, 1e12 FLOP/s (calibrated)
-    optimizer_gparams_per_s: float  # CPU Adam with fp32 states, 1e9 params/s (incl. clip + bookkeeping)
-    optimizer_8bit_gparams_per_s: float | None = None  # CPU Adam with 8-bit states; None = same as fp32
+    # host DRAM bandwidth the optimizer's update streams at (all cores), GB/s: its seconds are the bytes it reads
+    # and writes per parameter (CostModel.update_bytes_per_param: 16-50 by optimizer and master dtype) over this
+    host_mem_gbps: float
     host_mem_bytes: int | None = None  # host DRAM; None = unknown (host admission needs --cpu-mem then)
     mem_gbps: float = math.inf  # device memory bandwidth for memory-bound elementwise ops; inf = ignore them
     layer_overhead_s: float = 0.0  # fixed cost per layer call (kernel launches, dispatch); matters on CPU
@@ -71,10 +72,6 @@ class HardwareSpec:
     @property
     def matmul_flops_per_s(self) -> float:
         return self.matmul_tflops * 1e12
-
-    def optimizer_params_per_s(self, eight_bit: bool = False) -> float:
-        rate = self.optimizer_8bit_gparams_per_s if eight_bit and self.optimizer_8bit_gparams_per_s else None
-        return (rate or self.optimizer_gparams_per_s) * 1e9
 
     @property
     def emulated(self) -> bool:
@@ -127,11 +124,12 @@ class HardwareSpec:
 
     @classmethod
     def profile(cls, base: str = "emulated", seconds: float = 0.5, **overrides: Any) -> HardwareSpec:
-        """Measure this machine: CPU matmul rate, memcpy rate, torch AdamW and gradient-add throughput.
+        """Measure this machine: CPU matmul rate, memcpy rate, the bandwidth a fused AdamW step streams at, and
+        gradient-add throughput.
 
         Each figure is the median over about `seconds`. Returns the `base` preset with `matmul_tflops`,
-        `optimizer_gparams_per_s`, `grad_accumulate_gbps` and (for `emulated`) the link rates capped at the
-        memcpy rate measured here — the emulated links cannot copy faster than memcpy.
+        `host_mem_gbps`, `grad_accumulate_gbps` and (for `emulated`) the link rates capped at the memcpy rate
+        measured here — the emulated links cannot copy faster than memcpy.
         """
         import torch
 
@@ -144,8 +142,8 @@ class HardwareSpec:
         copy_gbps = src.numel() * 4 / _time_it(lambda: dst.copy_(src), seconds) / 1e9
         p = torch.nn.Parameter(torch.randn(2**22))
         p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW([p], lr=1e-5, foreach=True)
-        measured["optimizer_gparams_per_s"] = p.numel() / _time_it(opt.step, seconds) / 1e9
+        opt = torch.optim.AdamW([p], lr=1e-5, fused=True)  # 28 B/param: p, m, v read and written, g read
+        measured["host_mem_gbps"] = 28 * p.numel() / _time_it(opt.step, seconds) / 1e9
         grad = torch.randn(2**22)
         measured["grad_accumulate_gbps"] = grad.numel() * 4 / _time_it(lambda: p.grad.add_(grad), seconds) / 1e9
         if base == "emulated":
@@ -243,10 +241,11 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 
 
 # ---- presets ------------------------------------------------------------------------------------
-# matmul_tflops / optimizer_gparams_per_s of h800 are calibrated by benchmarks/calibrate.py against the
-# MegaTrain H800 rows published with LazyTrain (arXiv 2608.11919); h100/h200 share the H800's compute die, so
-# they reuse its achieved rate. Link rates: H800 as measured in the paper (12 GB/s per direction); the others are
-# typical pinned-memory rates, stated below. mem_gbps: datasheet HBM bandwidth x 0.8 (achievable).
+# matmul_tflops / host_mem_gbps of h800 are calibrated by benchmarks/calibrate.py against the
+# MegaTrain H800 rows published with LazyTrain (arXiv 2608.11919); h100/h200 share the H800's compute die and its
+# class of host (two sockets of 8-channel DDR5), so they reuse its achieved rates. Link rates: H800 as measured in
+# the paper (12 GB/s per direction); the others are typical pinned-memory rates, stated below. mem_gbps: datasheet
+# HBM bandwidth x 0.8 (achievable).
 # Collective links (per GPU, per direction): H800 as DeepSeek-V3's report states its H800 cluster (arXiv
 # 2412.19437 §3.2.2: NVLink 160 GB/s, InfiniBand 50 GB/s per GPU); H100/H200 NVLink 4 = 900 GB/s bidirectional
 # (NVIDIA datasheet) -> 450 per direction x 0.8 (the derating of mem_gbps, which also turns the H800's 200 into
@@ -254,7 +253,9 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 _H800_NVLINK_GBPS, _IB_NDR_GBPS = 160.0, 50.0
 _NVLINK4_GBPS = 450 * 0.8
 _H800_MATMUL_TFLOPS = 298.0  # calibrated (benchmarks/calibrate.py)
-_H800_OPTIMIZER_GPARAMS = 6.6  # calibrated (benchmarks/calibrate.py)
+# calibrated (benchmarks/calibrate.py): 6.6 Gparams/s of MegaTrain's fp32 Adam step at the 48 B/param our model
+# counts for it; two sockets of 8-channel DDR5-4800 are 614 GB/s on the wire, so ~52% of it
+_H800_HOST_MEM_GBPS = 316.8
 
 # The emulated device's link rates, GB/s: what `lazytrain train` throttles its EmulatedDevice to and `lazytrain
 # plan` plans for unless the job sets its own (RuntimeConfig's *_gbps defaults are these).
@@ -264,34 +265,37 @@ PRESETS: dict[str, dict[str, Any]] = {
     "h800": dict(
         name="h800", gpu_mem_bytes=80 * GiB, h2d_gbps=12.0, d2h_gbps=12.0,
         nvme_read_gbps=2.83, nvme_write_gbps=3.35,
-        matmul_tflops=_H800_MATMUL_TFLOPS, optimizer_gparams_per_s=_H800_OPTIMIZER_GPARAMS,
+        matmul_tflops=_H800_MATMUL_TFLOPS, host_mem_gbps=_H800_HOST_MEM_GBPS,
         host_mem_bytes=2 * 1024 * GiB, mem_gbps=3350 * 0.8,
         intra_node_gbps=_H800_NVLINK_GBPS, inter_node_gbps=_IB_NDR_GBPS,
     ),
     "h100": dict(
         name="h100", gpu_mem_bytes=80 * GiB, h2d_gbps=25.0, d2h_gbps=25.0,  # PCIe Gen5 x16, pinned, typical
         nvme_read_gbps=6.0, nvme_write_gbps=5.0,
-        matmul_tflops=_H800_MATMUL_TFLOPS, optimizer_gparams_per_s=_H800_OPTIMIZER_GPARAMS,
+        matmul_tflops=_H800_MATMUL_TFLOPS, host_mem_gbps=_H800_HOST_MEM_GBPS,
         host_mem_bytes=None, mem_gbps=3350 * 0.8,
         intra_node_gbps=_NVLINK4_GBPS, inter_node_gbps=_IB_NDR_GBPS,
     ),
     "h200": dict(
         name="h200", gpu_mem_bytes=141 * 10**9, h2d_gbps=25.0, d2h_gbps=25.0,
         nvme_read_gbps=6.0, nvme_write_gbps=5.0,
-        matmul_tflops=_H800_MATMUL_TFLOPS, optimizer_gparams_per_s=_H800_OPTIMIZER_GPARAMS,
+        matmul_tflops=_H800_MATMUL_TFLOPS, host_mem_gbps=_H800_HOST_MEM_GBPS,
         host_mem_bytes=None, mem_gbps=4800 * 0.8,
         intra_node_gbps=_NVLINK4_GBPS, inter_node_gbps=_IB_NDR_GBPS,
     ),
     # RTX 3090: 24 GiB; PCIe 4.0 x16 is 31.5 GB/s raw, consumer boards reach about 12-13 GB/s per direction
     # when both directions stream concurrently from pageable-then-pinned staging — we take 12.5 GB/s.
     # bf16 tensor-core peak 71 TFLOPS (fp32 accumulate); achieved = the same fraction of peak as the
-    # calibrated H800 (298 / 989 = 30%) -> 21.4 TFLOPS. Desktop CPU Adam: about 0.8 Gparams/s.
+    # calibrated H800 (298 / 989 = 30%) -> 21.4 TFLOPS. Host: dual-channel DDR4-3200 (a Ryzen 5000 / Intel 10th-11th
+    # generation desktop) is 51.2 GB/s on the wire; STREAM reaches 74-78% of the wire rate on DDR4 (TI's SPRAD45A and
+    # SPRACV1B tables) and AIDA64 reads ~46 GB/s at 3200 MT/s (guru3d's DDR4-3200 review) -> 51.2 x 0.75 = 38 GB/s
+    # (before: one rate for every optimizer, "desktop CPU Adam about 0.8 Gparams/s" = 22 GB/s at 28 B/param).
     # Between GPUs: no NVLink bridge assumed and GeForce cards have peer-to-peer off, so NCCL goes through host
     # memory over PCIe 4.0: the 12.5 GB/s link x 0.8 = 10 GB/s; between nodes 10 GbE = 1.25 GB/s (a workstation).
     "rtx3090": dict(
         name="rtx3090", gpu_mem_bytes=24 * GiB, h2d_gbps=12.5, d2h_gbps=12.5,
         nvme_read_gbps=3.5, nvme_write_gbps=3.0,
-        matmul_tflops=71.0 * _H800_MATMUL_TFLOPS / 989.0, optimizer_gparams_per_s=0.8,
+        matmul_tflops=71.0 * _H800_MATMUL_TFLOPS / 989.0, host_mem_gbps=38.0,
         host_mem_bytes=None, mem_gbps=936 * 0.8,
         intra_node_gbps=10.0, inter_node_gbps=1.25,
     ),
@@ -303,7 +307,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the all-reduce between 2 "nodes" 0.75-0.85 GB/s (benchmarks/dp_step.py; `lazytrain train` measures its own).
     "emulated": dict(
         name="emulated", gpu_mem_bytes=4 * GiB, **EMULATED_LINK_GBPS,
-        matmul_tflops=0.05, optimizer_gparams_per_s=0.1,
+        matmul_tflops=0.05, host_mem_gbps=4.0,  # ~0.1 Gparams/s at ~40 B/param; runs measure their own
         host_mem_bytes=None, mem_gbps=math.inf, layer_overhead_s=0.0,
         intra_node_gbps=0.25, inter_node_gbps=0.8,
     ),

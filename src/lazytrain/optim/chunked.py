@@ -59,9 +59,10 @@ class Scratch:
 def step_adamw(optimizer: torch.optim.AdamW, indices: list[int], grads: dict[torch.Tensor, torch.Tensor],
                clip_coef: torch.Tensor | None, scratch: Scratch) -> None:
     """`optimizer.step()` (torch.optim.AdamW with fused=True) over the param groups `indices`, bit for bit, with
-    each parameter's gradient taken from `grads` (any float dtype: a view of the kept gradient, left as it is) and
-    scaled by `clip_coef` first as `torch.nn.utils.clip_grads_with_norm_` does; parameters without an entry are
-    not stepped. States are created as torch creates them."""
+    each parameter's gradient taken from `grads` (a view of the kept gradient: a bf16 one is cast chunk by chunk and
+    left as it is, an fp32 one is used in place) and scaled by `clip_coef` first as
+    `torch.nn.utils.clip_grads_with_norm_` scales `.grad` (an fp32 kept gradient in place, as it does); parameters
+    without an entry are not stepped. States are created as torch creates them."""
     for k in indices:
         group = optimizer.param_groups[k]
         if not group["fused"] or group["amsgrad"] or group["maximize"] or group["capturable"]:
@@ -82,7 +83,7 @@ def step_adamw(optimizer: torch.optim.AdamW, indices: list[int], grads: dict[tor
             flat_p, flat_g = p.detach().view(-1), grad.detach().reshape(-1)
             flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
             for start, end in chunk_ranges(p.numel()):
-                g = scratch.grad(flat_g[start:end], torch.float32)
+                g = flat_g[start:end] if grad.dtype == torch.float32 else scratch.grad(flat_g[start:end], torch.float32)
                 if clip_coef is not None:
                     g.mul_(clip_coef)
                 torch._fused_adamw_([flat_p[start:end]], [g], [flat_m[start:end]], [flat_v[start:end]], [],

@@ -90,8 +90,8 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
     if optimizer_s is not None:
         if not optimizer_s > 0:
             raise LazyTrainError(f"calibrate: optimizer seconds must be > 0, got {optimizer_s}")
-        rate = quantize_s(cost.spec.num_params / optimizer_s / 1e9)  # Gparams/s of this optimizer
-        host.update(optimizer_gparams_per_s=rate, optimizer_8bit_gparams_per_s=rate)
+        # the bandwidth this job's update streamed at: its bytes (CostModel.update_bytes) over its seconds
+        host.update(host_mem_gbps=quantize_s(cost.update_bytes() / optimizer_s / 1e9))
     landing = _landing_gbps(cost, steps)
     if landing is not None:
         host.update(grad_accumulate_gbps=quantize_s(landing))
