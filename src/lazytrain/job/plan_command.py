@@ -261,9 +261,12 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
         print(f"rule: {r.planner}{' K=' + str(r.options['interval']) if 'interval' in r.options else ''}, "
               f"MILP objective of its tiers {r.objective:.3f} s")
     rows, own = _prediction_rows(job, cost, plan, topology)
-    milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission, optimizer_mode=job.optim.optimizer_mode,
-                                                        topology=topology, staging_depth=plan.staging_depth),
-                         plan.kept_layers)
+    if r.planner == "milp" and r.options.get("optimizer_mode") == job.optim.optimizer_mode:
+        milp_s = r.options["step_s"]  # the solve's own: a second MILP build would run past --time-limit
+    else:
+        milp_s = milp_step_s(plan.tiers, instance_from_cost(cost, admission, optimizer_mode=job.optim.optimizer_mode,
+                                                            topology=topology, staging_depth=plan.staging_depth),
+                             plan.kept_layers)
     if milp_s is None:
         print(f"step: simulated {own.step_s:.3f} s (the MILP does not place the last segment's start on nvme)")
     else:
