@@ -357,7 +357,8 @@ def test_device_peak_equals_the_simulators() -> None:
             ex = Executor(model, plan, EmulatedDevice(), cost=cost, head_chunk_tokens=cost.head_chunk_tokens)
             ex.forward_backward(ids, labels)
             predicted = simulate(plan, cost).peak_bytes["gpu"]
-            assert ex.last_step.peak_device_bytes == predicted, (kind, name)  # to the byte
+            assert ex.last_step.peak_device_bytes == predicted, (kind, name)  # to the byte (the arena allocates
+            # the program's sizes: this checks the executor follows the program; true bytes: test_live_bytes.py)
 
 
 # ---- kept layers: the last K layers keep their graph and weights from forward to backward ------------------
