@@ -105,7 +105,10 @@ def start_trackers(names: Sequence[str], output_dir: Path, run_name: str, config
                    ) -> list[GeneralTracker]:
     """accelerate's trackers, started, with the job's config as hyperparameters. tensorboard writes under
     output_dir/tensorboard; wandb (WANDB_PROJECT, default `lazytrain`; WANDB_MODE=offline works) and mlflow
-    (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME) where their own settings say, as under the HF Trainer."""
+    (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME) where their own settings say, as under the HF Trainer.
+    accelerate is an extra: imported only when a tracker is asked for."""
+    if not names:
+        return []
     from accelerate import PartialState
     from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
 
