@@ -80,9 +80,16 @@ class NvmeStates:
     Usage: `states = NvmeStates(dir, executor)`; `opt = states.build(make, groups)` (instead of `make(groups)`);
     `states.bind(opt, executor_groups)`; each group update wrapped in `states.staged(update)`; `states.close()`."""
 
-    def __init__(self, directory: str | Path, executor: Executor) -> None:
+    def __init__(self, directory: str | Path, executor: Executor, *, owned: set[int] | None = None,
+                 masters: bool = True) -> None:
+        """`owned`: the executor groups this rank steps (data parallel; None: all): only theirs get files, and the
+        states of the others are dropped as they are made. `masters`: offload fp32 masters of a bf16 stream (with
+        ranks they stay in the node's shared memory, which every rank maps: distributed/shared.py)."""
         self.executor = executor
         self.compute_dtype = executor.compute_dtype
+        self.masters = masters
+        self._owner = {id(p): i for i, params in enumerate(executor.param_groups()) for p in params}
+        self._owned = owned
         self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty)
         self.groups: dict[str, FileGroup] = {}
         self._names = {id(p): n for n, p in executor.model.named_parameters()}
@@ -96,7 +103,7 @@ class NvmeStates:
         # the streamed copies stop following the (soon absent) masters: each update refreshes its group's
         for index in range(len(executor.param_groups())):
             group = executor.group_at(index)
-            if group is not None and not group.aliased:
+            if masters and group is not None and not group.aliased:
                 group.packed_by_update = True
 
     # ---- building ---------------------------------------------------------------------------------
@@ -125,6 +132,12 @@ class NvmeStates:
     def _move_out(self, optimizer: torch.optim.Optimizer, group: FileGroup) -> None:
         """Create the group's file from its states (AdamW's lazy zeros made here, as torch makes them) and masters,
         then drop them from host memory."""
+        if self._owned is not None and not all(self._owner[id(p)] in self._owned for p in group.params.values()):
+            for p in group.params.values():  # another rank's: no file here, and none of its states
+                state = optimizer.state[p]
+                for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]:
+                    del state[key]
+            return
         tensors: dict[str, torch.Tensor] = {}
         for i, p in group.params.items():
             state = optimizer.state[p]
@@ -134,7 +147,8 @@ class NvmeStates:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             group.keys[i] = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
             tensors.update({f"{i}.{k}": state[k] for k in group.keys[i]})
-            if p.dtype != self.compute_dtype and p is not self._gathered:  # fp32 masters of a bf16 stream
+            if self.masters and p.dtype != self.compute_dtype and p is not self._gathered:  # fp32 masters of a
+                # bf16 stream
                 group.masters[i] = self._names[id(p)]
                 tensors[group.masters[i]] = p.detach()
         layout = GroupLayout.of(tensors)

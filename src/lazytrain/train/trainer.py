@@ -354,10 +354,15 @@ class Trainer:
     ranks: Ranks | None = None  # data parallelism: the collectives (None: one process)
 
     def __post_init__(self) -> None:
-        # optimizer_offload nvme: the states (and fp32 masters under bf16 compute) live in files under nvme_dir,
-        # staged one layer group at a time for its update (train/offload.py)
-        self.nvme = NvmeStates(self.executor.device.nvme_dir, self.executor) \
-            if self.job.runtime.optimizer_offload == "nvme" else None
+        self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
+        if self.ranks is not None:  # one host copy per node, the optimizer sharded over its ranks
+            self.shard = attach_executor(self.ranks, self.executor)
+            say(f"shared   {self.shard.describe()}")
+        # optimizer_offload nvme: the states (and fp32 masters under bf16 compute; with ranks, the states of this
+        # rank's groups) live in files under nvme_dir, staged one layer group at a time (train/offload.py)
+        self.nvme = NvmeStates(self.executor.device.nvme_dir, self.executor,
+                               owned=None if self.shard is None else self.shard.owned_indices,
+                               masters=self.shard is None) if self.job.runtime.optimizer_offload == "nvme" else None
         self.optimizer = build_optimizer(self.job, self.model, self.nvme)
         self.schedule = Schedule(self.job)
         self.overlap = self.job.optim.optimizer_mode == "overlap"  # the update runs under the next step's forward
@@ -366,7 +371,8 @@ class Trainer:
             self.nvme.bind(self.optimizer, self.groups, self.executor.plan.staging_depth)
             self.executor.stage_states(self.nvme, self.nvme.state_bytes(), serial=not self.overlap)
             say(f"offload  optimizer states on {self.nvme.files.directory}: {format_bytes(self.nvme.file_bytes)} "
-                f"in {len(self.nvme.groups)} files, staged {format_bytes(self.nvme.slot_bytes)} at a time")
+                f"in {len(self.nvme.groups)} files ({', '.join(self.nvme.groups)}), {len(self.nvme.slots)} staging "
+                f"slots of {format_bytes(self.nvme.slot_bytes)}")
         self.policy = NonFinitePolicy(limit=self.job.optim.max_nonfinite_steps)
         self.predicted_s = self.planned.predicted_step_s(self.job.optim.gradient_accumulation_steps)
         self.compute_dtype = compute_dtype(self.job)
@@ -375,11 +381,8 @@ class Trainer:
         # re-planning: rank 0's measurements decide, and every rank switches after the same step (Trainer.replan)
         self.replanner = replanner_for(self.job, self.planned) if self.job.plan.replan and (
             self.ranks is None or self.ranks.is_main) else None
-        self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
-        if self.ranks is not None:  # one host copy per node, the optimizer sharded over its ranks
-            self.shard = attach_executor(self.ranks, self.executor)
+        if self.shard is not None:
             self.shard.drop_foreign_states(self.optimizers)
-            say(f"shared   {self.shard.describe()}")
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
