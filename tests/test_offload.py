@@ -204,3 +204,62 @@ def test_host_memory_holds_no_state_and_no_master_between_updates(tmp_path, opti
     assert not [k for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim()]
     assert _rss_bytes() - grown < nvme.slot_bytes + (64 << 20)  # the slot (touched now) and the chunk buffers
     nvme.close()
+
+
+# ---- faults -------------------------------------------------------------------------------------------------
+def _mount_tmpfs(path, options: str) -> bool:
+    import os
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    return os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                                capture_output=True).returncode == 0
+
+
+def _umount(path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def _main(tmp_path, capsys, *words: str) -> tuple[int, str]:
+    from lazytrain.cli import main
+
+    argv = ["train", "model=debug", "dataset=zen", "optimizer_offload=nvme", "dtype=bf16", "cutoff_len=32",
+            "per_device_train_batch_size=2", "planner=megatrain", "eval_batches=0", "--no-progress", "max_steps=3",
+            f"output_dir={tmp_path / 'run'}", *words]
+    with pytest.MonkeyPatch.context() as mp:
+        _with_depth(mp, 2)
+        code = main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_a_missing_nvme_dir_is_one_line(tmp_path, capsys):
+    code, err = _main(tmp_path, capsys, f"nvme_dir={tmp_path / 'missing'}")
+    assert code == 2 and "\n" not in err and "does not exist" in err and "nvme_dir" in err, err
+
+
+def test_a_read_only_nvme_dir_is_one_line(tmp_path, capsys):
+    path = tmp_path / "ro"
+    if not _mount_tmpfs(path, "ro,size=64k"):
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        code, err = _main(tmp_path, capsys, f"nvme_dir={path}")
+    finally:
+        _umount(path)
+    assert code == 2 and "\n" not in err and "not writable" in err and "nvme_dir" in err, err
+
+
+def test_a_disk_without_room_for_the_states_is_one_line_before_any_file(tmp_path, capsys):
+    import os
+
+    path = tmp_path / "small"
+    if not _mount_tmpfs(path, "size=1m"):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        free = os.statvfs(path).f_bavail
+        code, err = _main(tmp_path, capsys, f"nvme_dir={path}")
+        assert os.listdir(path) == [] and os.statvfs(path).f_bavail == free  # nothing made, nothing left
+    finally:
+        _umount(path)
+    assert code == 2 and "\n" not in err and "optimizer state files need" in err and str(path) in err, err

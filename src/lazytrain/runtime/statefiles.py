@@ -192,7 +192,7 @@ class StateFiles:
         self._staging: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[IOEvent]] = {}
         self._lock = threading.Lock()
-        self._check_room(self.total_bytes)
+        self.check_room(self.total_bytes)
         self.direct = direct
         try:
             for group, layout in self.layouts.items():
@@ -210,7 +210,7 @@ class StateFiles:
         time (an optimizer built group by group, each group's states moved out before the next's exist)."""
         if group in self.layouts:
             raise ValueError(f"StateFiles: group {group} exists")
-        self._check_room(layout.file_bytes)
+        self.check_room(layout.file_bytes)
         try:
             self._create(group, layout)
         except OSError as err:
@@ -225,7 +225,8 @@ class StateFiles:
         """Bytes the files take on the disk."""
         return sum(layout.file_bytes for layout in self.layouts.values())
 
-    def _check_room(self, need: int) -> None:
+    def check_room(self, need: int) -> None:
+        """Refuse (one line) when the directory is missing or its disk has less than `need` bytes free."""
         if not self.directory.is_dir():
             what = "is not a directory" if self.directory.exists() else "does not exist"
             raise LazyTrainError(f"NVMe directory {self.directory} {what}; create it or set nvme_dir to another one")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lazytrain.costmodel.cost import STATE_HEADER_BYTES
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import update_order
 from lazytrain.runtime.device import return_freed_host_memory
@@ -81,16 +82,22 @@ class NvmeStates:
     `states.bind(opt, executor_groups)`; each group update wrapped in `states.staged(update)`; `states.close()`."""
 
     def __init__(self, directory: str | Path, executor: Executor, *, owned: set[int] | None = None,
-                 masters: bool = True) -> None:
+                 masters: bool = True, group_bytes: tuple[int, ...] = ()) -> None:
         """`owned`: the executor groups this rank steps (data parallel; None: all): only theirs get files, and the
         states of the others are dropped as they are made. `masters`: offload fp32 masters of a bf16 stream (with
-        ranks they stay in the node's shared memory, which every rank maps: distributed/shared.py)."""
+        ranks they stay in the node's shared memory, which every rank maps: distributed/shared.py).
+        `group_bytes`: the cost model's bytes of each group's file (CostModel.state_group_bytes, at target + 1):
+        the disk must have room for this rank's before the first file is made (one line naming the need)."""
         self.executor = executor
         self.compute_dtype = executor.compute_dtype
         self.masters = masters
         self._owner = {id(p): i for i, params in enumerate(executor.param_groups()) for p in params}
         self._owned = owned
         self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty)
+        L = executor.parts.num_layers
+        mine = [b for t, b in zip(range(-1, L + 1), group_bytes, strict=False)
+                if b and (owned is None or executor.index_of(t) in owned)]
+        self.files.check_room(sum(b + STATE_HEADER_BYTES for b in mine))
         self.groups: dict[str, FileGroup] = {}
         self._names = {id(p): n for n, p in executor.model.named_parameters()}
         self._gathered = executor.parts.embedding.weight  # its master stays in RAM (module docstring)

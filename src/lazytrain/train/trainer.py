@@ -362,7 +362,8 @@ class Trainer:
         # rank's groups) live in files under nvme_dir, staged one layer group at a time (train/offload.py)
         self.nvme = NvmeStates(self.executor.device.nvme_dir, self.executor,
                                owned=None if self.shard is None else self.shard.owned_indices,
-                               masters=self.shard is None) if self.job.runtime.optimizer_offload == "nvme" else None
+                               masters=self.shard is None, group_bytes=self.planned.cost.state_group_bytes()
+                               ) if self.job.runtime.optimizer_offload == "nvme" else None
         self.optimizer = build_optimizer(self.job, self.model, self.nvme)
         self.schedule = Schedule(self.job)
         self.overlap = self.job.optim.optimizer_mode == "overlap"  # the update runs under the next step's forward
