@@ -3,9 +3,11 @@ files under nvme_dir and are staged one layer group at a time for its update -- 
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,22 +23,18 @@ BASE = dict(model="debug", corpus="zen", batch_size=2, seq_len=32, lr=3e-3, warm
             eval_batches=0, progress=False, max_grad_norm=1.0, seed=0, save_steps=0)
 
 
-def _final_state(trainer: trainer_module.Trainer) -> dict[str, torch.Tensor]:
-    """Every master weight (by parameter name) and optimizer state tensor ("<index>.<key>") at the run's end."""
-    out = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    if trainer.nvme is None:
-        params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            out.update({f"{i}.{k}": v.clone() for k, v in trainer.optimizer.state[p].items()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0})
-    else:
-        for _, tensors in trainer.nvme.tensors():
-            out.update(tensors)  # the offloaded masters replace the placeholders
-    return out
+def _checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every tensor of a checkpoint (the HF folder, master.safetensors, each group's optimizer file: "file:name")
+    and its optimizer.json."""
+    from safetensors.torch import load_file
+
+    tensors = {f"{f.relative_to(path)}:{k}": v for f in sorted(path.rglob("*.safetensors"))
+               if "rng" not in f.name for k, v in load_file(str(f)).items()}
+    return tensors, json.loads((path / "trainer_state" / "optimizer.json").read_text())
 
 
 def _with_depth(mp: pytest.MonkeyPatch, depth: int) -> None:
-    """Plans with `depth` staging slots (until the planners choose it: p24-plan's MILP)."""
+    """Plans with `depth` staging slots (the planner picks one; the tests cover 1..L)."""
     from dataclasses import replace
 
     from lazytrain.train import planning
@@ -51,13 +49,11 @@ def _with_depth(mp: pytest.MonkeyPatch, depth: int) -> None:
 
 
 def _run(tmp_path, offload: str, *, bad_step: int | None, depth: int = 2, **values):
-    """Train with `values`; on `bad_step` (0-based) layer 1's landed gradient holds an inf. Returns the losses and
-    the final masters and states."""
+    """Train with `values`; on `bad_step` (0-based) layer 1's landed gradient holds an inf. Returns the result and
+    its final checkpoint's tensors and optimizer.json."""
     real_land = store.WeightGroup.land
     real_step = trainer_module.Trainer.train_step
-    real_close = trainer_module.Trainer.close
     current: dict[str, int | None] = {"step": None}
-    final: dict[str, torch.Tensor] = {}
     lanes: list[str] = []  # the thread of every state read and write
 
     def land(self, **kwargs):
@@ -71,10 +67,6 @@ def _run(tmp_path, offload: str, *, bad_step: int | None, depth: int = 2, **valu
             return real_step(self, index)
         finally:
             current["step"] = None
-
-    def close(self):
-        final.update(_final_state(self))
-        real_close(self)
 
     real_read, real_write = offload_module.NvmeStates.read, offload_module.NvmeStates.write
 
@@ -91,14 +83,12 @@ def _run(tmp_path, offload: str, *, bad_step: int | None, depth: int = 2, **valu
         mp.setattr(offload_module.NvmeStates, "write", write)
         mp.setattr(store.WeightGroup, "land", land)
         mp.setattr(trainer_module.Trainer, "train_step", train_step)
-        mp.setattr(trainer_module.Trainer, "close", close)
-        mp.setattr(trainer_module.Trainer, "save", lambda self: self.executor.drain() or self.out)
         if offload == "nvme":
             _with_depth(mp, depth)
         result = train(load_job_config({**BASE, **values, "optimizer_offload": offload,
                                         "output_dir": str(tmp_path / offload)}))
     result.summary["state_io_threads"] = lanes
-    return result, final
+    return result, _checkpoint(result.output_dir / f"checkpoint-{len(result.losses)}")
 
 
 def _check_identical(tmp_path, steps: int, bad_step: int | None, depth: int = 2, **values) -> None:
@@ -107,9 +97,10 @@ def _check_identical(tmp_path, steps: int, bad_step: int | None, depth: int = 2,
     assert nvme.losses == host.losses  # bit for bit (None on the skipped step)
     if bad_step is not None:
         assert nvme.losses[bad_step] is None and nvme.summary["skipped_steps"] == 1
-    assert sorted(nvme_final) == sorted(host_final)
-    for name, t in host_final.items():
-        assert torch.equal(nvme_final[name], t), f"{name} differs"
+    (nvme_tensors, nvme_doc), (host_tensors, host_doc) = nvme_final, host_final
+    assert sorted(nvme_tensors) == sorted(host_tensors) and nvme_doc == host_doc
+    for name, t in host_tensors.items():  # the final weights, masters and states, as each run's checkpoint holds them
+        assert torch.equal(nvme_tensors[name], t), f"{name} differs"
     # the step program's state ops ran on the NVMe lanes (the rest: the end's drain, on this thread)
     lanes = nvme.summary["state_io_threads"]
     assert "lazytrain-nvme_read" in lanes and "lazytrain-nvme_write" in lanes, set(lanes)
@@ -263,3 +254,138 @@ def test_a_disk_without_room_for_the_states_is_one_line_before_any_file(tmp_path
     finally:
         _umount(path)
     assert code == 2 and "\n" not in err and "optimizer state files need" in err and str(path) in err, err
+
+
+# ---- checkpoints and resume -------------------------------------------------------------------------------------
+def _train(out: Path, offload: str, depth: int = 2, **values) -> trainer_module.TrainResult:
+    with pytest.MonkeyPatch.context() as mp:
+        if offload == "nvme":
+            _with_depth(mp, depth)
+        return train(load_job_config({**BASE, **values, "optimizer_offload": offload, "output_dir": str(out)}))
+
+
+@pytest.mark.parametrize("optimizer, mode", [("8bit", "overlap"), ("adamw", "serial")])
+def test_a_checkpoint_resumes_across_optimizer_offload_both_ways(tmp_path, optimizer, mode):
+    """A checkpoint of the states in RAM resumes with them on NVMe and the reverse (and NVMe to NVMe): the same
+    files (the group files are kernel copies of the state files), the same run as the one never stopped."""
+    import shutil
+
+    job = dict(optimizer=optimizer, optimizer_mode=mode, dtype="bf16", steps=6, save_steps=3)
+    whole = {kind: _train(tmp_path / kind, kind, **job) for kind in ("host", "nvme")}
+    reference = _checkpoint(tmp_path / "host" / "checkpoint-6")
+    assert _checkpoint(tmp_path / "nvme" / "checkpoint-3")[1] == _checkpoint(tmp_path / "host" / "checkpoint-3")[1]
+    for saved, resumed in (("host", "nvme"), ("nvme", "host"), ("nvme", "nvme")):
+        out = tmp_path / f"{saved}-to-{resumed}"
+        shutil.copytree(tmp_path / saved / "checkpoint-3", out / "checkpoint-3")
+        result = _train(out, resumed, resume_from_checkpoint="auto", **job)
+        assert result.losses == whole["host"].losses, (saved, resumed)
+        tensors, doc = _checkpoint(out / "checkpoint-6")
+        assert sorted(tensors) == sorted(reference[0]) and doc == reference[1]
+        for name, t in reference[0].items():
+            assert torch.equal(tensors[name], t), f"{saved} -> {resumed}: {name} differs"
+
+
+# ---- signals: SIGKILL mid-step (mid state write) and mid-save, SIGTERM; nothing left in nvme_dir -------------------
+PAUSE_IN_WRITE = """
+from lazytrain.train import offload
+real_write, writes = offload.NvmeStates.write, []
+def write(self, index):
+    writes.append(index)
+    if at == f"write:{len(writes)}":  # inside the step program's state_write (the nvme_write lane)
+        pause()
+    return real_write(self, index)
+offload.NvmeStates.write = write
+"""
+
+
+def _start(out: Path, nvme: Path, pause_at: str, steps: int, pause_s: float = 30.0):
+    import os
+    import subprocess
+    import sys
+
+    import paused_run
+
+    cli = "from lazytrain.cli import main"
+    program = paused_run.PROGRAM.replace(cli, PAUSE_IN_WRITE + cli)
+    env = {**os.environ, "MARKER": str(out.parent / f"{out.name}.marker"), "PAUSE_AT": pause_at,
+           "PAUSE_S": str(pause_s), "OMP_NUM_THREADS": "1"}
+    argv = [*paused_run.ARGV, "--dtype", "bf16", "--optimizer-offload", "nvme", f"nvme_dir={nvme}", "save_steps=2",
+            "--steps", str(steps), "--output-dir", str(out)]
+    return subprocess.Popen([sys.executable, "-c", program, "train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env), out.parent / f"{out.name}.marker"
+
+
+def _open_files_in(pid: int, directory: Path) -> list[str]:
+    import os
+
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith(str(directory)):
+            links.append(link)
+    return links
+
+
+@pytest.mark.slow  # four runs, three of them subprocesses: ~1 min on a loaded machine
+def test_sigkill_mid_state_write_and_mid_save_then_auto_resume_equals_the_run_never_stopped(tmp_path):
+    import signal
+
+    import paused_run
+
+    from lazytrain.cli import main
+
+    steps = 6
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    whole = tmp_path / "whole"
+    assert main(["train", *paused_run.ARGV, "--dtype", "bf16", "--optimizer-offload", "nvme", f"nvme_dir={nvme}",
+                 "save_steps=2", "--steps", str(steps), "--output-dir", str(whole)]) == 0
+    reference = _checkpoint(whole / f"checkpoint-{steps}")
+    # writes 1-6: step 1's update in step 2's forward, 7-12 step 2's at checkpoint 2, 19-24 step 3's in step 4's
+    # forward (the debug model: 6 groups)
+    for name, pause_at in (("mid-step", "write:21"), ("mid-save", "save:.tmp-checkpoint-4")):
+        out = tmp_path / name
+        proc, marker = _start(out, nvme, pause_at, steps)
+        try:
+            paused_run.wait_for(marker, proc)
+            files = _open_files_in(proc.pid, nvme)
+            assert files and all("(deleted)" in f for f in files)  # the state files are open, yet nameless
+            assert list(nvme.iterdir()) == []
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            proc.kill()
+            proc.wait()
+        assert list(nvme.iterdir()) == [] and not (out / "checkpoint-4").exists(), name
+        assert main(["train", *paused_run.ARGV, "--dtype", "bf16", "--optimizer-offload", "nvme", f"nvme_dir={nvme}",
+                     "save_steps=2", "resume_from_checkpoint=auto", "--steps", str(steps),
+                     "--output-dir", str(out)]) == 0
+        tensors, doc = _checkpoint(out / f"checkpoint-{steps}")
+        assert doc == reference[1] and sorted(tensors) == sorted(reference[0]), name
+        for key, t in reference[0].items():
+            assert torch.equal(tensors[key], t), f"{name}: {key} differs"
+        assert list(nvme.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_ctrl_c_mid_run_leave_nothing_in_nvme_dir(tmp_path, sig):
+    import signal
+
+    import paused_run
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    proc, marker = _start(tmp_path / "run", nvme, "write:9", 4, pause_s=3.0)
+    try:
+        paused_run.wait_for(marker, proc)
+        assert _open_files_in(proc.pid, nvme)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode in (130, 143), err[-2000:]  # stopped after the step in flight, its checkpoint saved
+    assert "resume_from_checkpoint=auto" in err and list(nvme.iterdir()) == []

@@ -318,33 +318,39 @@ class StateFiles:
     def save_safetensors(self, group: str, path: str | Path, names: Iterable[str] | None = None) -> int:
         """Copy the group's tensors (all, or `names`) into a new safetensors file at `path` inside the kernel, fsync
         it, and return its size. Waits for the group's pending ops first. `path` is overwritten: write to a
-        temporary name and rename (the checkpoint's one write path does)."""
+        temporary name and rename (the checkpoint's one write path does). Raises OSError: the checkpoint's write
+        path says in one line which checkpoint stays intact and what to do."""
         return self.save_combined(path, [(group, names)])
 
-    def save_combined(self, path: str | Path, parts: Sequence[tuple[str, Iterable[str] | None]]) -> int:
+    def save_combined(self, path: str | Path, parts: Sequence[tuple[str, Iterable[str] | None]],
+                      host: dict[str, torch.Tensor] | None = None) -> int:
         """`save_safetensors` of several groups into one file: each part is a group and its tensor names (None =
-        all); names must differ across the parts (e.g. every group's fp32 masters, by parameter name, into one
-        master.safetensors). Tensors lie in order of falling element size, as in the groups' own files."""
+        all), and `host` tensors from host memory beside them (written from their bytes, after the copies); names
+        must differ across all of them (e.g. every group's fp32 masters, by parameter name, and the masters that
+        stay in RAM, into one master.safetensors). The copied tensors lie in order of falling element size, as in
+        the groups' own files."""
         sources: list[tuple[str, Extent]] = []
         for group, names in parts:
             layout = self.layouts[group]
             chosen = list(layout.extents.values()) if names is None else [layout.extents[n] for n in names]
             sources += sorted(((group, e) for e in chosen), key=lambda ge: ge[1].offset)
-        if len({e.name for _, e in sources}) != len(sources):
-            raise ValueError("save_combined: a tensor name occurs in two parts")
+        host = {name: t.detach().contiguous() for name, t in (host or {}).items()}
+        if len({e.name for _, e in sources} | set(host)) != len(sources) + len(host):
+            raise ValueError("save_combined: a tensor name occurs twice")
         sources.sort(key=lambda ge: -torch.empty((), dtype=ge[1].dtype).element_size())  # stable
         out, offset = [], 0
         for _, e in sources:
             out.append(Extent(e.name, e.dtype, e.shape, offset, e.num_bytes))
             offset += e.num_bytes
-        header = safetensors_header(out)
+        written = []  # (the host tensors' extents)
+        for name, t in host.items():
+            written.append((Extent(name, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size()), t))
+            offset += written[-1][0].num_bytes
+        header = safetensors_header(out + [e for e, _ in written])
         groups = list(dict.fromkeys(group for group, _ in parts))
         for group in groups:
             self.wait_all(group)
-        try:
-            dst_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        except OSError as err:
-            raise io_error(err, Path(path).parent, "write a checkpoint's optimizer file") from None
+        dst_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             write_all(dst_fd, memoryview(header), 0)
             for group in groups:
@@ -354,9 +360,9 @@ class StateFiles:
                 with self._buffered(group) as src_fd:
                     for src, dst, num_bytes in runs:
                         copy_range(src_fd, src, dst_fd, dst, num_bytes)
+            for e, t in written:
+                write_all(dst_fd, bytes_view(t), len(header) + e.offset)
             os.fsync(dst_fd)
-        except OSError as err:
-            raise io_error(err, Path(path).parent, "write a checkpoint's optimizer file") from None
         finally:
             os.close(dst_fd)
         return len(header) + offset

@@ -42,6 +42,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from lazytrain.distributed.ranks import Ranks
+    from lazytrain.train.offload import NvmeStates
 
 STATE_DIR = "trainer_state"
 HF_STATE_FILE = "trainer_state.json"  # the HF Trainer's view of the run, beside the exact state (train/hf_state.py)
@@ -223,13 +225,16 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
                     optimizer: torch.optim.Optimizer, optimizer_kind: str, data_state: dict[str, object],
                     plan: Plan, tokenizer: PreTrainedTokenizerBase | None = None,
                     save_total_limit: int | None = None, ranks: Ranks | None = None,
-                    owned: set[int] | None = None, hf_state: Mapping[str, object] | None = None) -> Path:
+                    owned: set[int] | None = None, hf_state: Mapping[str, object] | None = None,
+                    nvme: NvmeStates | None = None) -> Path:
     """Write `checkpoint-<state.step>` whole (temporary name, fsync, manifest, rename) and keep the newest
     `save_total_limit`. A failure (a full disk, a read-only or vanished directory, a third signal) removes the
     partial copy and leaves every earlier checkpoint as it was, in one line. With `ranks` a collective (module
     docstring; `owned`: the id()s of the parameters this rank steps): `out` is rank 0's, the others learn the
     temporary directory from it; returns the checkpoint's path on every rank. `hf_state`: the content of
-    trainer_state.json, the HF Trainer's view of the run (train/hf_state.py; rank 0's)."""
+    trainer_state.json, the HF Trainer's view of the run (train/hf_state.py; rank 0's). `nvme`: the optimizer's
+    states (and masters) in files (optimizer_offload nvme): each group's file and master.safetensors are copies of
+    them (train/offload.py), the HF folder the streamed copies of the offloaded masters."""
     main = ranks is None or ranks.is_main
     tmp = out / f".tmp-{PREFIX}{state.step}"
     error: LazyTrainError | None = None
@@ -255,7 +260,7 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
     try:
         scalars: object = {}
         try:
-            scalars = _write_optimizer_groups(tmp / STATE_DIR, optimizer, ranks, owned)
+            scalars = _write_optimizer_groups(tmp / STATE_DIR, optimizer, ranks, owned, nvme)
         except (*WRITE_ERRORS, WriteFailed) as err:
             error = _cannot_write(tmp.parent, state.step, err)
         if ranks is not None:  # rank 0 writes optimizer.json with every group's scalars, from their owners (every
@@ -263,13 +268,14 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
             scalars = ranks.gather_to_main(scalars, f"writing checkpoint {state.step} (the optimizer scalars)")
         try:
             if main and error is None:
-                _write_model(tmp, model, compute_dtype)
+                with nvme.streamed_weights() if nvme is not None else nullcontext():
+                    _write_model(tmp, model, compute_dtype)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 _write_trainer_state(tmp, state, model=model, compute_dtype=compute_dtype, data_state=data_state,
                                      plan=plan, optimizer_doc=state_files.optimizer_json(optimizer, optimizer_kind,
                                                                                          _merged(scalars)),
-                                     hf_state=hf_state)
+                                     hf_state=hf_state, nvme=nvme)
         except (*WRITE_ERRORS, WriteFailed) as err:
             error = _cannot_write(tmp.parent, state.step, err)
         if ranks is None:
@@ -303,7 +309,7 @@ def _merged(scalars: object) -> dict[int, dict[str, Any]]:
 
 
 def _write_optimizer_groups(state_dir: Path, optimizer: torch.optim.Optimizer, ranks: Ranks | None,
-                            owned: set[int] | None) -> dict[int, dict[str, Any]]:
+                            owned: set[int] | None, nvme: NvmeStates | None = None) -> dict[int, dict[str, Any]]:
     """This rank's layer groups' files (every group without ranks; node 0's owners with them); returns the scalars
     of the parameters whose files it wrote."""
     scalars: dict[int, dict[str, Any]] = {}
@@ -314,7 +320,11 @@ def _write_optimizer_groups(state_dir: Path, optimizer: torch.optim.Optimizer, r
         if owned is not None and not all(id(params[i]) in owned for i in indices):
             continue
         tensors, group_scalars = state_files.split_states(optimizer, indices)
-        save_file({k: _unshared(v) for k, v in tensors.items()}, str(state_dir / "optimizer" / f"{name}.safetensors"))
+        path = state_dir / "optimizer" / f"{name}.safetensors"
+        if nvme is not None and name in nvme.groups:  # (its tensors are in its file, none in `tensors`)
+            nvme.save_group(name, path)
+        else:
+            save_file({k: _unshared(v) for k, v in tensors.items()}, str(path))
         scalars.update(group_scalars)
     return scalars
 
@@ -382,10 +392,12 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
 
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
                          data_state: dict[str, object], plan: Plan, optimizer_doc: dict[str, Any],
-                         hf_state: Mapping[str, object] | None) -> None:
+                         hf_state: Mapping[str, object] | None, nvme: NvmeStates | None = None) -> None:
     """trainer_state.json and everything in trainer_state/ but the optimizer groups' files and the manifest."""
     state_dir = path / STATE_DIR
-    if any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
+    if nvme is not None and nvme.offloaded_masters:  # the masters in the state files: copied from there
+        nvme.save_masters(state_dir / "master.safetensors", model)
+    elif any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
         # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
         save_file({k: _unshared(v) for k, v in dict(model.named_parameters()).items()},
                   str(state_dir / "master.safetensors"))
@@ -459,30 +471,37 @@ def read_checkpoint(path: Path, *, optimizer_kind: str, world_size: int) -> Save
 
 
 def load_checkpoint(saved: Saved, *, model: PreTrainedModel, optimizer: torch.optim.Optimizer, optimizer_kind: str,
-                    owned: set[int] | None = None) -> tuple[TrainerState, dict[str, object]]:
+                    owned: set[int] | None = None, nvme: NvmeStates | None = None
+                    ) -> tuple[TrainerState, dict[str, object]]:
     """Put a checkpoint's master weights into `model` (in place: the executor's buffers stay the parameters), its
     optimizer states into `optimizer` (with `owned`: the files of this rank's groups only) and restore the RNG
-    states; every tensor is checked (shape, finite) before it is used. Returns the trainer state and data state."""
+    states; every tensor is checked (shape, finite) before it is used. Returns the trainer state and data state.
+    `nvme` (optimizer_offload nvme): the groups' states and the offloaded masters are copied into its files
+    instead (train/offload.py; a checkpoint of either kind of run)."""
     path, state_dir = saved.path, saved.path / STATE_DIR
     try:
-        _load_weights(path, model)
+        _load_weights(path, model, skip=set() if nvme is None else nvme.offloaded_masters)
         params = state_files.params_by_index(optimizer)
         tensors: dict[str, torch.Tensor] = {}
         for name, indices in state_files.group_params(optimizer).items():
-            if owned is None or all(id(params[i]) in owned for i in indices):
+            if (owned is None or all(id(params[i]) in owned for i in indices)) and (nvme is None or
+                                                                                   name not in nvme.groups):
                 tensors.update(load_file(str(state_dir / "optimizer" / f"{name}.safetensors")))
         state_files.load_optimizer(optimizer, optimizer_kind, saved.optimizer, tensors)
+        if nvme is not None:
+            nvme.load(path)
         state_files.set_rng_states(saved.rng, load_file(str(state_dir / "rng.safetensors")))
     except READ_ERRORS as err:
         raise _unreadable(path, err) from None
     return saved.state, saved.data
 
 
-def _load_weights(path: Path, model: PreTrainedModel) -> None:
-    """The masters (or the HF folder's tensors where they are the masters) into the parameters, each checked."""
+def _load_weights(path: Path, model: PreTrainedModel, skip: set[str]) -> None:
+    """The masters (or the HF folder's tensors where they are the masters) into the parameters, each checked; but
+    those in `skip` (offloaded masters: train/offload.py loads them into their files)."""
     master = path / STATE_DIR / "master.safetensors"
     files = [master] if master.exists() else sorted(path.glob("*.safetensors"))
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in skip}
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:

@@ -307,17 +307,25 @@ class NvmeStates:
             group.pack(force=True)
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save(self, state_dir: Path, names: Iterable[str] | None = None) -> None:
-        """A checkpoint's trainer_state/optimizer/<group>.safetensors of the groups `names` (default: every file
-        here) and, where masters are here, trainer_state/master.safetensors: each a copy of file extents inside the
-        kernel (StateFiles.save_combined: os.copy_file_range, nothing through host memory). The same bytes, names
-        and layout as a checkpoint written from the states in RAM, so either kind of run resumes from it."""
-        for name in self.groups if names is None else names:
-            self.files.save_safetensors(name, state_dir / "optimizer" / f"{name}.safetensors",
-                                        self.groups[name].state_names())
-        masters = [(name, list(g.masters.values())) for name, g in self.groups.items() if g.masters]
-        if masters:
-            self.files.save_combined(state_dir / MASTER_FILE, masters)
+    def save_group(self, name: str, path: Path) -> None:
+        """A checkpoint's optimizer/<name>.safetensors: the group's state tensors copied out of its file inside the
+        kernel (os.copy_file_range, nothing through host memory); the same bytes, names and layout as a checkpoint
+        written from the states in RAM, so either kind of run resumes from it. Raises OSError (the checkpoint's
+        write path makes its one line)."""
+        self.files.save_safetensors(name, path, self.groups[name].state_names())
+
+    @property
+    def offloaded_masters(self) -> set[str]:
+        """The parameter names whose fp32 masters live in the files."""
+        return {m for g in self.groups.values() for m in g.masters.values()}
+
+    def save_masters(self, path: Path, model: torch.nn.Module) -> None:
+        """A checkpoint's master.safetensors: the offloaded masters copied out of the files inside the kernel and
+        the others (the embedding matrix's) from host memory. Raises OSError."""
+        offloaded = self.offloaded_masters
+        host = {n: p for n, p in model.named_parameters() if n not in offloaded}
+        self.files.save_combined(path, [(name, list(g.masters.values())) for name, g in self.groups.items()
+                                        if g.masters], host=host)
 
     def load(self, path: Path) -> None:
         """Resume from checkpoint `path`: its optimizer/<group>.safetensors and its masters (master.safetensors, or

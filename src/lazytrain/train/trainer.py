@@ -8,6 +8,7 @@ micro-batch, optimizer, log), saving a checkpoint every `save_steps`, at the end
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -172,8 +173,7 @@ def _train(job: JobConfig) -> TrainResult:
             say(f"eval     exact match on {len(data.math_eval)} held-out problems before training: {exact_before:.1%}")
 
         # ---- plan -----------------------------------------------------------------------------------
-        if resume_from is not None and job.plan.plan_file is None:  # the plan the run was executing
-            job = replace(job, plan=replace(job.plan, plan_file=str(resume_from / "trainer_state" / "plan.json")))
+        job = resumed_plan(job, resume_from)
         kind = pick_device_kind(job.runtime.device)
         planned = plan_run(job, model, kind, data.probe, ranks=ranks)
         plan = planned.plan
@@ -274,6 +274,24 @@ def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path | None, 
     if ranks is not None and not ranks.is_main:
         out = out / f"rank-{ranks.rank}"  # made beside rank 0's, once the data and the model are built
     return out, resume_from, saved
+
+
+def resumed_plan(job: JobConfig, resume_from: Path | None) -> JobConfig:
+    """A resumed run executes the plan it was executing (its checkpoint's plan.json), unless the job names a plan
+    file or moves the optimizer's states between RAM and NVMe (optimizer_offload changed: that plan has no staging,
+    or staging it no longer needs): then it plans afresh, and says so."""
+    if resume_from is None or job.plan.plan_file is not None:
+        return job
+    path = resume_from / "trainer_state" / "plan.json"
+    try:
+        offload = json.loads(path.read_text()).get("optimizer_offload", "host")
+    except (OSError, ValueError, AttributeError):
+        offload = None  # Plan.load says what is wrong with it
+    if offload is not None and offload != job.runtime.optimizer_offload:
+        say(f"note     {resume_from.name} was running with optimizer_offload {offload}: planning anew for "
+            f"{job.runtime.optimizer_offload}")
+        return job
+    return replace(job, plan=replace(job.plan, plan_file=str(path)))
 
 
 def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_s: float, plotted: bool,
@@ -568,7 +586,7 @@ class Trainer:
                                    data_state=self.batches.state_dict(), plan=self.planned.plan,
                                    tokenizer=self.tokenizer, save_total_limit=self.job.checkpoint.save_total_limit,
                                    ranks=self.ranks, owned=None if self.shard is None else self.shard.owned,
-                                   hf_state=hf_state)
+                                   hf_state=hf_state, nvme=self.nvme)
 
     def hf_state(self) -> dict[str, object]:
         """trainer_state.json's content at this step (its log_history from metrics.jsonl, so a resumed run's too)."""
@@ -595,7 +613,8 @@ class Trainer:
         path = saved.path
         self.state, data_state = load_checkpoint(saved, model=self.model, optimizer=self.optimizer,
                                                  optimizer_kind=self.job.optim.optimizer,
-                                                 owned=None if self.shard is None else self.shard.owned)
+                                                 owned=None if self.shard is None else self.shard.owned,
+                                                 nvme=self.nvme)
         if self.shard is not None:  # every rank loaded its groups' states (and wrote the same weights)
             self.shard.fence("loading the checkpoint")
         self.batches.load_state_dict(data_state)
