@@ -389,3 +389,81 @@ def test_sigterm_and_ctrl_c_mid_run_leave_nothing_in_nvme_dir(tmp_path, sig):
         proc.wait()
     assert proc.returncode in (130, 143), err[-2000:]  # stopped after the step in flight, its checkpoint saved
     assert "resume_from_checkpoint=auto" in err and list(nvme.iterdir()) == []
+
+
+# ---- a disk that fails or fills up mid-run -------------------------------------------------------------------------
+def test_a_state_write_failing_mid_run_stops_in_one_line_and_the_last_checkpoint_resumes_exactly(tmp_path, capsys):
+    """ENOSPC (or EIO) on a state file mid-step -- injected: the files are preallocated, so a full disk cannot do it
+    -- stops the run in one line naming the intact checkpoint and how to continue; the half-written state dies with
+    the process's nameless files, and the checkpoint resumes to the run never stopped."""
+    import errno
+
+    import paused_run
+
+    from lazytrain.cli import main
+    from lazytrain.runtime import statefiles
+
+    argv = ["train", *paused_run.ARGV, "--dtype", "bf16", "--optimizer-offload", "nvme", "save_steps=2", "--steps",
+            "5"]
+    assert main([*argv, "--output-dir", str(tmp_path / "whole")]) == 0
+    real, writes = statefiles.StateFiles._transfer, []
+
+    def transfer(self, fd, data, offset, write):
+        if write:
+            writes.append(offset)
+            if len(writes) > 30:  # (blocks of step 4's writes: step 3's update)
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, fd, data, offset, write)
+
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(statefiles.StateFiles, "_transfer", transfer)
+        capsys.readouterr()
+        assert main([*argv, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "No space left on device" in err and "the run stopped after step" in err, err
+    assert "checkpoint-2 is intact" in err and "resume_from_checkpoint=auto" in err, err
+    assert main([*argv, "resume_from_checkpoint=auto", "--output-dir", str(out)]) == 0
+    reference, resumed = _checkpoint(tmp_path / "whole" / "checkpoint-5"), _checkpoint(out / "checkpoint-5")
+    assert resumed[1] == reference[1] and all(torch.equal(resumed[0][k], t) for k, t in reference[0].items())
+
+
+def test_a_disk_filled_up_mid_run_stops_at_the_next_checkpoint_and_keeps_the_last(tmp_path, capsys):
+    """nvme_dir and output_dir on one small tmpfs, filled after checkpoint 2: the state files were preallocated, so
+    the steps go on; checkpoint 4 cannot be written: one line, checkpoint-2 intact, the run resumes from it once
+    there is room."""
+    import os
+
+    import paused_run
+
+    from lazytrain.cli import main
+    from lazytrain.train.checkpoint import damage_reason
+
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "size=16m"):
+        pytest.skip("needs root to mount a small tmpfs")
+    filler = disk / "filler"
+    real_step = trainer_module.Trainer.train_step
+
+    def train_step(self, step):
+        if step == 2:  # after checkpoint 2: fill the disk
+            with open(filler, "wb") as f:
+                f.write(b"\0" * (os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - (16 << 10)))
+        return real_step(self, step)
+
+    argv = ["train", *paused_run.ARGV, "--dtype", "bf16", "--optimizer-offload", "nvme", f"nvme_dir={disk}",
+            "save_steps=2", "--steps", "5", "--output-dir", str(disk / "run")]
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(trainer_module.Trainer, "train_step", train_step)
+            capsys.readouterr()
+            assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "No space left on device" in err and "checkpoint-2 is intact" in err, err
+        assert damage_reason(disk / "run" / "checkpoint-2") is None and not (disk / "run" / "checkpoint-4").exists()
+        filler.unlink()
+        assert main([*argv, "resume_from_checkpoint=auto"]) == 0
+        assert damage_reason(disk / "run" / "checkpoint-5") is None
+        assert sorted(p.name for p in disk.iterdir()) == ["run"]  # no state or spill file left
+    finally:
+        _umount(disk)

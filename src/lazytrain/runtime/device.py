@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.runtime.files import StorageError
 from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file, spill_dir
 from lazytrain.units import format_bytes
@@ -489,7 +490,7 @@ def check_nvme_space(path: Path, need_bytes: int) -> None:
     """Refuse a step whose spill files (`need_bytes` at once) do not fit the disk's free space, before it starts."""
     free = shutil.disk_usage(path).free
     if need_bytes > free:
-        raise LazyTrainError(
+        raise StorageError(
             f"NVMe directory {path}: the step spills {format_bytes(need_bytes)} there but the disk has "
             f"{format_bytes(free)} free (short by {format_bytes(need_bytes - free)}); free space, pass another "
             "nvme_dir, or plan with a smaller NVMe activation budget"

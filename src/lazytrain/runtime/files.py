@@ -98,10 +98,15 @@ _WHAT_TO_DO = {
 }
 
 
-def io_error(err: OSError, directory: Path, action: str) -> LazyTrainError:
+class StorageError(LazyTrainError):
+    """A disk under nvme_dir refused a read or a write (full, read-only, failing): one line; mid-run the trainer
+    stops and says which checkpoint is intact and how to continue."""
+
+
+def io_error(err: OSError, directory: Path, action: str) -> StorageError:
     """One line for `err` raised while doing `action` (e.g. "write an optimizer state file") in `directory`."""
     advice = _WHAT_TO_DO.get(err.errno, "check the disk under nvme_dir or set nvme_dir to another one")
-    return LazyTrainError(f"cannot {action} in {directory}: {err.strerror or err}; {advice}")
+    return StorageError(f"cannot {action} in {directory}: {err.strerror or err}; {advice}")
 
 
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)

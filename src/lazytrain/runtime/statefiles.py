@@ -50,6 +50,7 @@ import torch
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.files import (
     ALIGN_BYTES,
+    StorageError,
     bytes_view,
     copy_range,
     io_error,
@@ -232,7 +233,7 @@ class StateFiles:
             raise LazyTrainError(f"NVMe directory {self.directory} {what}; create it or set nvme_dir to another one")
         free = shutil.disk_usage(self.directory).free
         if need > free:
-            raise LazyTrainError(
+            raise StorageError(
                 f"nvme: the optimizer state files need {format_bytes(need)} on {self.directory} but the disk has "
                 f"{format_bytes(free)} free; free space there or set nvme_dir to another disk")
 

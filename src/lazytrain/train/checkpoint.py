@@ -361,6 +361,14 @@ def _discard(tmp: Path) -> None:
         remove(tmp)
 
 
+def stopped(out: Path, steps: int) -> str:
+    """What a run that stops after `steps` steps says after its error: which checkpoint is intact, how to go on."""
+    complete = [p.name for p in checkpoints(out) if incomplete_reason(p) is None]
+    if not complete:
+        return f"the run stopped after step {steps}, before its first checkpoint: start it again"
+    return f"the run stopped after step {steps}; {complete[-1]} is intact: continue with resume_from_checkpoint=auto"
+
+
 def _intact(out: Path, step: int) -> str:
     previous = [p.name for p in checkpoints(out) if p.name != f"{PREFIX}{step}" and incomplete_reason(p) is None]
     return f"; {previous[-1]} is intact" if previous else "; no earlier checkpoint"

@@ -40,6 +40,7 @@ from lazytrain.job.inputs import resolved_dtype
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor, StepStats
+from lazytrain.runtime.files import StorageError
 from lazytrain.train import rundir
 from lazytrain.train.build import (
     build_device,
@@ -58,6 +59,7 @@ from lazytrain.train.checkpoint import (
     read_checkpoint,
     resume_checkpoint,
     save_checkpoint,
+    stopped,
 )
 from lazytrain.train.data import CorpusBatches, RunData, load_data
 from lazytrain.train.hf_state import trainer_state
@@ -438,6 +440,8 @@ class Trainer:
                     raise Interrupted(signum, f"{_signal_name(signum)} after step {self.state.step}: saved {path}; "
                                       "continue with resume_from_checkpoint=auto")
             self.executor.drain()  # the last step's overlapped update
+        except StorageError as err:  # a disk under nvme_dir failed mid-run (full, read-only, I/O error)
+            raise StorageError(f"{err}; {stopped(self.out, self.state.step)}") from None
         finally:
             bar.close()
             self.metrics.close()
