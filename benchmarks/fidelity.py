@@ -2,10 +2,11 @@
 
     python benchmarks/fidelity.py default --steps 12     # the default job (`lazytrain train`), ~2 min idle
     python benchmarks/fidelity.py why                    # the issue's three "Why" instances scaled down, ~2 min
+    python benchmarks/fidelity.py links --repeats 3 --steps 5   # link rates calibrated by the probe, ~1 min
 
 `default`: the default job built as `lazytrain train` builds it (its data, model, calibration and plan), then
 `--steps` training steps (the trainer's own `train_step`, overlap mode), each followed in the same round by one
-calibration probe step (the all-`gpu` plan on an unthrottled device, as `calibrated_cost` times it), so both see
+calibration probe step (the all-`gpu` plan on an uncapped device, as `calibrated_cost` times it), so both see
 the same machine. Reported:
 - measured step (the trainer's `step_s`) vs the prediction, and the executor's wall time within it;
 - sim(run): each step's program replayed by the simulator with every op's own measured seconds (compute ops,
@@ -24,6 +25,11 @@ same rounds as the runs, so apart from when the calibration ran; sim(run): the s
 arena's peak against the simulated peak; then each
 instance's seconds per op kind, measured against the calibrated cost model (where sim(cal) misses).
 
+`links`: the probe's link calibration (runtime/probe.py): the job calibrated as `lazytrain train` does on a
+device whose links are unthrottled (config `inf`) or throttled at 11 MB/s where the config says 1 GB/s, then a
+plan with cpu and nvme tiers run there: measured step against the prediction, and against the same calibration
+with the configured link rates (the prediction before links were measured).
+
 The machine is shared: state the load (printed) beside any figure; the sim(run) columns are the ones load
 moves least. `--threads 1` pins torch to one thread (steadier on a loaded machine).
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import resource
 import statistics
@@ -130,7 +137,7 @@ def part_default(args: argparse.Namespace) -> None:
     planned = plan_run(job, model, "cpu", data.probe)
     plan, cost = planned.plan, planned.cost
     device = build_device(job, "cpu", planned.budgets["gpu_mem_cap_bytes"])
-    probe_device = build_device(job, "cpu", None, throttled=False)
+    probe_device = build_device(job, "cpu", None)  # as calibrated_cost: its links as the run's
     B, T = job.data.per_device_train_batch_size, job.data.cutoff_len
     try:
         executor = build_executor(model, planned.plan, planned.cost, device, job)
@@ -173,7 +180,7 @@ def part_default(args: argparse.Namespace) -> None:
           f"{predicted:.3f} s: {step_s / predicted:.2f}x; sim(run) error median {statistics.median(replay_err):+.1%} "
           f"(range {min(replay_err):+.1%}..{max(replay_err):+.1%})")
     probe_wall = statistics.median(st.wall_s for st in probes)
-    print(f"probe step (all gpu, unthrottled, same rounds) {probe_wall:.3f} s; simulated on the calibration "
+    print(f"probe step (all gpu, uncapped, same rounds) {probe_wall:.3f} s; simulated on the calibration "
           f"{simulate(keep_all, cost, optimizer_mode='serial').forward_backward_s:.3f} s")
     cpu_ratio = [r / p for r, p in zip(cpu["run"], cpu["probe"], strict=True)]
     print(f"process CPU seconds per step: run {statistics.median(cpu['run']):.3f}, probe "
@@ -311,12 +318,70 @@ def part_why(args: argparse.Namespace) -> None:
           f"{torch.get_num_threads()} threads; {args.repeats} rounds")
 
 
+# =====================================================================================================
+# links: the probe's link calibration (issue 26 item 14)
+# =====================================================================================================
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
+LINK_CASES = {  # name: (model, batch, seq, the config's rate GB/s, the device's rate GB/s or None = unthrottled)
+    "unthrottled (config inf)": ("small", 2, 16, math.inf, None),
+    "throttled 11 MB/s (config 1 GB/s)": ("debug", 4, 32, 1.0, 0.011),
+}
+
+
+def part_links(args: argparse.Namespace) -> None:
+    """Each case `--repeats` times: the job calibrated as `lazytrain train` calibrates it (train/planning.py's
+    measured_cost) on a device whose links are unthrottled or throttled at a rate the config does not state, then
+    a plan with cpu and nvme tiers run on that device (`--steps` steps after a warm-up): its median step against
+    the calibrated prediction and against the calibration with the configured link rates (as before item 14)."""
+    from lazytrain.runtime import probe
+    from lazytrain.train import planning
+
+    print(f"{'case':<34} {'run':>3} {'measured':>8} {'predicted':>9} {'ratio':>6} {'at config':>9} {'ratio':>7}  "
+          f"calibrated GB/s (h2d, d2h, nvme read, write)")
+    build, take = planning.build_device, probe.probe_steps
+    for name, (model_name, B, T, config_gbps, device_gbps) in LINK_CASES.items():
+        rates = {f"{link}_gbps": device_gbps for link in LINKS}
+        job = load_job_config({"model": model_name, "corpus": "zen", "batch_size": B, "seq_len": T, "dtype": "fp32",
+                               "optimizer_mode": "serial", "eval_batches": 0, "progress": False,
+                               **{f"{link}_gbps": config_gbps for link in LINKS}})
+        data = load_data(job)
+        model = build_model(data.job, model_source(data.job, data.vocab_size))
+        L = model.config.num_hidden_layers
+        plan = Plan.from_tiers(model, ["gpu"] + [("cpu", "nvme")[j % 2] for j in range(L - 1)] + ["gpu"])
+        for run in range(args.repeats):
+            probed: list[StepStats] = []
+            planning.build_device = lambda job, kind, cap, rates=rates: EmulatedDevice(capacity_bytes=cap, **rates)
+            probe.probe_steps = lambda step, probed=probed: probed.extend(take(step)) or probed
+            try:
+                cost = planning.measured_cost(data.job, model, "cpu", data.probe)
+            finally:
+                planning.build_device, probe.probe_steps = build, take
+            configured = calibrate(rebuilt(cost, cost.hardware.with_overrides(
+                **{f"{link}_gbps": config_gbps for link in LINKS})), probed)
+            device = EmulatedDevice(**rates)
+            executor = Executor(model, plan, device, cost=cost)
+            walls = []
+            for _ in range(args.steps + 1):
+                executor.forward_backward(*data.probe)
+                model.zero_grad(set_to_none=True)
+                walls.append(executor.last_step.wall_s)
+            device.close()
+            measured = statistics.median(walls[1:])
+            predicted = simulate(plan, cost, optimizer_mode="serial").forward_backward_s
+            at_config = simulate(plan, configured, optimizer_mode="serial").forward_backward_s
+            gbps = ", ".join(f"{getattr(cost.hardware, f'{link}_gbps'):.3g}" for link in LINKS)
+            print(f"{name:<34} {run + 1:>3} {measured:8.3f} {predicted:9.3f} {measured / predicted:5.2f}x "
+                  f"{at_config:9.3f} {measured / at_config:6.2f}x  {gbps}  ({load()})")
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"plans with cpu and nvme tiers alternating (the last {plan.placement_map()}); {args.steps} steps a run")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["default", "why"])
-    parser.add_argument("--steps", type=int, default=12, help="measured steps (after one warm-up)")
+    parser.add_argument("part", choices=["default", "why", "links"])
+    parser.add_argument("--steps", type=int, default=12, help="default, links: measured steps (after one warm-up)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="default: job overrides")
-    parser.add_argument("--repeats", type=int, default=5, help="why: measured rounds (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=5, help="why: measured rounds (after one warm-up); links: runs")
     parser.add_argument("--hidden", type=int, default=256, help="why: the Llama's hidden size")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
@@ -325,7 +390,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    {"default": part_default, "why": part_why}[args.part](args)
+    {"default": part_default, "why": part_why, "links": part_links}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import os
 import random
+import statistics
 from dataclasses import dataclass, field
 
 import pytest
@@ -21,7 +24,8 @@ from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.sim import simulate
 from lazytrain.runtime import calibrate as calibration
-from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, probe_steps, quantize_s
+from lazytrain.runtime.calibrate import QUANTUM, calibrate, calibrate_links, probe_steps, quantize_s, rebuilt
+from lazytrain.runtime.probe import nvme_gbps
 
 
 @dataclass
@@ -209,3 +213,101 @@ def test_asynchronous_timers_scale_the_flop_estimate_to_the_steps_compute() -> N
     out = calibrate(cost, steps, scale_flops=True)
     assert simulate(keep_all, out, optimizer_mode="serial").compute_s == pytest.approx(3.0 * compute, rel=QUANTUM)
     assert out.forward_s[0] / out.backward_s[0] == pytest.approx(cost.forward_s[0] / cost.backward_s[0])
+
+
+# ---- link rates: the probe measures the emulated device's copies, as it measures compute ------------------------
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
+
+
+def _probed_job(monkeypatch, model: str, batch: int, seq: int, config_gbps: float, device_gbps: float | None):
+    """The job's calibration (train/planning.py's measured_cost) with its links stated at `config_gbps` in the
+    config and the device's links at `device_gbps` (None: unthrottled); returns the model, the probe batch, the
+    calibrated CostModel, the probe's steps and its NVMe rates."""
+    from lazytrain.config import load_job_config
+    from lazytrain.runtime import probe
+    from lazytrain.train import planning
+    from lazytrain.train.build import build_model, model_source
+    from lazytrain.train.data import load_data
+
+    job = load_job_config(dict(model=model, corpus="zen", batch_size=batch, seq_len=seq, dtype="fp32",
+                               optimizer_mode="serial", eval_batches=0, progress=False,
+                               **{f"{link}_gbps": config_gbps for link in LINKS}))
+    data = load_data(job)
+    model_ = build_model(data.job, model_source(data.job, data.vocab_size))
+    probed, nvme = [], {}
+    take, take_nvme = probe.probe_steps, probe.nvme_gbps
+    monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
+    monkeypatch.setattr(probe, "nvme_gbps", lambda *a: nvme.update(take_nvme(*a)) or nvme)
+    monkeypatch.setattr(planning, "build_device", lambda job, kind, cap: EmulatedDevice(
+        capacity_bytes=cap, **{f"{link}_gbps": device_gbps for link in LINKS}))
+    return model_, data.probe, planning.measured_cost(data.job, model_, "cpu", data.probe), probed, nvme
+
+
+def _measured_and_predicted(model, batch, cost: CostModel, device_gbps: float | None) -> tuple[Plan, float, float]:
+    """A plan that moves boundaries over every link (cpu and nvme tiers), run on a device with the probe's links:
+    its median measured step (5 after a warm-up) and the simulator's prediction on `cost`."""
+    L = model.config.num_hidden_layers
+    plan = Plan.from_tiers(model, ["gpu"] + [("cpu", "nvme")[j % 2] for j in range(L - 1)] + ["gpu"])
+    device = EmulatedDevice(**{f"{link}_gbps": device_gbps for link in LINKS})
+    executor = Executor(model, plan, device, cost=cost)
+    walls = []
+    try:
+        for _ in range(6):
+            executor.forward_backward(*batch)
+            model.zero_grad(set_to_none=True)
+            walls.append(executor.last_step.wall_s)
+    finally:
+        device.close()
+    return plan, statistics.median(walls[1:]), simulate(plan, cost, optimizer_mode="serial").forward_backward_s
+
+
+def test_links_throttled_at_a_rate_the_config_does_not_state_are_calibrated_to_it(monkeypatch):
+    """The config says 1 GB/s, the device's links run at ~11 MB/s: the probe's copies (weights h2d, gradients d2h)
+    and spill files (NVMe) calibrate the rates the device has, and the run's link-bound steps are predicted from
+    them (at the configured rates the prediction is tens of times too fast)."""
+    device_gbps = 0.011
+    model, batch, cost, probed, _ = _probed_job(monkeypatch, "debug", 4, 32, 1.0, device_gbps)
+    for link in LINKS:
+        assert 0.8 * device_gbps <= getattr(cost.hardware, f"{link}_gbps") <= 1.02 * device_gbps, link
+    plan, measured, predicted = _measured_and_predicted(model, batch, cost, device_gbps)
+    assert 0.75 <= measured / predicted <= 1.33, (measured, predicted)
+    configured = calibrate(rebuilt(cost, cost.hardware.with_overrides(**{f"{link}_gbps": 1.0 for link in LINKS})),
+                           probed)  # the calibration as it was: compute measured, links as configured
+    assert measured / simulate(plan, configured, optimizer_mode="serial").forward_backward_s > 3
+
+
+def test_an_unthrottled_device_is_predicted_from_its_measured_copies(monkeypatch):
+    """`*_gbps: inf` (no throttle): the links run at this host's memcpy and file speed, which the probe measures;
+    the model's link rates are those measurements (not the config's inf). Calibrated so from probe steps taken in
+    the same rounds as the run's (the machine is shared: a calibration seconds older can be 2x off under load),
+    the model predicts the run's steps, and the run's copies go at the rates it was calibrated to (the default
+    model at 2 x 16 tokens, whose weight copies take about a third of a step's compute)."""
+    model, batch, cost, probed, nvme = _probed_job(monkeypatch, "small", 2, 16, math.inf, None)
+    for link, gbps in (calibration.link_gbps(probed) | nvme).items():
+        assert getattr(cost.hardware, f"{link}_gbps") == quantize_s(gbps), link
+    assert {link for link in LINKS if math.isfinite(getattr(cost.hardware, f"{link}_gbps"))} == set(LINKS)
+
+    L = model.config.num_hidden_layers
+    plan = Plan.from_tiers(model, ["gpu"] + [("cpu", "nvme")[j % 2] for j in range(L - 1)] + ["gpu"])
+    devices = [EmulatedDevice(), EmulatedDevice()]
+    run = Executor(model, plan, devices[0], cost=cost)
+    probe = Executor(model, Plan.from_tiers(model, ["gpu"] * (L + 1)), devices[1])  # the probe's all-gpu plan
+    steps: dict[Executor, list] = {run: [], probe: []}
+    try:
+        for r in range(7):  # round-robin, as benchmarks/fidelity.py's sim(probe); round 0 warms up
+            for executor in (run, probe):
+                executor.forward_backward(*batch)
+                model.zero_grad(set_to_none=True)
+                if r:
+                    steps[executor].append(executor.last_step)
+        probe_gbps = calibration.link_gbps(steps[probe]) | nvme_gbps(devices[1], max(cost.boundary_bytes))
+    finally:
+        for device in devices:
+            device.close()
+    beside = calibrate(rebuilt(cost, cost.hardware), steps[probe], links_gbps=probe_gbps)
+    measured = statistics.median(s.wall_s for s in steps[run])
+    predicted = simulate(plan, beside, optimizer_mode="serial").forward_backward_s
+    assert 0.67 <= measured / predicted <= 1.5, (measured, predicted, os.getloadavg())
+    for link, gbps in calibration.link_gbps(steps[run]).items():
+        if link in ("h2d", "d2h"):  # the weights' and gradients' copies (the spill files are the boundaries')
+            assert 0.5 <= gbps / getattr(beside.hardware, f"{link}_gbps") <= 2, (link, gbps)

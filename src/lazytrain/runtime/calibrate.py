@@ -16,6 +16,13 @@ Two more figures come from the same steps, so the simulator replays the step the
   wall clock less the compute ops and the stalls, ~1 % of a step on the emulated device) are spread over the
   compute ops, which the simulator runs back to back.
 
+- the links' rates (`link_gbps`): the bytes each link's jobs moved over their busy seconds, on the emulated
+  device, whose links are this host's memcpy (and, where configured, a sleep to the configured rate): so an
+  unthrottled link is predicted at the rate it really copies, and a throttled one at the slower of the two. The
+  probe's steps move weights (h2d) and gradients (d2h); its NVMe rates come from spill files it writes and reads
+  (runtime/probe.py). CUDA keeps its preset's link figures (its link jobs' seconds include waiting for the
+  compute stream).
+
 On CUDA the per-op times are CUDA-event times of the compute stream; until those are in, a device whose
 per-layer timers see asynchronous launches passes `scale_flops=True`: the FLOP estimate scaled by the
 measured step time instead.
@@ -27,7 +34,7 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lazytrain.costmodel.cost import CostModel
@@ -44,6 +51,7 @@ QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
 PROBE_MIN_STEPS = 3  # measured probe steps at the least (after one warm-up step)
 PROBE_MIN_S = 5.0  # and at least this many seconds of them ...
 PROBE_MAX_STEPS = 12  # ... unless this many steps came first (a tiny model's steps take milliseconds)
+LINK_FIELDS = {"h2d": "h2d_gbps", "d2h": "d2h_gbps", "nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps"}
 
 
 def probe_steps(step: Callable[[], StepStats]) -> list[StepStats]:
@@ -77,9 +85,10 @@ def _pooled(cost: CostModel, per_layer: list[float]) -> list[float]:
 
 
 def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float | None = None,
-              scale_flops: bool = False) -> CostModel:
+              scale_flops: bool = False, links_gbps: Mapping[str, float] | None = None) -> CostModel:
     """`cost` with the compute seconds (and, given the seconds of one whole optimizer step, the host optimizer
-    rate) these measured steps show: medians, pooled over like layers, quantized (see the module docstring)."""
+    rate; given measured link rates, GB/s by link name, those) these measured steps show: medians, pooled over
+    like layers, quantized (see the module docstring)."""
     steps = [s for s in steps if any(s.forward_s) and any(s.backward_s)]
     if not steps:
         raise LazyTrainError("calibrate: no measured step with layer times (did the steps run?)")
@@ -92,6 +101,10 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
             raise LazyTrainError(f"calibrate: optimizer seconds must be > 0, got {optimizer_s}")
         # the bandwidth this job's update streamed at: its bytes (CostModel.update_bytes) over its seconds
         host.update(host_mem_gbps=quantize_s(cost.update_bytes() / optimizer_s / 1e9))
+    for link, gbps in (links_gbps or {}).items():
+        if not gbps > 0 or not math.isfinite(gbps):
+            raise LazyTrainError(f"calibrate: the {link} link's measured rate must be finite and > 0, got {gbps}")
+        host[LINK_FIELDS[link]] = quantize_s(gbps)
     landing = _landing_gbps(cost, steps)
     if landing is not None:
         host.update(grad_accumulate_gbps=quantize_s(landing))
@@ -110,6 +123,18 @@ def calibrate(cost: CostModel, steps: Sequence[StepStats], *, optimizer_s: float
     head = k * statistics.median(s.head_s for s in steps)
     return cost.with_times(forward_s=[quantize_s(t) for t in forward], backward_s=[quantize_s(t) for t in backward],
                            head_s=quantize_s(head))
+
+
+def link_gbps(steps: Sequence[StepStats]) -> dict[str, float]:
+    """GB/s each link moved its jobs' bytes at over these steps (their bytes over their busy seconds, summed over
+    the steps); links that moved nothing are left out."""
+    rates = {}
+    for link in LINK_FIELDS:
+        busy_s = sum(s.link_busy_s.get(link, 0.0) for s in steps)
+        moved = sum(s.link_bytes.get(link, 0) for s in steps)
+        if busy_s > 0 and moved > 0:
+            rates[link] = moved / busy_s / 1e9
+    return rates
 
 
 def _landing_gbps(cost: CostModel, steps: Sequence[StepStats]) -> float | None:

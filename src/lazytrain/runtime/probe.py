@@ -1,14 +1,20 @@
 """The calibration probe: the run's model stepped on the device it runs on, timed, into a calibrated CostModel.
 
-Steps of an all-`gpu` plan on an uncapped, unthrottled device of the run's kind time every layer's forward and
-backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps and 5 s of them:
-`probe_steps`); the run's optimizer at learning rate 0 times the host update (the same work; the weights do not
-move, so no copy of them is needed): in overlap mode each probe step runs the previous one's update on its
-optimizer lane under its forward, as the run does (so the compute is timed beside it too: alone, the default
-job's updates took 23 ms a step where the run's took 39); in serial mode five steps after the probe.
+Steps of an all-`gpu` plan on an uncapped device of the run's kind, its links as the run's, time every layer's
+forward and backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps and
+5 s of them: `probe_steps`); the run's optimizer at learning rate 0 times the host update (the same work; the
+weights do not move, so no copy of them is needed): in overlap mode each probe step runs the previous one's
+update on its optimizer lane under its forward, as the run does (so the compute is timed beside it too: alone,
+the default job's updates took 23 ms a step where the run's took 39); in serial mode five steps after the probe.
 `runtime/calibrate.py` turns them into the CostModel. On CUDA the executor's per-layer timers see asynchronous
-launches, so there the FLOP estimate is scaled by the measured step time instead. Link rates are the
-configured (emulated) ones.
+launches, so there the FLOP estimate is scaled by the measured step time instead.
+
+Link rates, on the emulated device, are measured too, as compute is: h2d and d2h from the probe steps' weight
+and gradient copies, NVMe from a few spill files of the run's largest boundary written and read back through the
+activations' own store. An emulated link copies with this host's memcpy and sleeps to its configured rate when it
+has one, so a throttled link calibrates to about that rate (or slower, if the copies are) and an unthrottled one
+to what the copies really take: the model predicts the device either way (tests/test_calibrate.py). CUDA's links
+keep the hardware's figures.
 """
 
 from __future__ import annotations
@@ -19,18 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from lazytrain.costmodel.hardware import available_host_memory_bytes
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
-from lazytrain.runtime.calibrate import calibrate, lane_seconds, probe_steps
+from lazytrain.runtime.calibrate import calibrate, lane_seconds, link_gbps, probe_steps
 from lazytrain.runtime.device import EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.step import GroupUpdate, StepStats
+from lazytrain.runtime.store import ActivationStore
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel
 
     from lazytrain.costmodel.cost import CostModel
@@ -48,8 +56,9 @@ class ProbeOptimizer:
 def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDevice | EmulatedDevice,
                     probe_batch: tuple[torch.Tensor, torch.Tensor], *, compute_dtype: torch.dtype,
                     optimizer: Callable[[Executor], ProbeOptimizer], overlap: bool, scale_flops: bool) -> CostModel:
-    """`estimate` (the run's CostModel from the hardware's figures) with its compute and optimizer seconds
-    measured on `device` (uncapped, unthrottled; closed here), `optimizer` built once the executor is.
+    """`estimate` (the run's CostModel from the hardware's figures) with its compute and optimizer seconds, and
+    on the emulated device its link rates, measured on `device` (uncapped, its links as the run's; closed here),
+    `optimizer` built once the executor is.
     `estimate.workload.masked`: the run's batches carry an attention mask or position ids, whose device bytes
     (per-row constants, every SDPA layer's mask copy and repeated k/v) the cost model then counts."""
     workload = estimate.workload
@@ -88,13 +97,41 @@ def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDev
             # the fastest: a shared machine's interference only ever adds time (their medians moved 60x run to run
             # under load; docs/reliability.md)
             optimizer_s = min(samples[1:])
+        links = None
+        if isinstance(device, EmulatedDevice):
+            links = link_gbps(steps) | nvme_gbps(device, max(estimate.boundary_bytes))
     finally:
         device.close()
     model.zero_grad(set_to_none=True)
 
     # one calibration path (runtime/calibrate.py): medians, quantized, so the same run plans the same way
     return calibrate(estimate.with_device_constants(constant_bytes), steps, optimizer_s=optimizer_s,
-                     scale_flops=scale_flops)
+                     scale_flops=scale_flops, links_gbps=links)
+
+
+NVME_PROBE_FILES = 5  # spill files written, then read back, per calibration (after one of each to warm up)
+
+
+def nvme_gbps(device: EmulatedDevice, num_bytes: int) -> dict[str, float]:
+    """GB/s of the device's NVMe links on spill files of `num_bytes` (the run's largest boundary): written one
+    after another on the nvme_write link, then read back on nvme_read, through an ActivationStore as the run's
+    spills are (its CRC32 included); each link's file bytes over its jobs' median seconds, the first job of each
+    apart (it first-touches the buffers and the directory; a process's first file write took 20x the next)."""
+    num_bytes = max(int(num_bytes), 4096)
+    store = ActivationStore(device.nvme_dir, device.host_empty)
+    data = device.host_empty((num_bytes,), torch.uint8)
+    data.copy_(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8))
+    back = device.host_empty((num_bytes,), torch.uint8)
+    seconds = {}
+    try:
+        for link, job in (("nvme_write", lambda k: store.write(k, data)), ("nvme_read", lambda k: store.read(k, back))):
+            events = [device.submit(link, lambda k=k, job=job: job(k), num_bytes) for k in range(NVME_PROBE_FILES + 1)]
+            for event in events:
+                device.wait(event)
+            seconds[link] = statistics.median(e.end_s - e.start_s for e in events[1:])
+    finally:
+        store.end_step()
+    return {link: num_bytes / s / 1e9 for link, s in seconds.items() if s > 0}
 
 
 def _check_probe_fits(executor: Executor, workload: Workload) -> None:

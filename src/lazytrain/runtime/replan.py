@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.plan.sim import simulate
-from lazytrain.runtime.calibrate import calibrate, quantize_s, rebuilt
+from lazytrain.runtime.calibrate import calibrate, link_gbps
 
 if TYPE_CHECKING:
     from lazytrain.costmodel.cost import CostModel
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
     from lazytrain.runtime.step import StepStats
 
 log = logging.getLogger(__name__)
-
-LINK_RATES = {"h2d": ("h2d_gbps", "h2d_bytes_per_s"), "d2h": ("d2h_gbps", "d2h_bytes_per_s"),
-              "nvme_read": ("nvme_read_gbps", "nvme_read_bytes_per_s"),
-              "nvme_write": ("nvme_write_gbps", "nvme_write_bytes_per_s")}
 
 # solve(cost, start) -> Plan: the run's planner on a new cost model, warm-started from the running plan (its tiers
 # and its kept layers).
@@ -107,13 +103,7 @@ class Replanner:
     # ---- measurements --------------------------------------------------------------------------
     def measured_rates(self) -> dict[str, float]:
         """Bytes/s per link over the recent steps (busy time of the link's jobs), where the link moved bytes."""
-        rates = {}
-        for link in LINK_RATES:
-            busy = sum(s.link_busy_s.get(link, 0.0) for s in self.recent)
-            moved = sum(s.link_bytes.get(link, 0) for s in self.recent)
-            if busy > 0 and moved > 0:
-                rates[link] = moved / busy
-        return rates
+        return {link: gbps * 1e9 for link, gbps in link_gbps(self.recent).items()}
 
     def drift_fraction(self) -> float:
         """The largest relative difference between the recent steps and the reference model: per-layer compute
@@ -123,7 +113,7 @@ class Replanner:
                  (statistics.median(sum(s.backward_s) for s in self.recent), sum(c.backward_s)),
                  (statistics.median(s.head_s for s in self.recent), c.head_s)]
         for link, rate in self.measured_rates().items():
-            modelled = getattr(c, LINK_RATES[link][1])
+            modelled = getattr(c, f"{link}_bytes_per_s")
             if math.isfinite(modelled):
                 pairs.append((rate, modelled))
         for measured, modelled in pairs:
@@ -133,6 +123,6 @@ class Replanner:
 
     def measured_cost(self) -> CostModel:
         """The reference model with the recent steps' compute seconds and link rates (one calibration path)."""
-        overrides = {LINK_RATES[link][0]: quantize_s(rate / 1e9) for link, rate in self.measured_rates().items()
-                     if math.isfinite(getattr(self.cost, LINK_RATES[link][1]))}
-        return calibrate(rebuilt(self.cost, self.cost.hardware.with_overrides(**overrides)), self.recent)
+        links = {link: gbps for link, gbps in link_gbps(self.recent).items()
+                 if math.isfinite(getattr(self.cost, f"{link}_bytes_per_s"))}
+        return calibrate(self.cost, self.recent, links_gbps=links)

@@ -108,12 +108,10 @@ def pick_device_kind(requested: str) -> str:
     return requested
 
 
-def build_device(job: JobConfig, kind: str, capacity_bytes: int | None, throttled: bool = True) -> Device:
+def build_device(job: JobConfig, kind: str, capacity_bytes: int | None) -> Device:
     """The device the executor streams through: CUDA, or the emulated one with the configured link rates."""
     if kind == "cuda":
         return CudaDevice(capacity_bytes=capacity_bytes, nvme_dir=job.runtime.nvme_dir)
-    if not throttled:
-        return EmulatedDevice(capacity_bytes=capacity_bytes, nvme_dir=job.runtime.nvme_dir)
     return EmulatedDevice(capacity_bytes=capacity_bytes, h2d_gbps=job.runtime.h2d_gbps, d2h_gbps=job.runtime.d2h_gbps,
                           nvme_read_gbps=job.runtime.nvme_read_gbps, nvme_write_gbps=job.runtime.nvme_write_gbps,
                           nvme_dir=job.runtime.nvme_dir)

@@ -136,8 +136,8 @@ def _staging_room(job: JobConfig, cost: CostModel) -> int | None:
 def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
                   probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
     """The job's CostModel (job/inputs.py: the built model's spec on this machine, its host rates measured) with
-    its compute and optimizer seconds measured on the device the run uses (runtime/probe.py), by a throwaway
-    optimizer of the run's kind at learning rate 0."""
+    its compute and optimizer seconds (and the emulated device's link rates) measured on the device the run uses,
+    its links as the run's (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
     estimate = cost_model(job, spec_of(model), resolve_hardware(job.runtime, kind=kind, measured=True))
 
     def probe_optimizer(executor: Executor) -> ProbeOptimizer:
@@ -149,7 +149,7 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
             deferred_update=lambda grad_norm: group_update(job, optimizer, executor, groups, grad_norm, lr=0.0),
             step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm))
 
-    return calibrated_cost(model, estimate, build_device(job, kind, None, throttled=False), probe_batch,
+    return calibrated_cost(model, estimate, build_device(job, kind, None), probe_batch,
                            compute_dtype=compute_dtype(job), optimizer=probe_optimizer,
                            overlap=job.optim.optimizer_mode == "overlap", scale_flops=kind == "cuda")
 
