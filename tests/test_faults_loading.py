@@ -291,6 +291,7 @@ BAD_KEYS = {
     "intermediate_size": 10**30,  # overflows a float's exact range
     "num_hidden_layers": MAX_LAYERS + 1,
     "vocab_size": True,
+    "rms_norm_eps": -1,  # was transformers' StrictDataclassFieldValidationError, a traceback (issue 26 item 6)
 }
 
 
@@ -305,6 +306,17 @@ def test_invalid_shapes_are_refused_by_plan_and_train_naming_the_key(tmp_path, c
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and key in err, err
+
+
+def test_a_field_only_transformers_validates_is_one_line(tmp_path, capsys):
+    """transformers' configs validate their own fields (huggingface_hub's StrictDataclassError, not a ValueError):
+    `initializer_range: "wide"` is one line naming the field, not a traceback."""
+    raw = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "initializer_range": "wide"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["plan", "--model", str(tmp_path), "--batch-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "initializer_range" in err, err
 
 
 def test_train_cli_damaged_weights_exit_2_without_a_traceback(tmp_path):

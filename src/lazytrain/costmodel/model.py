@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,14 +84,17 @@ _OPTIONAL_DIMS = ("num_key_value_heads", "head_dim", "intermediate_size", "moe_i
                   "linear_conv_kernel_dim", "full_attention_interval", "sliding_window", "max_position_embeddings")
 
 
+_NORM_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "norm_eps")
+
+
 def validate_model_config(cfg: dict[str, Any], name: str = "model") -> None:
     """Refuse a config whose shapes no model can have, naming the key, before anything is sized or built.
 
     The one check `lazytrain plan` and `lazytrain train` share (ModelSpec.from_config runs it; the model
     loader runs it on config.json before `transformers` fills in its defaults): the four shape keys present,
-    integer sizes (not bool, not 64.5), > 0,
-    at most MAX_DIM (MAX_LAYERS for layers), heads dividing the hidden size (unless head_dim is given) and
-    key/value heads dividing the attention heads. A multimodal wrapper is checked on its `text_config`.
+    integer sizes (not bool, not 64.5), > 0, at most MAX_DIM (MAX_LAYERS for layers), norm epsilons > 0, heads
+    dividing the hidden size (unless head_dim is given) and key/value heads dividing the attention heads. A
+    multimodal wrapper is checked on its `text_config`.
     """
     if "text_config" in cfg and "num_hidden_layers" not in cfg and isinstance(cfg["text_config"], dict):
         cfg = cfg["text_config"]
@@ -104,6 +108,12 @@ def validate_model_config(cfg: dict[str, Any], name: str = "model") -> None:
             raise LazyTrainError(f"model {name!r}: {key} must be a positive integer, got {value!r} in its config")
         if not 0 < value <= limit:
             raise LazyTrainError(f"model {name!r}: {key} {value} is outside 1..{limit}; fix {key} in its config")
+    for key in _NORM_EPS_KEYS:  # a norm's epsilon <= 0 divides by zero (or roots a negative) on a zero row
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not 0 < value < math.inf):
+            raise LazyTrainError(f"model {name!r}: {key} must be a number > 0 (such as 1e-6), got {value!r} in its "
+                                 f"config; fix {key}")
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if heads and kv_heads and heads % kv_heads:
         raise LazyTrainError(f"model {name!r}: num_key_value_heads {kv_heads} does not divide num_attention_heads "

@@ -139,6 +139,7 @@ def _read_json(path: Path, name: str) -> dict[str, Any]:
 
 def _config(name: str, raw: dict[str, Any]) -> PretrainedConfig:
     """The transformers config of a config.json dict, validated first (one-line errors naming the key)."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields with it
     from transformers import AutoConfig
 
     validate_model_config(raw, name)
@@ -146,7 +147,7 @@ def _config(name: str, raw: dict[str, Any]) -> PretrainedConfig:
         raise LazyTrainError(f"model {name!r}: its config has no model_type; is it a Hugging Face config.json?")
     try:
         config = AutoConfig.for_model(**{k: v for k, v in raw.items() if not k.startswith("_")})
-    except (ValueError, TypeError, KeyError) as err:
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as err:
         raise LazyTrainError(f"model {name!r}: transformers cannot read its config ({_first_line(err)})") from None
     config._name_or_path = name  # what reports print (a directory's name, a preset, a hub id)
     return config
