@@ -1,0 +1,229 @@
+"""optimizer_offload nvme measured on the emulated device with real files: a scaled-down Llama whose optimizer state
+the staging slots cannot hold at once (D slots < L + 2 groups).
+
+    python benchmarks/offload.py memory --runs 3 --nvme-dir /tmp    # peak host RSS vs admission, state-op rates
+    python benchmarks/offload.py step --runs 3 --nvme-dir /tmp      # lazytrain train: measured vs predicted step
+
+memory: a fresh process per run builds benchmarks/host.py's model (301.5 M parameters, 22 groups; fp32 masters,
+random init), the executor (bf16 compute, every boundary on the device, links unthrottled so the NVMe lanes run
+at the directory's own rate), NvmeStates and
+8-bit AdamW as `lazytrain train` does, then runs `--steps` serial-mode steps (the updates after the backward, each
+group's state read into one of `--depth` slots before its update, written back after, as the step program's ops)
+while a thread samples VmRSS every 2 ms. The emulated device's memory is host memory too: each sample subtracts
+what its arena counts then (a sample during which a device tensor was made or freed is dropped), and the child
+runs with MALLOC_MMAP_THRESHOLD_=65536 so that freed blocks leave the RSS. Reported against
+`CostModel.static_host_bytes(D)`, what `lazytrain plan` and `lazytrain train` admit by, above the RSS after
+imports, as benchmarks/host.py reports the in-RAM layout: the peak with the device idle (outside the
+forward-backward: the updates, the staging and the state ops included), over the steps (with autograd's
+transients on the emulated device, which its arena does not count) and over the whole run (model built
+included). The same steps time every state_read / state_write op (its bytes over its seconds on its lane),
+against the raw sequential rate of the same directory measured in the same process (benchmarks/nvme.py's `Raw`,
+one file of the largest group's size).
+
+step: `lazytrain train` of the same shape saved as a config.json (init random, dataset zen, the MILP's plan and
+staging depth under --cpu-mem), `--steps` steps, with optimizer_offload nvme and host; the summary's median step
+(the first step excluded) against the prediction printed before the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+CONFIG = dict(model_type="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)
+
+# memory: benchmarks/host.py's 301.5 M-parameter Llama (the in-RAM layout's measurement), so that the runtime's own
+# bytes (torch's, the executor's buffers) weigh as much there as here
+MEMORY_CONFIG = dict(CONFIG, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
+                     num_attention_heads=16, num_key_value_heads=8)
+
+MEMORY = textwrap.dedent("""
+    import json, statistics, sys, threading, time
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[5])  # benchmarks/ (nvme.py's Raw)
+    import torch, transformers
+    from nvme import Raw
+    from lazytrain import EmulatedDevice, Executor, Plan
+    from lazytrain.config import load_job_config
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
+    from lazytrain.costmodel.model import ModelSpec
+    from lazytrain.costmodel.workload import Workload
+    from lazytrain.runtime.files import bytes_view
+    from lazytrain.runtime.store import aligned_empty
+    from lazytrain.train.offload import NvmeStates
+    from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update
+
+    config_values, depth, steps, nvme_dir = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    config = transformers.AutoConfig.for_model(**config_values)
+    batch, seq = 1, 64
+    job = load_job_config({"optimizer": "8bit", "master_weights": "fp32", "dtype": "bf16", "max_grad_norm": 1.0})
+    device = EmulatedDevice(nvme_dir=nvme_dir)  # every link unthrottled: the state ops run at the disk's rate
+
+    def status():
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return int(fields["VmRSS"].split()[0]) * 1024
+
+    with torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_config(config)  # modeling code imported before the baseline
+    base = status()
+    peak = {"host": 0, "idle": 0}
+    done, busy = False, True
+    def sample():
+        while not done:
+            device_bytes = device.used_bytes
+            rss = status()
+            if device.used_bytes == device_bytes:  # no device tensor made or freed while reading the RSS
+                peak["host"] = max(peak["host"], rss - base - device_bytes)
+                if not busy:  # the device idle: what the arena does not count (autograd's transients) is gone
+                    peak["idle"] = max(peak["idle"], rss - base - device_bytes)
+            time.sleep(0.002)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
+    model.model.rotary_emb.__init__(config)
+    model.config.use_cache = False
+    L = config.num_hidden_layers
+    cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), Workload(batch, seq, "bf16"),
+                     "8bit", master_weights="fp32", optimizer_offload="nvme")
+    plan = Plan.from_tiers(model, ["gpu"] * (L + 1), staging_depth=depth)
+    ex = Executor(model, plan, device, compute_dtype=torch.bfloat16, cost=cost)
+    nvme = NvmeStates(nvme_dir, ex, group_bytes=cost.state_group_bytes())
+    opt = build_optimizer(job, model, nvme)
+    groups = executor_param_groups(opt, ex)
+    nvme.bind(opt, groups, depth)
+    ex.stage_states(nvme, nvme.state_bytes(), serial=True)
+    built = peak["host"]
+    peak["host"] = 0
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    times, rates = [], {"state_read": [], "state_write": []}
+    group_bytes = nvme.state_bytes()  # executor group index = target + 1
+    def timed(kind, real):  # each state op of the program: its bytes over its seconds on its lane
+        def op(index, *rest):
+            t0 = time.perf_counter()
+            real(index, *rest)
+            if threading.current_thread().name.startswith("lazytrain-nvme") and group_bytes[index]:
+                rates[kind].append(group_bytes[index] / (time.perf_counter() - t0) / 1e9)
+        return op
+    nvme.read, nvme.write = timed("state_read", nvme.read), timed("state_write", nvme.write)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        busy = True
+        ex.forward_backward(ids, ids)
+        busy = False
+        ex.run_updates(group_update(job, opt, ex, groups, ex.last_step.grad_norm, lr=1e-4, nvme=nvme))
+        times.append(time.perf_counter() - t0)
+    ex.drain()
+    stepping, idle = peak["host"], peak["idle"]
+    done = True
+    thread.join()
+    largest = max(nvme.state_bytes())
+    buf = aligned_empty(largest, torch.uint8, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    buf.random_(0, 256)
+    raw, raw_times = Raw(Path(nvme_dir), largest), {"write": [], "read": []}
+    for _ in range(5):
+        for op in ("write", "read"):
+            t0 = time.perf_counter()
+            getattr(raw, op)(bytes_view(buf))
+            raw_times[op].append(time.perf_counter() - t0)
+    raw.close()
+    nvme.close()
+    print(json.dumps({
+        "params": sum(p.numel() for p in model.parameters()), "admitted": cost.static_host_bytes(depth),
+        "breakdown": cost.host_breakdown(depth), "peak_build": built, "peak_steps": stepping, "peak_idle": idle,
+        "groups": len(groups), "file_bytes": nvme.file_bytes, "slot_bytes": nvme.slot_bytes, "step_s": times[1:],
+        "read_gbps": statistics.median(rates["state_read"]), "write_gbps": statistics.median(rates["state_write"]),
+        "raw_read_gbps": largest / statistics.median(raw_times["read"]) / 1e9,
+        "raw_write_gbps": largest / statistics.median(raw_times["write"]) / 1e9, "direct": raw.direct}))
+""")
+
+
+def memory(args: argparse.Namespace) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path]),
+           "MALLOC_MMAP_THRESHOLD_": "65536"}
+    rows = []
+    for _ in range(args.runs):
+        done = subprocess.run([sys.executable, "-c", MEMORY, json.dumps(MEMORY_CONFIG), str(args.depth),
+                               str(args.steps), args.nvme_dir, str(Path(__file__).parent)], env=env,
+                              capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"the measuring process failed: {done.stderr.strip()[-2000:]}")
+        out = done.stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    r = rows[0]
+    n, admitted = r["params"], r["admitted"]
+    med = {k: statistics.median(row[k] for row in rows) for k in
+           ("peak_build", "peak_steps", "peak_idle", "read_gbps", "write_gbps", "raw_read_gbps", "raw_write_gbps")}
+    whole = max(med["peak_build"], med["peak_steps"])
+    parts = ", ".join(f"{k} {v / n:.2f}" for k, v in r["breakdown"].items() if v)
+    print(f"{n / 1e6:.1f} M params, {r['groups']} groups, {args.depth} slots of {r['slot_bytes'] / 2**20:.1f} MiB, "
+          f"state files {r['file_bytes'] / 2**20:.0f} MiB on {args.nvme_dir} (O_DIRECT {r['direct']}); admitted "
+          f"{admitted / 2**20:.0f} MiB = {admitted / n:.2f} B/param ({parts})")
+    print(f"median of {len(rows)}: peak host RSS with the device idle {med['peak_idle'] / 2**20:.0f} MiB = "
+          f"{med['peak_idle'] / admitted:.3f}x, over the steps {med['peak_steps'] / 2**20:.0f} MiB = "
+          f"{med['peak_steps'] / admitted:.3f}x, over the whole run {whole / 2**20:.0f} MiB = {whole / admitted:.3f}x; "
+          f"step {statistics.median(s for row in rows for s in row['step_s']):.2f} s")
+    print(f"state ops: read {med['read_gbps']:.2f} GB/s vs raw {med['raw_read_gbps']:.2f} "
+          f"({med['read_gbps'] / med['raw_read_gbps']:.2f}x), write {med['write_gbps']:.2f} GB/s vs raw "
+          f"{med['raw_write_gbps']:.2f} ({med['write_gbps'] / med['raw_write_gbps']:.2f}x)")
+
+
+def step(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig
+
+    root = Path(tempfile.mkdtemp(prefix="lazytrain-offload-bench-"))
+    AutoConfig.for_model(**CONFIG).save_pretrained(root / "model")
+    for offload in ("nvme", "host"):
+        ratios, measured, predicted, depth = [], [], [], None
+        for run in range(args.runs):
+            out = root / f"{offload}-{run}"
+            words = [f"model={root / 'model'}", "init=random", "dataset=zen", "cutoff_len=64",
+                     "per_device_train_batch_size=1", "gpu_mem_cap=160MiB", "dtype=bf16", "optimizer=8bit",
+                     f"max_steps={args.steps}",
+                     "eval_batches=0", f"optimizer_offload={offload}", f"nvme_dir={args.nvme_dir}", "--no-progress",
+                     f"output_dir={out}", "save_steps=0", *args.extra]
+            done = subprocess.run([sys.executable, "-m", "lazytrain", "train", *words], capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"lazytrain train failed: {done.stderr.strip()[-2000:]}")
+            summary = json.loads((out / "summary.json").read_text())
+            plan = json.loads((out / "plan.json").read_text())
+            depth = plan.get("staging_depth", 0)
+            measured.append(summary["median_step_s"])
+            predicted.append(summary["predicted_step_s"])
+            ratios.append(summary["median_step_s"] / summary["predicted_step_s"])
+        print(f"{offload}: staging depth {depth}; median of {args.runs} runs: measured "
+              f"{statistics.median(measured):.3f} s, predicted {statistics.median(predicted):.3f} s, "
+              f"measured / predicted "
+              f"{statistics.median(ratios):.3f} (runs {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["memory", "step"])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--depth", type=int, default=2, help="memory: staging slots")
+    parser.add_argument("--nvme-dir", default=tempfile.gettempdir())
+    parser.add_argument("extra", nargs="*", help="step: more key=value words for lazytrain train")
+    args = parser.parse_intermixed_args()
+    print(f"load average {os.getloadavg()[0]:.1f}; {os.cpu_count()} CPUs")
+    Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
+    (memory if args.what == "memory" else step)(args)
+
+
+if __name__ == "__main__":
+    main()
