@@ -11,14 +11,14 @@ they are read; resumed exactly.
             data.json                 the data loader's position (and the world size it counts in)
             rng.json, rng.safetensors Python's and numpy's RNG states; torch's (and CUDA's) as uint8 tensors
             master.safetensors        fp32 master weights (only when they are not the compute dtype)
-            optimizer.json            optimizer kind, param groups, per-parameter scalars (state_files.py)
+            optimizer.json            optimizer kind, param groups, per-parameter scalars (state_data.py)
             optimizer/<group>.safetensors   one file per layer group (embedding, layer<j>, head): that group's state
                                       tensors, `<param index>.<state key>`, written by the rank that steps it
             plan.json                 the plan the run executed
             manifest.json             every file: its size and xxh3-128 content hash; written last
 
 Nothing is read with pickle: tensors are safetensors, the rest JSON, and every value is checked against the run
-before it is used (state_files.py). A checkpoint of the old format (pickled `state.pt` / `optimizer.pt`) cannot
+before it is used (state_data.py). A checkpoint of the old format (pickled `state.pt` / `optimizer.pt`) cannot
 be read safely and is refused in one line.
 
 A checkpoint is written under a temporary name (`.tmp-checkpoint-<step>`), every file and directory fsynced, the
@@ -59,7 +59,7 @@ from lazytrain.distributed.batches import check_world_size
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
-from lazytrain.train import rundir, state_files
+from lazytrain.train import rundir, state_data
 from lazytrain.train.metrics import say
 from lazytrain.train.rundir import PREFIX, RUN_FILES  # noqa: F401  (the output directory's names, re-exported)
 from lazytrain.train.signals import Interrupted, critical
@@ -79,7 +79,7 @@ LEGACY = ("state.pt", "optimizer.pt")
 SHARD_BYTES = 2 << 30  # the HF folder's shard size: 2 GiB (the model is always written with an index)
 HASH_CHUNK_BYTES = 8 << 20
 READ_ERRORS = (OSError, ValueError, KeyError, TypeError, SafetensorError, RuntimeError, OverflowError,
-               state_files.BadState)  # (ValueError: UnicodeDecodeError, JSONDecodeError too)
+               state_data.BadState)  # (ValueError: UnicodeDecodeError, JSONDecodeError too)
 
 
 @dataclass
@@ -98,14 +98,14 @@ class TrainerState:
         """trainer.json, checked: the counters are non-negative integers, the lists numbers (or null)."""
         names = [f.name for f in fields(cls)]
         if not isinstance(data, dict) or sorted(data) != sorted(names):
-            raise state_files.BadState(f"trainer.json does not hold the keys {', '.join(names)}")
+            raise state_data.BadState(f"trainer.json does not hold the keys {', '.join(names)}")
         for key in names[:4]:
             if not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] < 0:
-                raise state_files.BadState(f"trainer.json's {key} is not a non-negative integer")
+                raise state_data.BadState(f"trainer.json's {key} is not a non-negative integer")
         for key in names[4:]:
             if not isinstance(data[key], list) or not all(
                     v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in data[key]):
-                raise state_files.BadState(f"trainer.json's {key} is not a list of numbers")
+                raise state_data.BadState(f"trainer.json's {key} is not a list of numbers")
         return cls(**data)
 
 
@@ -273,7 +273,7 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 _write_trainer_state(tmp, state, model=model, compute_dtype=compute_dtype, data_state=data_state,
-                                     plan=plan, optimizer_doc=state_files.optimizer_json(optimizer, optimizer_kind,
+                                     plan=plan, optimizer_doc=state_data.optimizer_json(optimizer, optimizer_kind,
                                                                                          _merged(scalars)),
                                      hf_state=hf_state, nvme=nvme)
         except (*WRITE_ERRORS, WriteFailed) as err:
@@ -315,11 +315,11 @@ def _write_optimizer_groups(state_dir: Path, optimizer: torch.optim.Optimizer, r
     scalars: dict[int, dict[str, Any]] = {}
     if ranks is not None and ranks.rank >= ranks.local_world_size:  # node 0 writes; the others hold the same
         return scalars
-    params = state_files.params_by_index(optimizer)
-    for name, indices in state_files.group_params(optimizer).items():
+    params = state_data.params_by_index(optimizer)
+    for name, indices in state_data.group_params(optimizer).items():
         if owned is not None and not all(id(params[i]) in owned for i in indices):
             continue
-        tensors, group_scalars = state_files.split_states(optimizer, indices)
+        tensors, group_scalars = state_data.split_states(optimizer, indices)
         path = state_dir / "optimizer" / f"{name}.safetensors"
         if nvme is not None and name in nvme.groups:  # (its tensors are in its file, none in `tensors`)
             nvme.save_group(name, path)
@@ -409,7 +409,7 @@ def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedMo
         # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
         save_file({k: _unshared(v) for k, v in dict(model.named_parameters()).items()},
                   str(state_dir / "master.safetensors"))
-    rng_doc, rng_tensors = state_files.rng_states()
+    rng_doc, rng_tensors = state_data.rng_states()
     save_file(rng_tensors, str(state_dir / "rng.safetensors"))
     for name, value in (("rng.json", rng_doc), ("data.json", data_state), ("trainer.json", asdict(state)),
                         ("optimizer.json", optimizer_doc)):
@@ -468,9 +468,9 @@ def read_checkpoint(path: Path, *, optimizer_kind: str, world_size: int) -> Save
         saved = Saved(path, TrainerState.from_json(docs["trainer"]), docs["data"], docs["optimizer"], docs["rng"])
         if not isinstance(saved.data, dict) or not isinstance(saved.rng, dict) or not isinstance(saved.optimizer,
                                                                                                    dict):
-            raise state_files.BadState("data.json, rng.json and optimizer.json must each hold a mapping")
+            raise state_data.BadState("data.json, rng.json and optimizer.json must each hold a mapping")
         if saved.optimizer.get("kind") != optimizer_kind:
-            raise state_files.BadState(f"it was written with optimizer {saved.optimizer.get('kind')!r} and this run "
+            raise state_data.BadState(f"it was written with optimizer {saved.optimizer.get('kind')!r} and this run "
                                        f"has {optimizer_kind!r}; resume with optimizer {saved.optimizer.get('kind')}")
         check_world_size(saved.data, world_size)
     except READ_ERRORS as err:
@@ -489,16 +489,16 @@ def load_checkpoint(saved: Saved, *, model: PreTrainedModel, optimizer: torch.op
     path, state_dir = saved.path, saved.path / STATE_DIR
     try:
         _load_weights(path, model, skip=set() if nvme is None else nvme.offloaded_masters)
-        params = state_files.params_by_index(optimizer)
+        params = state_data.params_by_index(optimizer)
         tensors: dict[str, torch.Tensor] = {}
-        for name, indices in state_files.group_params(optimizer).items():
+        for name, indices in state_data.group_params(optimizer).items():
             if (owned is None or all(id(params[i]) in owned for i in indices)) and (nvme is None or
                                                                                    name not in nvme.groups):
                 tensors.update(load_file(str(state_dir / "optimizer" / f"{name}.safetensors")))
-        state_files.load_optimizer(optimizer, optimizer_kind, saved.optimizer, tensors)
+        state_data.load_optimizer(optimizer, optimizer_kind, saved.optimizer, tensors)
         if nvme is not None:
             nvme.load(path)
-        state_files.set_rng_states(saved.rng, load_file(str(state_dir / "rng.safetensors")))
+        state_data.set_rng_states(saved.rng, load_file(str(state_dir / "rng.safetensors")))
     except READ_ERRORS as err:
         raise _unreadable(path, err) from None
     return saved.state, saved.data
@@ -519,22 +519,22 @@ def _load_weights(path: Path, model: PreTrainedModel, skip: set[str]) -> None:
                         continue
                     t = f.get_tensor(name)
                     if t.shape != params[name].shape:
-                        raise state_files.BadState(f"{file.name}'s {name} is {tuple(t.shape)}, the model's "
+                        raise state_data.BadState(f"{file.name}'s {name} is {tuple(t.shape)}, the model's "
                                                    f"{tuple(params[name].shape)}")
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise state_files.BadState(f"{file.name}'s {name} holds NaN or infinite values (a diverged "
+                        raise state_data.BadState(f"{file.name}'s {name} holds NaN or infinite values (a diverged "
                                                    "or damaged checkpoint)")
                     params[name].copy_(t)
                     loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise state_files.BadState(f"it has no weights for {missing[0]} (and {len(missing) - 1} more); it was saved "
+        raise state_data.BadState(f"it has no weights for {missing[0]} (and {len(missing) - 1} more); it was saved "
                                    "from another model: resume with the run's own model")
 
 
 def _unreadable(path: Path, err: BaseException) -> LazyTrainError:
-    if isinstance(err, LazyTrainError) and not isinstance(err, state_files.BadState):
+    if isinstance(err, LazyTrainError) and not isinstance(err, state_data.BadState):
         return err
-    why = str(err) if isinstance(err, state_files.BadState) else f"{type(err).__name__}: {reason(err)}"
+    why = str(err) if isinstance(err, state_data.BadState) else f"{type(err).__name__}: {reason(err)}"
     return LazyTrainError(f"checkpoint {path} cannot be resumed: {why}")
 
