@@ -229,6 +229,50 @@ def test_rank_0_alone_prints_and_the_others_write_their_console_log(two_rank_run
     assert not any(line in output for line in console if "rank 1" in line)  # rank 1's own lines stay in its file
 
 
+@pytest.mark.parametrize("optimizer", ["8bit", pytest.param("adamw", marks=pytest.mark.slow)])
+def test_two_ranks_with_offloaded_states_give_the_in_ram_run_each_rank_holding_only_its_groups(tmp_path, optimizer):
+    """optimizer_offload nvme under torchrun (issue 24 item 8): each rank makes state files for the layer groups it
+    steps, and no others (the two ranks' files are disjoint and cover every group, as the shard's owners do); the
+    losses, gradient norms, final parameters and optimizer states equal the same 2 ranks with the states in RAM bit
+    for bit; nothing is left in either nvme_dir."""
+    seed = random.randrange(1 << 31)
+    runs = {}
+    for offload in ("host", "nvme"):
+        nvme = tmp_path / f"nvme-{offload}"
+        nvme.mkdir()
+        config = _yaml(tmp_path / f"{offload}.yaml", dict(JOB, model="tiny-llama", optimizer=optimizer, seed=seed,
+                                                          optimizer_mode="overlap", optimizer_offload=offload,
+                                                          nvme_dir=str(nvme), dtype="bf16"))
+        runs[offload] = (_torchrun(config, tmp_path / offload), tmp_path / offload, nvme)
+    files: dict[int, list[str]] = {}
+    for offload, (proc, out, nvme) in runs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{offload}: exit {proc.returncode}\n{(stdout + stderr)[-3000:]}"
+        assert not list(nvme.iterdir())
+        if offload == "nvme":
+            for rank, text in ((0, stdout), (1, (out / "rank-1" / "console.log").read_text())):
+                line = re.search(r"^offload  optimizer states on .*: .* in (\d+) files \(([^)]*)\)", text, re.M)
+                steps = re.search(rf"rank {rank} steps (\d+) layer groups", text)
+                assert line is not None and steps is not None, text[-2000:]
+                files[rank] = line[2].split(", ")
+                assert int(line[1]) == len(files[rank]) == int(steps[1]) > 0
+    assert not set(files[0]) & set(files[1])  # each group's file on its owner's rank alone
+    host, nvme = runs["host"][1], runs["nvme"][1]
+    assert len(set(files[0]) | set(files[1])) == len(_optimizer_states(host / "checkpoint-5"))
+    rows_host, rows_nvme = read_rows(host / "metrics.jsonl"), read_rows(nvme / "metrics.jsonl")
+    assert [(r["loss"], r["grad_norm"]) for r in rows_nvme] == [(r["loss"], r["grad_norm"]) for r in rows_host]
+    expected, got = _params(host / "checkpoint-5"), _params(nvme / "checkpoint-5")
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    states_host, states_nvme = _optimizer_states(host / "checkpoint-5"), _optimizer_states(nvme / "checkpoint-5")
+    assert states_nvme.keys() == states_host.keys()
+    for group, tensors in states_host.items():
+        assert states_nvme[group].keys() == tensors.keys() and tensors
+        for key, value in tensors.items():
+            assert torch.equal(states_nvme[group][key], value), (group, key)
+
+
 def test_an_sft_dataset_is_tokenized_once_by_rank_0_and_read_back_by_the_other(tmp_path):
     """torchrun, 2 ranks, an SFT file: rank 0 tokenizes into the cache first, rank 1 reads its tokens back (its
     console.log says so); the terminal shows rank 0's lines once."""
