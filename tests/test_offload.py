@@ -185,14 +185,12 @@ def test_the_small_model_from_the_command_line_for_20_steps(tmp_path, optimizer,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "8bit"])
-@pytest.mark.parametrize("masters", ["fp32", "bf16"])
+# adamw with bf16 masters is refused by the config (torch's AdamW rounds to nearest; tests/test_host_layout.py)
+@pytest.mark.parametrize("optimizer, masters", [("adamw", "fp32"), ("8bit", "fp32"), ("8bit", "bf16")])
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
 def test_offloaded_states_give_the_in_ram_run_for_20_steps(tmp_path, optimizer, masters, accum, mode):
     """The issue's matrix, each at the depth the planner picks (no patch), a non-finite step skipped in the middle."""
-    if masters == "bf16" and optimizer == "adamw":
-        pytest.skip("master_weights bf16 needs an 8-bit optimizer")
     _check_identical(tmp_path, 20, 10, optimizer=optimizer, dtype="bf16", master_weights=masters,
                      gradient_accumulation_steps=accum, optimizer_mode=mode)
 
