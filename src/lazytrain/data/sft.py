@@ -38,6 +38,7 @@ from lazytrain.data.rows import CANONICAL, FORMATS, Message, Row, canonical_rows
 from lazytrain.data.sources import Source, resolve
 from lazytrain.data.templates import TEMPLATES, choose_template
 from lazytrain.errors import LazyTrainError
+from lazytrain.writes import alive
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -377,18 +378,8 @@ def remove_dead_tmp(root: Path) -> None:
     """Remove `.*.tmp-<pid>` folders whose process is gone (a run killed while it tokenized)."""
     for tmp in root.glob(".*.tmp-*"):
         pid = tmp.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def split_off(examples: list[Example], val_size: float | int, seed: int) -> tuple[list[Example], list[Example]]:

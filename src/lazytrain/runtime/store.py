@@ -37,6 +37,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.files import ALIGN_BYTES, bytes_view, io_error, open_nameless, read_all, write_all
+from lazytrain.writes import alive
 
 SPILL_PREFIX = "lazytrain-"
 STALE_NAME = re.compile(r"^lazytrain-(\d+)-.*\.(spill|bin)$")  # pid in the name
@@ -305,7 +306,7 @@ def clean_stale_spill_files(directory: Path) -> list[Path]:
     removed = []
     for path in directory.glob(f"{SPILL_PREFIX}*"):
         match = STALE_NAME.match(path.name)
-        if match is None or _process_alive(int(match.group(1))):
+        if match is None or alive(int(match.group(1))):
             continue
         try:
             path.unlink()
@@ -320,16 +321,6 @@ def spill_dir(parent: Path) -> Path:
     those of processes that no longer exist: normal exit removes a device's own, SIGKILL cannot."""
     for path in parent.glob(f"{SPILL_DIR_PREFIX}*"):
         match = STALE_DIR.match(path.name)
-        if match is not None and path.is_dir() and not _process_alive(int(match.group(1))):
+        if match is not None and path.is_dir() and not alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{SPILL_DIR_PREFIX}{os.getpid()}-", dir=parent))
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
