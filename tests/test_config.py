@@ -281,6 +281,13 @@ def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):
     ({"eval_strategy": "no"}, {"eval_batches": 0}),
     ({"evaluation_strategy": "steps", "logging_steps": 7}, {"eval_steps": 7}),
     ({"save_strategy": "no"}, {"save_steps": 0}),
+    ({"eval_strategy": "epoch", "save_strategy": "epoch", "logging_strategy": "epoch"},  # HF's semantics, ours
+     {"eval_strategy": "epoch", "save_strategy": "epoch", "logging_strategy": "epoch"}),
+    ({"evaluation_strategy": "epoch"}, {"eval_strategy": "epoch"}),
+    ({"load_best_model_at_end": True, "metric_for_best_model": "eval_loss", "eval_strategy": "steps",
+      "eval_steps": 5, "save_steps": 10, "save_total_limit": 1}, {"load_best_model_at_end": True}),
+    ({"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "epoch"},
+     {"load_best_model_at_end": True}),
     ({"optim": "adamw_torch_fused"}, {"optimizer": "adamw"}),
     ({"optim": "paged_adamw_8bit"}, {"optimizer": "8bit"}),
     ({"auto_find_batch_size": True}, {"per_device_train_batch_size": "auto"}),
@@ -309,7 +316,17 @@ def test_foreign_values(values, expected):
     ({"quantization_bit": 4}, "quantized (QLoRA) training is not implemented"),
     ({"flash_attn": "fa2"}, "LazyTrain runs attention through sdpa"),
     ({"fsdp": "full_shard"}, "LazyTrain does not shard with FSDP"),
-    ({"eval_strategy": "epoch"}, "set eval_strategy steps with eval_steps"),
+    ({"save_strategy": "best"}, "save_strategy = 'best' (an HF Trainer key): LazyTrain saves every save_steps"),
+    ({"logging_strategy": "no"}, "at the end of every epoch (epoch); set one of them"),
+    ({"load_best_model_at_end": True, "eval_steps": 10, "save_steps": 15},
+     "load_best_model_at_end needs save_steps to be a multiple of eval_steps, as in the HF Trainer: save_steps 15, "
+     "eval_steps 10; set save_steps 20"),
+    ({"load_best_model_at_end": True, "eval_strategy": "epoch", "save_steps": 10},
+     "load_best_model_at_end needs the save and eval strategies to match, as in the HF Trainer: eval_strategy "
+     "epoch, save_strategy steps; set eval_steps"),
+    ({"load_best_model_at_end": True, "save_strategy": "epoch"}, "eval_strategy no, save_strategy epoch; set "
+                                                                  "eval_strategy epoch"),
+    ({"load_best_model_at_end": True, "eval_strategy": "no"}, "eval_strategy no, save_strategy steps"),
     ({"eval_strategy": "steps"}, "needs eval_steps"),
     ({"lora_rank": 8}, "lora_rank = 8 (a LLaMA-Factory key): a LLaMA-Factory setting LazyTrain does not implement"),
     ({"push_to_hub": True}, "nothing leaves this machine"),
@@ -321,6 +338,19 @@ def test_foreign_values_lazytrain_does_not_act_on_are_refused_with_why(values, n
     with pytest.raises(LazyTrainError) as err:
         load_job_config(values)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_steps_keys_an_epoch_strategy_leaves_unused_are_noted_once():
+    """The HF Trainer ignores eval_steps under eval_strategy epoch silently; LazyTrain says so, once."""
+    notes: list[str] = []
+    job = load_job_config({"model": "qwen2.5-7b", "eval_strategy": "epoch", "eval_steps": 50,
+                           "save_strategy": "epoch", "logging_steps": 5},
+                          {"dataloader_num_workers": 4}, {"dataloader_num_workers": 4}, notes=notes)
+    assert job.metrics.eval_strategy == "epoch" and job.checkpoint.save_strategy == "epoch"
+    assert notes[0] == ("eval_strategy: epoch leaves eval_steps 50 unused (at the end of every epoch instead, as the "
+                        "HF Trainer)")
+    assert len(notes) == 2 and notes[1].startswith("dataloader_num_workers: accepted") is False
+    assert notes[1].startswith("dataloader_num_workers: ")
 
 
 @pytest.mark.parametrize("key", ["stage", "do_train", "finetuning_type", "deepspeed", "max_samples",

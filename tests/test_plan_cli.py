@@ -262,3 +262,23 @@ def test_device_cuda_without_a_gpu_needs_named_hardware(capsys) -> None:
     assert "no CUDA GPU; name the hardware" in capsys.readouterr().err
     assert main(["plan", "--model", "tiny-llama", "--device", "cuda", "--hardware", "h800"]) == 0
     assert "hardware h800" in capsys.readouterr().out
+
+
+def test_plan_prints_the_notes_train_prints_for_the_same_file_once(tmp_path, capsys, monkeypatch) -> None:
+    """Keys with no effect on planning (training keys, LLaMA-Factory / HF keys accepted with a note): `lazytrain plan`
+    prints the same note lines `lazytrain train` prints for the same files, each once."""
+    path = tmp_path / "job.yaml"
+    path.write_text("model: qwen2.5-3b\nhardware: h800\nper_device_train_batch_size: 4\ncutoff_len: 256\n"
+                    "learning_rate: 1e-5\nsave_strategy: epoch\nsave_steps: 100\ntrust_remote_code: true\n"
+                    "dataloader_num_workers: 4\nplanner: megatrain\n")
+    again = tmp_path / "more.yaml"
+    again.write_text("dataloader_num_workers: 4\n")
+    assert main(["plan", str(path), str(again)]) == 0
+    planned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note     ")]
+    import lazytrain.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "train", lambda job: None)  # the notes are printed before training starts
+    assert main(["train", str(path), str(again)]) == 0
+    trained = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note     ")]
+    assert planned == trained and len(planned) == 3, planned
+    assert planned[0].startswith("note     save_strategy: epoch leaves save_steps 100 unused")

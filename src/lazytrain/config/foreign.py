@@ -2,12 +2,12 @@
 
 A LLaMA-Factory `train_full` YAML or an HF Trainer config runs as it is wherever LazyTrain does the same thing:
 `bf16: true` is `dtype: bf16`, `ddp_timeout` is `collective_timeout_s`, `resume_from_checkpoint: true` is
-`auto`, `eval_strategy: steps` evaluates every `eval_steps`. A key for something LazyTrain does not do is refused
-in one sentence that says what it does instead (`finetuning_type: lora`, `deepspeed`, `quantization_bit`); a key
-that only tunes how the original tool runs (`dataloader_num_workers`, `ddp_find_unused_parameters`) is accepted
-with a note printed at the start of the run. Every other key of either tool is refused unless it is off (None,
-false, 0): no key is silently ignored. The table below is also docs/config.md's "Coming from LLaMA-Factory / HF
-Trainer" section (docs.py).
+`auto`, `eval_strategy: steps` evaluates every `eval_steps` and `epoch` at the end of every epoch. A key for
+something LazyTrain does not do is refused in one sentence that says what it does instead (`finetuning_type: lora`,
+`deepspeed`, `quantization_bit`); a key that only tunes how the original tool runs (`dataloader_num_workers`,
+`ddp_find_unused_parameters`) is accepted with a note printed at the start of the run. Every other key of either
+tool is refused unless it is off (None, false, 0): no key is silently ignored. The table below is also
+docs/config.md's "Coming from LLaMA-Factory / HF Trainer" section (docs.py).
 """
 
 from __future__ import annotations
@@ -100,28 +100,50 @@ def accept(source: str, allowed: dict[str, dict[str, Any]], why: str, does: str)
 
 
 # ---- entries that read other keys -----------------------------------------------------------------------
+def _unused_steps(steps_key: str, given: Mapping[str, Any]) -> str | None:
+    """The note when a *_steps key is set beside a strategy `epoch` (the HF Trainer ignores it silently)."""
+    if given.get(steps_key) is None or is_off(given[steps_key]):
+        return None
+    return f"epoch leaves {steps_key} {given[steps_key]} unused (at the end of every epoch instead, as the HF Trainer)"
+
+
 def _eval_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
     strategy = "no" if value is None or value is False else _text(value)
     if strategy == "no":
         return {"eval_batches": 0}, None
+    if strategy == "epoch":
+        return {"eval_strategy": "epoch"}, _unused_steps("eval_steps", given)
     if strategy == "steps":
         if "eval_steps" in given:
-            return {}, None
+            return {"eval_strategy": "steps"}, None
         if "logging_steps" in given:  # the HF Trainer's fallback
-            return {"eval_steps": given["logging_steps"]}, None
+            return {"eval_strategy": "steps", "eval_steps": given["logging_steps"]}, None
         raise Refused("evaluating every N steps needs eval_steps (or logging_steps, as the HF Trainer takes); "
                       "set eval_steps")
-    raise Refused("LazyTrain evaluates every eval_steps steps (eval_strategy steps) or before and after training "
-                  "only (leave eval_strategy out); set eval_strategy steps with eval_steps")
+    raise Refused("LazyTrain evaluates every eval_steps steps (eval_strategy steps), at the end of every epoch "
+                  "(epoch), or before and after training only (no); set one of them")
 
 
 def _save_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
     strategy = _text(value)
     if strategy == "steps" or value is None:
-        return {}, None
+        return ({} if value is None else {"save_strategy": "steps"}), None
+    if strategy == "epoch":
+        return {"save_strategy": "epoch"}, _unused_steps("save_steps", given)
     if strategy == "no":
         return {"save_steps": 0}, "save_strategy no: only the final checkpoint is saved (save_steps 0)"
-    raise Refused("LazyTrain saves every save_steps steps and at the end; set save_strategy steps with save_steps")
+    raise Refused("LazyTrain saves every save_steps steps (save_strategy steps) or at the end of every epoch "
+                  "(epoch), and at the end; set one of them")
+
+
+def _logging_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
+    strategy = _text(value)
+    if strategy == "steps" or value is None:
+        return ({} if value is None else {"logging_strategy": "steps"}), None
+    if strategy == "epoch":
+        return {"logging_strategy": "epoch"}, _unused_steps("logging_steps", given)
+    raise Refused("metrics rows are written every logging_steps steps (logging_strategy steps) or at the end of "
+                  "every epoch (epoch); set one of them")
 
 
 def _stage(value: Any, given: Mapping[str, Any]) -> Translation:
@@ -246,22 +268,24 @@ TABLE: dict[str, Foreign] = {
                                             "false = none", _resume),
     "report_to": Foreign(BOTH, "none, all, tensorboard, wandb, mlflow (a name or a list)", _report_to),
     "disable_tqdm": Foreign(HF, "true = `progress: false`", lambda v, _: ({"progress": not flag(v)}, None)),
-    "logging_strategy": accept(HF, {"steps": {}}, "metrics rows are written every logging_steps steps; set "
-                               "logging_strategy steps", "steps accepted"),
-    "eval_strategy": Foreign(HF, "steps = evaluate every `eval_steps` (else every logging_steps); no = "
-                                 "`eval_batches: 0`; epoch refused", _eval_strategy),
+    "logging_strategy": Foreign(HF, "steps = a row every `logging_steps`; epoch = at the end of every epoch "
+                                    "(`logging_strategy: epoch`); no refused", _logging_strategy),
+    "eval_strategy": Foreign(HF, "steps = evaluate every `eval_steps` (else every logging_steps); epoch = at the end "
+                                 "of every epoch (`eval_strategy: epoch`); no = `eval_batches: 0`", _eval_strategy),
     "evaluation_strategy": Foreign(HF, "as eval_strategy (its older name)", _eval_strategy),
-    "save_strategy": Foreign(HF, "steps = every `save_steps`; no = `save_steps: 0` (the final checkpoint only); "
-                                 "epoch, best refused", _save_strategy),
+    "save_strategy": Foreign(HF, "steps = every `save_steps`; epoch = at the end of every epoch "
+                                 "(`save_strategy: epoch`); no = `save_steps: 0` (the final checkpoint only); best "
+                                 "refused", _save_strategy),
     "save_only_model": accept(HF, {"false": {}}, "a checkpoint always holds the exact trainer state beside the model "
                               "(its HF model folder is the model alone); remove save_only_model", "false accepted"),
     "save_safetensors": accept(HF, {"true": {}}, "checkpoints are safetensors; remove save_safetensors",
                                "true accepted"),
     "save_on_each_node": accept(HF, {"false": {}}, "rank 0 writes each checkpoint", "false accepted"),
-    "load_best_model_at_end": accept(HF, {"false": {}}, "the run ends with the last step's model; trainer_state.json "
-                                     "records best_metric and best_model_checkpoint", "false accepted"),
+    "load_best_model_at_end": Foreign(HF, "`load_best_model_at_end` (the checkpoint with the lowest eval_loss is "
+                                          "kept and is the run's model)",
+                                      lambda v, _: ({"load_best_model_at_end": bool(flag(v))}, None)),
     "metric_for_best_model": accept(HF, {"eval_loss": {}, "loss": {}}, "the best metric is the held-out loss",
-                                    "eval_loss accepted"),
+                                    "eval_loss, loss accepted (the held-out loss)"),
     "greater_is_better": accept(HF, {"false": {}}, "the best metric is the held-out loss (lower is better)",
                                 "false accepted"),
     "push_to_hub": refuse(HF, _NO_UPLOAD),

@@ -241,8 +241,8 @@ def load_job_config(*sources: str | Path | Mapping[str, Any], overrides: Sequenc
         job = None
     raise_all(flat.problems)
     assert job is not None
-    if notes is not None:
-        notes += flat.notes
+    if notes is not None:  # each once (a key given in several sources notes the same)
+        notes += [note for note in dict.fromkeys(flat.notes) if note not in notes]
     return job
 
 

@@ -342,10 +342,18 @@ class CheckpointConfig:
     """Where metrics, the plan, the summary and checkpoints go; None = runs/<UTC timestamp>-<pid>."""
     overwrite_output_dir: bool = False
     """Write into an existing non-empty output_dir."""
+    save_strategy: Literal["steps", "epoch"] = "steps"
+    """When checkpoints are saved besides the end of the run: `steps` = every save_steps; `epoch` = at the end of
+    every epoch (save_steps unused), as the HF Trainer. (HF's `no` = save_steps 0.)"""
     save_steps: int = 0
     """Save a checkpoint every N optimizer steps (>= 0); 0 = only at the end."""
     save_total_limit: int | None = None
-    """Keep only the newest N checkpoints (>= 1); None = keep all."""
+    """Keep only the newest N checkpoints (>= 1); None = keep all. With load_best_model_at_end the best one is
+    kept too."""
+    load_best_model_at_end: bool = False
+    """The run's model is the checkpoint with the lowest eval_loss (HF's metric_for_best_model eval_loss):
+    save_total_limit keeps it, trainer_state.json and summary.json name it, the last lines point to it. Needs the
+    save and eval strategies to match (save_steps a multiple of eval_steps), as in the HF Trainer."""
     resume_from_checkpoint: str | None = None
     """A checkpoint directory to continue from, or `auto` (the newest complete one in output_dir; `true` means
     auto, as in the HF Trainer)."""
@@ -364,6 +372,9 @@ Tracker = Literal["none", "all", "tensorboard", "wandb", "mlflow"]
 class MetricsConfig:
     """What the run reports, and how often it evaluates."""
 
+    logging_strategy: Literal["steps", "epoch"] = "steps"
+    """When metrics rows are written: `steps` = every logging_steps; `epoch` = at the end of every epoch
+    (logging_steps unused), as the HF Trainer. The last step, skipped steps and evaluations always write theirs."""
     logging_steps: int = 1
     """Write a metrics row every N optimizer steps (>= 1; steps count from 1, as the HF Trainer's global_step)."""
     logging_first_step: bool = False
@@ -375,8 +386,14 @@ class MetricsConfig:
     """The run's name in the trackers (None = the output directory's name)."""
     plot_loss: bool = True
     """Draw loss.png (train and eval loss against step) at the end, when matplotlib is installed."""
+    eval_strategy: Literal["steps", "epoch"] = "steps"
+    """When the held-out loss is evaluated during training (it is before and after training in any case):
+    `steps` = every eval_steps; `epoch` = at the end of every epoch (eval_steps unused), as the HF Trainer. An
+    epoch is one pass over the training examples in optimizer steps, as num_train_epochs counts them. (HF's `no` =
+    eval_batches 0.)"""
     eval_steps: int | None = None
-    """Evaluate the held-out loss every N steps (>= 1); None = before and after training only."""
+    """Evaluate the held-out loss every N steps (>= 1) and at the last step; None = before and after training
+    only."""
     eval_batches: int | None = None
     """Cap on held-out batches per evaluation (>= 0; 0 = no evaluation); None = the whole held-out set. A cap that
     cuts is printed."""
@@ -439,6 +456,24 @@ class JobConfig:
         if self.runtime.master_weights == "bf16" and self.optim.optimizer == "adamw":
             raise LazyTrainError("master_weights bf16 needs optimizer 8bit or hybrid8bit (their stochastic rounding "
                                  "keeps updates below half a bf16 step; torch's AdamW would round them away)")
+        if self.checkpoint.load_best_model_at_end:
+            self._check_best_model()
+
+    def _check_best_model(self) -> None:
+        """The HF Trainer's rule (TrainingArguments): load_best_model_at_end needs the save and eval strategies to
+        match, and with steps, save_steps a multiple of eval_steps (so each saved step has its evaluation)."""
+        m, c = self.metrics, self.checkpoint
+        evals = "no" if m.eval_batches == 0 or (m.eval_strategy == "steps" and m.eval_steps is None) \
+            else m.eval_strategy
+        if evals != c.save_strategy:
+            fix = ("set eval_steps (eval_strategy steps)" if c.save_strategy == "steps" else
+                   "set eval_strategy epoch")
+            raise LazyTrainError(f"load_best_model_at_end needs the save and eval strategies to match, as in the HF "
+                                 f"Trainer: eval_strategy {evals}, save_strategy {c.save_strategy}; {fix}")
+        if evals == "steps" and m.eval_steps is not None and c.save_steps % m.eval_steps:
+            raise LazyTrainError(f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, as in the "
+                                 f"HF Trainer: save_steps {c.save_steps}, eval_steps {m.eval_steps}; set save_steps "
+                                 f"{(c.save_steps // m.eval_steps + 1) * m.eval_steps}")
 
     @classmethod
     def build(cls, flat: Mapping[str, Any]) -> JobConfig:

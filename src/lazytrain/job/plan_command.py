@@ -60,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    job = job_config_from_args(args)
+    notes: list[str] = []
+    job = job_config_from_args(args, notes)
+    for note in notes:  # the lines `lazytrain train` prints for the same keys
+        print(f"note     {note}", flush=True)
     if job.plan.plan_file is not None:
         raise LazyTrainError("plan_file (--plan) names a plan for `lazytrain train` to run; `lazytrain plan` makes "
                              "one: drop it, or use --json to write the new plan")

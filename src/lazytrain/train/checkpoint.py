@@ -226,7 +226,7 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
                     plan: Plan, tokenizer: PreTrainedTokenizerBase | None = None,
                     save_total_limit: int | None = None, ranks: Ranks | None = None,
                     owned: set[int] | None = None, hf_state: Mapping[str, object] | None = None,
-                    nvme: NvmeStates | None = None) -> Path:
+                    nvme: NvmeStates | None = None, keep: Path | None = None) -> Path:
     """Write `checkpoint-<state.step>` whole (temporary name, fsync, manifest, rename) and keep the newest
     `save_total_limit`. A failure (a full disk, a read-only or vanished directory, a third signal) removes the
     partial copy and leaves every earlier checkpoint as it was, in one line. With `ranks` a collective (module
@@ -234,7 +234,8 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
     temporary directory from it; returns the checkpoint's path on every rank. `hf_state`: the content of
     trainer_state.json, the HF Trainer's view of the run (train/hf_state.py; rank 0's). `nvme`: the optimizer's
     states (and masters) in files (optimizer_offload nvme): each group's file and master.safetensors are copies of
-    them (train/offload.py), the HF folder the streamed copies of the offloaded masters."""
+    them (train/offload.py), the HF folder the streamed copies of the offloaded masters. `keep`: a checkpoint
+    save_total_limit never removes (load_best_model_at_end's best)."""
     main = ranks is None or ranks.is_main
     tmp = out / f".tmp-{PREFIX}{state.step}"
     error: LazyTrainError | None = None
@@ -281,11 +282,11 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
         if ranks is None:
             if error is not None:
                 raise error
-            return _finish(out, tmp, state.step, save_total_limit)
+            return _finish(out, tmp, state.step, save_total_limit, keep)
         if not ranks.agree(error is None, f"writing checkpoint {state.step}"):  # every part is in, or none counts
             raise error or LazyTrainError(f"checkpoint {state.step} abandoned: another rank could not write its part "
                                           "(its line says why)")
-        return Path(ranks.decided_by_main(lambda: str(_finish(out, tmp, state.step, save_total_limit)),
+        return Path(ranks.decided_by_main(lambda: str(_finish(out, tmp, state.step, save_total_limit, keep)),
                                           f"the end of checkpoint {state.step}"))
     except Interrupted as stop:  # the third signal during the save
         if main:
@@ -329,8 +330,9 @@ def _write_optimizer_groups(state_dir: Path, optimizer: torch.optim.Optimizer, r
     return scalars
 
 
-def _finish(out: Path, tmp: Path, step: int, save_total_limit: int | None) -> Path:
-    """Manifest (every file is in), fsync, rename into place; then keep the newest `save_total_limit`."""
+def _finish(out: Path, tmp: Path, step: int, save_total_limit: int | None, keep: Path | None = None) -> Path:
+    """Manifest (every file is in), fsync, rename into place; then keep the newest `save_total_limit`, and `keep`
+    besides them (the HF Trainer's rotation: the newest and the best are never removed)."""
     final = out / f"{PREFIX}{step}"
     try:
         _write_manifest(tmp)
@@ -349,11 +351,31 @@ def _finish(out: Path, tmp: Path, step: int, save_total_limit: int | None) -> Pa
     except (*WRITE_ERRORS, WriteFailed) as err:
         raise _cannot_write(out, step, err) from None
     if save_total_limit is not None:
-        complete = [p for p in checkpoints(out) if incomplete_reason(p) is None]
-        for old in complete[:-save_total_limit]:
+        rotate(out, save_total_limit, keep)
+    return final
+
+
+def rotate(out: Path, save_total_limit: int, keep: Path | None = None) -> None:
+    """Remove the oldest complete checkpoints until `save_total_limit` are left, never the newest nor `keep`."""
+    complete = [p for p in checkpoints(out) if incomplete_reason(p) is None]
+    protected = set(complete[-1:]) | {p for p in complete if keep is not None and p.name == keep.name}
+    excess = len(complete) - max(save_total_limit, len(protected))
+    for old in complete:
+        if excess <= 0:
+            break
+        if old not in protected:
             with critical():
                 remove(old)
-    return final
+            excess -= 1
+
+
+def keep_best_only(out: Path, best: Path) -> None:
+    """save_total_limit 1 with load_best_model_at_end at the end of the run: the best checkpoint alone stays (the HF
+    Trainer's _finalize_training removes the newest when it is not the best)."""
+    for path in checkpoints(out):
+        if path.name != best.name and incomplete_reason(path) is None:
+            with critical():
+                remove(path)
 
 
 def _discard(tmp: Path) -> None:

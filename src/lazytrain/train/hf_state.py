@@ -31,8 +31,10 @@ def log_history(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 def trainer_state(*, global_step: int, max_steps: int, epoch: float | None, num_train_epochs: float,
                   logging_steps: int, eval_steps: int | None, save_steps: int, train_batch_size: int,
-                  tokens_seen: int, num_params: int, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """TrainerState's fields (transformers 4.x and 5.x) for a checkpoint at `global_step`."""
+                  tokens_seen: int, num_params: int, rows: Sequence[Mapping[str, Any]],
+                  best_model_checkpoint: str | None = None) -> dict[str, Any]:
+    """TrainerState's fields (transformers 4.x and 5.x) for a checkpoint at `global_step`; `best_model_checkpoint`:
+    with load_best_model_at_end, the best checkpoint as the HF Trainer names it (None without)."""
     history = log_history(rows)
     evals = [(entry["eval_loss"], entry["step"]) for entry in history
              if entry.get("eval_loss") is not None and math.isfinite(entry["eval_loss"])]
@@ -44,7 +46,7 @@ def trainer_state(*, global_step: int, max_steps: int, epoch: float | None, num_
         "total_flos": 6.0 * num_params * tokens_seen,  # the HF Trainer's estimate: 6 FLOPs a parameter a token
         "log_history": history,
         "best_metric": None if best is None else best[0], "best_global_step": None if best is None else best[1],
-        "best_model_checkpoint": None,  # the run keeps its last step's model (load_best_model_at_end is refused)
+        "best_model_checkpoint": best_model_checkpoint,
         "is_local_process_zero": True, "is_world_process_zero": True, "is_hyper_param_search": False,
         "trial_name": None, "trial_params": None, "stateful_callbacks": {},
     }

@@ -55,6 +55,7 @@ from lazytrain.train.build import (
 from lazytrain.train.checkpoint import (
     Saved,
     TrainerState,
+    keep_best_only,
     load_checkpoint,
     read_checkpoint,
     resume_checkpoint,
@@ -114,6 +115,7 @@ class TrainResult:
     output_dir: Path
     losses: list[float | None]  # per step; None for a skipped (non-finite) step
     summary: dict[str, object]
+    best_checkpoint: Path | None = None  # load_best_model_at_end: the run's model (`model` is the last step's)
 
 
 # =====================================================================================================
@@ -160,8 +162,7 @@ def _train(job: JobConfig) -> TrainResult:
 
         # ---- model ----------------------------------------------------------------------------------
         source = model_source(job, data.vocab_size)
-        if job.optim.max_steps == -1:  # max_steps wins over num_train_epochs, as in the HF Trainer
-            job = steps_for_epochs(job, data.batches)
+        job, per_epoch = epochs(job, data)
         Schedule(job)  # its arguments are refused here, before anything is built or written
         model = build_model(job, source, ranks)  # with ranks: one copy per node, in its shared memory
         num_params = sum(p.numel() for p in model.parameters())
@@ -194,7 +195,8 @@ def _train(job: JobConfig) -> TrainResult:
             fit_device_cap(job, plan, executor, device)
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
-                              eval_set=data.eval_set, out=out, tokenizer=data.tokenizer, ranks=ranks)
+                              eval_set=data.eval_set, out=out, tokenizer=data.tokenizer, ranks=ranks,
+                              steps_per_epoch=per_epoch)
             if saved is not None:
                 trainer.resume(saved)
             # every refusal is behind: the run writes from here on (a refused run leaves the directory as it was)
@@ -212,7 +214,7 @@ def _train(job: JobConfig) -> TrainResult:
 
             # ---- loop -------------------------------------------------------------------------------
             trainer.loop(signals)
-            eval_after = trainer.evaluate(stop=lambda: signals.received is not None)  # a signal ends it early
+            eval_after = trainer.final_evaluation(stop=lambda: signals.received is not None)  # a signal ends it
         except BaseException:
             if trainer is not None:
                 trainer.close()
@@ -228,6 +230,7 @@ def _train(job: JobConfig) -> TrainResult:
         if signals.received is not None:  # during the final evaluation or checkpoint: stop with the run saved
             raise Interrupted(signals.received, f"{_signal_name(signals.received)} after the last step: saved "
                               f"{final} (the run's {trainer.state.step} steps are complete; no summary)")
+    final = run_model(trainer, final, main=ranks is None or ranks.is_main)
     exact_after = None
     if decode:  # greedy decoding of the exported checkpoint, loaded as any HF model is
         hf_logging.disable_progress_bar()  # its loading bar is noise under the report
@@ -244,7 +247,19 @@ def _train(job: JobConfig) -> TrainResult:
                problems=len(data.math_eval))
     if ranks is not None:
         ranks.close()
-    return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary)
+    return TrainResult(model=model, plan=plan, output_dir=out, losses=trainer.state.losses, summary=summary,
+                       best_checkpoint=trainer.best_checkpoint)
+
+
+def run_model(trainer: Trainer, final: Path, *, main: bool) -> Path:
+    """The checkpoint that holds the run's model: the final one, or with load_best_model_at_end the best (as the HF
+    Trainer loads it at the end; with save_total_limit 1 it then stays alone)."""
+    best = trainer.best_checkpoint
+    if best is None or not main:
+        return final
+    if trainer.job.checkpoint.save_total_limit == 1 and best != final:
+        keep_best_only(trainer.out, best)
+    return best
 
 
 def with_dtype(job: JobConfig) -> JobConfig:
@@ -309,6 +324,9 @@ def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_
     median_step = summary["median_step_s"]
     say(f"time     median step {median_step:.3f} s measured vs {predicted_s:.3f} s predicted "
         f"({median_step / predicted_s:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
+    if summary.get("best_model_checkpoint"):
+        say(f"best     {final.name}: the lowest eval_loss {summary['best_metric']:.4f} (step "
+            f"{summary['best_global_step']}) is the run's model (load_best_model_at_end)")
     say(f"saved    {out}/ (metrics.jsonl, plan.json, summary.json{', loss.png' if plotted else ''}, {final.name}/) "
         f"after {summary['total_run_s']:.0f} s ({summary['total_train_s']:.0f} s in the {summary['steps_this_run']} "
         "steps of this run)")
@@ -324,20 +342,53 @@ def load_run_data(job: JobConfig, world: int, ranks: Ranks | None) -> RunData:
     return first[0] if first else load_data(job, world_size=world)
 
 
-def steps_for_epochs(job: JobConfig, batches: Loader | CorpusBatches) -> JobConfig:
-    """`num_train_epochs` as optimizer steps, as the HF Trainer counts them: ceil(epochs x max(1, the batches of one
-    epoch // gradient_accumulation_steps)); the batches of one epoch are laid out once (no tensor built)."""
-    epochs = job.optim.num_train_epochs
+def steps_per_epoch(job: JobConfig, batches: Loader | CorpusBatches, what: str, fix: str) -> int:
+    """One epoch in optimizer steps, as the HF Trainer counts them: max(1, the batches of one pass over the training
+    examples // gradient_accumulation_steps) (laid out once, no tensor built). `what` needs epochs; a text corpus,
+    read in random windows, has none: refused naming `fix`."""
     if not isinstance(batches, Loader):
-        raise LazyTrainError(f"num_train_epochs {epochs:g}: dataset {job.data.dataset} is a text corpus read in "
-                             "random windows, with no epochs; set max_steps")
-    per_epoch = max(1, batches.batches_for_epochs(1.0) // job.optim.gradient_accumulation_steps)
+        raise LazyTrainError(f"{what}: dataset {job.data.dataset} is a text corpus read in random windows, with no "
+                             f"epochs; {fix}")
+    return max(1, batches.batches_for_epochs(1.0) // job.optim.gradient_accumulation_steps)
+
+
+def steps_for_epochs(job: JobConfig, batches: Loader | CorpusBatches, per_epoch: int | None = None) -> JobConfig:
+    """`num_train_epochs` as optimizer steps, as the HF Trainer counts them: ceil(epochs x steps_per_epoch)."""
+    epochs = job.optim.num_train_epochs
+    if per_epoch is None:
+        per_epoch = steps_per_epoch(job, batches, f"num_train_epochs {epochs:g}", "set max_steps")
     steps = math.ceil(epochs * per_epoch)
     if steps > MAX_STEPS:
         raise LazyTrainError(f"num_train_epochs {epochs:g} x {per_epoch:,} steps an epoch = {steps:,} steps, more than "
                              f"{MAX_STEPS:,}; lower num_train_epochs or set max_steps")
     say(f"epochs   num_train_epochs {epochs:g} x {per_epoch:,} optimizer steps an epoch = {steps:,} steps")
     return replace(job, optim=replace(job.optim, max_steps=steps))
+
+
+def epochs(job: JobConfig, data: RunData) -> tuple[JobConfig, int | None]:
+    """The job's steps (num_train_epochs when max_steps is -1, as in the HF Trainer) and the length of an epoch
+    in optimizer steps when a strategy is `epoch` (with max_steps set too: an epoch ends where a pass over the data
+    does, as in the HF Trainer)."""
+    per_epoch = None
+    if strategies := epoch_strategies(job):
+        per_epoch = steps_per_epoch(job, data.batches, " and ".join(strategies),
+                                    "set the steps strategy instead (eval_steps, save_steps, logging_steps)")
+    if job.optim.max_steps == -1:
+        job = steps_for_epochs(job, data.batches, per_epoch)
+    elif per_epoch is not None:
+        say(f"epochs   an epoch = {per_epoch:,} optimizer steps ({' and '.join(strategies)}: every {per_epoch:,} "
+            f"steps, and the last step {job.optim.max_steps:,})")
+    if job.checkpoint.load_best_model_at_end and not data.eval_set:
+        raise LazyTrainError("load_best_model_at_end needs a held-out set to compare the checkpoints on: set "
+                             "val_size or eval_dataset")
+    return job, per_epoch
+
+
+def epoch_strategies(job: JobConfig) -> list[str]:
+    """The `<what>_strategy epoch` keys the job sets (each needs the length of an epoch)."""
+    return [f"{key} epoch" for key, value in (("eval_strategy", job.metrics.eval_strategy),
+                                               ("save_strategy", job.checkpoint.save_strategy),
+                                               ("logging_strategy", job.metrics.logging_strategy)) if value == "epoch"]
 
 
 def check_job(job: JobConfig) -> None:
@@ -372,6 +423,7 @@ class Trainer:
     tokenizer: PreTrainedTokenizerBase | None = None  # saved with every checkpoint
     state: TrainerState = field(default_factory=TrainerState)
     ranks: Ranks | None = None  # data parallelism: the collectives (None: one process)
+    steps_per_epoch: int | None = None  # an epoch in optimizer steps (set when a strategy is `epoch`)
 
     def __post_init__(self) -> None:
         self.shard: OptimizerShard | None = None  # data parallelism: the groups this rank's optimizer steps
@@ -404,6 +456,11 @@ class Trainer:
             self.ranks is None or self.ranks.is_main) else None
         if self.shard is not None:
             self.shard.drop_foreign_states(self.optimizers)
+        self.last_eval: tuple[int, Evaluation] | None = None  # the loop's latest evaluation and its step
+        # load_best_model_at_end, as the HF Trainer tracks it: the lowest eval_loss and its step, and the newest
+        # checkpoint that held the best at the time it was saved
+        self.best: tuple[float, int] | None = None
+        self.best_checkpoint: Path | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -430,8 +487,8 @@ class Trainer:
                 stop = self.stop_requested(signals)
                 saved = None
                 # no periodic save during a run of non-finite steps: the last good checkpoint stays the newest
-                if not stop and job.checkpoint.save_steps and self.state.step % job.checkpoint.save_steps == 0 \
-                        and self.state.step < job.optim.max_steps and self.policy.consecutive == 0:
+                if not stop and self.saves_at(self.state.step) and self.state.step < job.optim.max_steps \
+                        and self.policy.consecutive == 0:
                     saved = self.save()
                     stop = self.stop_requested(signals)  # a signal during that save: stop now, it is in
                 if stop:
@@ -445,6 +502,34 @@ class Trainer:
         finally:
             bar.close()
             self.metrics.close()
+
+    # ---- when to log, evaluate and save: the HF Trainer's DefaultFlowCallback ------------------------------
+    def epoch_ends(self, global_step: int) -> bool:
+        """An epoch ends with this step (steps_per_epoch, the count num_train_epochs uses, divides it)."""
+        return self.steps_per_epoch is not None and global_step % self.steps_per_epoch == 0
+
+    def logs_at(self, global_step: int) -> bool:
+        m = self.job.metrics
+        every = self.epoch_ends(global_step) if m.logging_strategy == "epoch" else global_step % m.logging_steps == 0
+        return every or (global_step == 1 and m.logging_first_step)
+
+    def evaluates_at(self, global_step: int) -> bool:
+        """Every eval_steps or at each epoch's end, and at the last step when either is set (as the HF Trainer;
+        the evaluation after training then reuses it)."""
+        m = self.job.metrics
+        if not self.eval_set or m.eval_batches == 0:
+            return False
+        if m.eval_strategy == "epoch":
+            return self.epoch_ends(global_step) or global_step == self.job.optim.max_steps
+        return m.eval_steps is not None and (global_step % m.eval_steps == 0
+                                             or global_step == self.job.optim.max_steps)
+
+    def saves_at(self, global_step: int) -> bool:
+        """A periodic checkpoint after this step (the last step's is the final save)."""
+        c = self.job.checkpoint
+        if c.save_strategy == "epoch":
+            return self.epoch_ends(global_step)
+        return bool(c.save_steps) and global_step % c.save_steps == 0
 
     def stop_requested(self, signals: StopSignals) -> bool:
         """A signal arrived (with ranks: on any rank; every rank stops after the same step, or none does)."""
@@ -536,10 +621,12 @@ class Trainer:
             self.planned = replace_plan(self.planned, plan, cost, job.optim.optimizer_mode)
             self.predicted_s = self.planned.predicted_step_s(accum)
             say(row["replan"])
-        if job.metrics.eval_steps and global_step % job.metrics.eval_steps == 0 and self.eval_set:
-            row.update(self.evaluate().row())
-        logged = global_step % job.metrics.logging_steps == 0 or (global_step == 1 and job.metrics.logging_first_step)
-        if logged or global_step == job.optim.max_steps or where is not None or "eval_loss" in row:
+        if self.evaluates_at(global_step):
+            evaluation = self.evaluate()
+            self.last_eval = global_step, evaluation
+            self.note_best(global_step, evaluation)
+            row.update(evaluation.row())
+        if self.logs_at(global_step) or global_step == job.optim.max_steps or where is not None or "eval_loss" in row:
             self.metrics.write(row)
         self.policy.check()  # the max_nonfinite_steps-th non-finite step in a row stops the run
         return row
@@ -578,11 +665,28 @@ class Trainer:
         examples = sum(b.num_examples for b in self.eval_set)  # the global batches' (filler rows hold none)
         return Evaluation(loss_sum / count if count else math.nan, examples, int(count))
 
+    def final_evaluation(self, stop: Callable[[], bool] | None = None) -> Evaluation:
+        """The held-out loss after training: the loop's evaluation of the last step when it made one (the same
+        weights and batches), else a new one (a candidate for the best model too)."""
+        if self.last_eval is not None and self.last_eval[0] == self.state.step:
+            return self.last_eval[1]
+        evaluation = self.evaluate(stop)
+        if stop is None or not stop():
+            self.note_best(self.state.step, evaluation)
+        return evaluation
+
+    def note_best(self, global_step: int, evaluation: Evaluation) -> None:
+        """The HF Trainer's _determine_best_metric for eval_loss: a strictly lower loss is the new best."""
+        if math.isfinite(evaluation.loss) and (self.best is None or evaluation.loss < self.best[0]):
+            self.best = evaluation.loss, global_step
+
     # ---- checkpoints ------------------------------------------------------------------------------------
     def save(self) -> Path:
         """A checkpoint (with ranks: each rank of node 0 writes its own layer groups' optimizer states, rank 0 the
-        rest, with trainer_state.json, the HF Trainer's view of the run); a signal waits for it (signals.py)."""
+        rest, with trainer_state.json, the HF Trainer's view of the run); a signal waits for it (signals.py).
+        With load_best_model_at_end, save_total_limit keeps the best checkpoint besides the newest."""
         self.executor.drain()  # the overlapped update of the last step first
+        keep = self.best_checkpoint_at(self.state.step)
         hf_state = self.hf_state() if self.ranks is None or self.ranks.is_main else None
         with saving():
             return save_checkpoint(self.out, self.state, model=self.model, compute_dtype=self.compute_dtype,
@@ -590,7 +694,18 @@ class Trainer:
                                    data_state=self.batches.state_dict(), plan=self.planned.plan,
                                    tokenizer=self.tokenizer, save_total_limit=self.job.checkpoint.save_total_limit,
                                    ranks=self.ranks, owned=None if self.shard is None else self.shard.owned,
-                                   hf_state=hf_state, nvme=self.nvme)
+                                   hf_state=hf_state, nvme=self.nvme, keep=keep)
+
+    def best_checkpoint_at(self, step: int) -> Path | None:
+        """With load_best_model_at_end, the best checkpoint once checkpoint-<step> is saved, as the HF Trainer's
+        _save_checkpoint decides it: the best step's checkpoint when it is this one or exists, else the one before
+        (the best may be an evaluated step that was not saved)."""
+        if not self.job.checkpoint.load_best_model_at_end or self.best is None:
+            return self.best_checkpoint
+        path = self.out / f"{rundir.PREFIX}{self.best[1]}"
+        if self.best[1] == step or path.is_dir():
+            self.best_checkpoint = path
+        return self.best_checkpoint
 
     def hf_state(self) -> dict[str, object]:
         """trainer_state.json's content at this step (its log_history from metrics.jsonl, so a resumed run's too)."""
@@ -604,7 +719,8 @@ class Trainer:
                              train_batch_size=job.data.per_device_train_batch_size,
                              tokens_seen=self.state.step * tokens_per_step,
                              num_params=sum(p.numel() for p in self.model.parameters()),
-                             rows=read_rows(metrics) if metrics.exists() else [])
+                             rows=read_rows(metrics) if metrics.exists() else [],
+                             best_model_checkpoint=None if self.best_checkpoint is None else str(self.best_checkpoint))
 
     def epoch(self) -> float | None:
         """Passes over the training examples so far (the HF Trainer's fractional epoch); None for a text corpus."""
@@ -623,6 +739,7 @@ class Trainer:
             self.shard.fence("loading the checkpoint")
         self.batches.load_state_dict(data_state)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
+        self.best, self.best_checkpoint = best_of(path)
         self.resumed = True
         self.first_step = len(self.state.step_times_s)  # the steps before ran in another process
         say(f"resume   from {path} at step {self.state.step} ({self.state.applied_steps} updates applied)")
@@ -656,7 +773,23 @@ class Trainer:
             "median_step_s": median_step, "predicted_step_s": self.predicted_s,
             "median_tokens_per_s": tokens_per_step / median_step,
             "total_train_s": sum(times), "total_run_s": total_run_s,  # setup + loop + save
+            **({"best_model_checkpoint": None if self.best_checkpoint is None else str(self.best_checkpoint),
+                "best_metric": None if self.best is None else self.best[0],
+                "best_global_step": None if self.best is None else self.best[1]}
+               if job.checkpoint.load_best_model_at_end else {}),
         }
+
+
+def best_of(checkpoint: Path) -> tuple[tuple[float, int] | None, Path | None]:
+    """The best eval_loss and its step, and the best checkpoint, a checkpoint's trainer_state.json recorded (as the
+    HF Trainer resumes them; a best checkpoint that is gone is forgotten)."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        metric, step, best = state.get("best_metric"), state.get("best_global_step"), state.get("best_model_checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    found = (float(metric), int(step)) if isinstance(metric, int | float) and isinstance(step, int) else None
+    return found, Path(best) if found is not None and isinstance(best, str) and Path(best).is_dir() else None
 
 
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]
