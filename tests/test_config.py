@@ -323,7 +323,7 @@ def test_foreign_values(values, expected):
      "eval_steps 10; set save_steps 20"),
     ({"load_best_model_at_end": True, "eval_strategy": "epoch", "save_steps": 10},
      "load_best_model_at_end needs the save and eval strategies to match, as in the HF Trainer: eval_strategy "
-     "epoch, save_strategy steps; set eval_steps"),
+     "epoch, save_strategy steps; set eval_strategy steps with eval_steps"),
     ({"load_best_model_at_end": True, "save_strategy": "epoch"}, "eval_strategy no, save_strategy epoch; set "
                                                                   "eval_strategy epoch"),
     ({"load_best_model_at_end": True, "eval_strategy": "no"}, "eval_strategy no, save_strategy steps"),

@@ -466,7 +466,7 @@ class JobConfig:
         evals = "no" if m.eval_batches == 0 or (m.eval_strategy == "steps" and m.eval_steps is None) \
             else m.eval_strategy
         if evals != c.save_strategy:
-            fix = ("set eval_steps (eval_strategy steps)" if c.save_strategy == "steps" else
+            fix = ("set eval_strategy steps with eval_steps" if c.save_strategy == "steps" else
                    "set eval_strategy epoch")
             raise LazyTrainError(f"load_best_model_at_end needs the save and eval strategies to match, as in the HF "
                                  f"Trainer: eval_strategy {evals}, save_strategy {c.save_strategy}; {fix}")

@@ -1,7 +1,8 @@
 """`trainer_state.json` in every checkpoint: the run's state as the HF Trainer writes it, for the tools that read it
 (`transformers.TrainerState.load_from_json`, LLaMA-Factory's plots, dashboards): global_step, epoch, log_history,
 best_metric, ... Only TrainerState's own fields, since it is rebuilt with TrainerState(**json). LazyTrain's exact
-state (what a resume reads) stays in trainer_state/; this file is read by nobody here.
+state (what a resume reads) stays in trainer_state/; of this file a resume reads back the best_* fields alone (as the
+HF Trainer does, for load_best_model_at_end).
 
 log_history is metrics.jsonl in the HF Trainer's names: a train row {loss, learning_rate, grad_norm, epoch, step},
 an evaluation row {eval_loss, eval_examples, eval_tokens, epoch, step}; best_metric is the lowest eval_loss.
