@@ -3,7 +3,8 @@
 `train(job)` checks the job and the output directory (before anything is written), loads the data, builds the
 model, measures this machine and plans, builds the device, executor and optimizer, resumes from a checkpoint
 when asked, then runs `max_steps` steps of `Trainer.train_step` (fetch, stream forward + backward per
-micro-batch, optimizer, log), saving a checkpoint every `save_steps`, at the end and on SIGINT / SIGTERM.
+micro-batch, optimizer, log), evaluating, logging and saving a checkpoint every N steps or at each epoch's end (the
+HF Trainer's DefaultFlowCallback), at the end and on SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
