@@ -121,6 +121,9 @@ def test_unknown_key_names_the_nearest(tmp_path):
     ({"gpu_mem_cap": "lots"}, "gpu_mem_cap = 'lots': cannot read as a size"),
     ({"gpu_mem_cap": "-5GB"}, "negative"),
     ({"lr": 1, "learning_rate": 2}, "learning_rate is given twice"),
+    # the held-out data named twice (LLaMA-Factory refuses it too); the math set brings its own
+    ({"dataset": "a.jsonl", "eval_dataset": "b.jsonl", "val_size": 0.1}, "val_size = 0.1 is invalid: it must be unset"),
+    ({"val_size": 16}, "or with dataset math"),
 ])
 def test_bad_values_are_one_line(values, needle):
     with pytest.raises(LazyTrainError) as err:
@@ -296,7 +299,7 @@ def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):
     ({"neat_packing": True, "packing": False}, None),  # two spellings of one key: refused
     ({"report_to": ["wandb", "tensorboard"]}, {"report_to": ("wandb", "tensorboard")}),
     ({"val_size": 0.0}, {"val_size": None}),
-    ({"val_size": 25}, {"val_size": 25}),
+    ({"val_size": 25, "dataset": "train.jsonl"}, {"val_size": 25}),
     ({"lora_rank": None, "use_dora": False, "hub_token": None}, {}),  # off: asks for nothing
 ])
 def test_foreign_values(values, expected):

@@ -101,7 +101,7 @@ class DataConfig:
     """Sampling weights of the datasets for interleave_* (`0.7,0.3`, one per dataset); None = equal."""
     val_size: int | float | None = None
     """Held-out part of the training data: a fraction in (0, 1) or a count of examples (an integer >= 1); None =
-    none (or `eval_dataset`)."""
+    none (or `eval_dataset`, which excludes it, as the built-in math set's own held-out problems do)."""
     eval_dataset: Names | None = None
     """Evaluation data named as `dataset` names it (None = split off by val_size, else no evaluation)."""
     per_device_train_batch_size: int | Literal["auto"] = 8
@@ -129,6 +129,9 @@ class DataConfig:
               (val is None or (isinstance(val, int) and 1 <= val <= MAX_COUNT)
                or (isinstance(val, float) and 0 < val < 1),
                "val_size", f"a fraction in (0, 1) or a count in 1..{MAX_COUNT}"),
+              # held-out data named twice: LLaMA-Factory refuses val_size beside eval_dataset too
+              (val is None or (self.eval_dataset is None and self.dataset.strip() != "math"), "val_size",
+               "unset when eval_dataset names the held-out data, or with dataset math (its own held-out problems)"),
               (batch == "auto" or 1 <= batch <= MAX_DIM, "per_device_train_batch_size",
                f"an integer in 1..{MAX_DIM} or auto"),
               (eval_batch is None or 1 <= eval_batch <= MAX_DIM, "per_device_eval_batch_size",
