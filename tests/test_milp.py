@@ -139,11 +139,15 @@ def test_milp_optimum_equals_brute_force_with_the_sums_over_the_ranks(case: int)
 def with_states(rng: random.Random, inst: PlanningInstance) -> PlanningInstance:
     """The instance with its optimizer state on NVMe: a drawn staging depth, each group's file from a fraction of
     a boundary to a few (its read and write from hidden under a window to longer than the update), the updates
-    from free to slower than a forward (serial mode too: they follow the backward group by group)."""
+    from free to slower than a forward (serial mode too: they follow the backward group by group), the state
+    files at the spills' rates on the NVMe links or their own."""
     L = inst.num_layers
     update_s = tuple(rng.choice([0.0, rng.uniform(0.0, 0.2)]) for _ in range(L + 2))
+    state_rates = {f"state_{d}_bytes_per_s": rng.choice([None, rng.uniform(0.3, 3.0)
+                                                           * getattr(inst, f"nvme_{d}_bytes_per_s")])
+                   for d in ("read", "write")}
     return replace(inst, staging_depth=rng.randint(1, L), update_s=update_s, optimizer_step_s=sum(update_s),
-                   state_bytes=tuple(rng.uniform(0.02, 1.0) * GB for _ in range(L + 2)))
+                   state_bytes=tuple(rng.uniform(0.02, 1.0) * GB for _ in range(L + 2)), **state_rates)
 
 
 @pytest.mark.parametrize("mode", ["overlap", "serial"])

@@ -133,6 +133,8 @@ offloads = st.fixed_dictionaries({
     "optimizer": st.sampled_from(["adamw", "8bit"]),
     "masters": st.sampled_from(["fp32", "bf16"]),
     "update_gbps": st.sampled_from([1.0, 10.0, 100.0, math.inf]),  # host bytes an update moves per second
+    # the state files' rates on the NVMe links against the spills' (None: the same; calibration measures both)
+    "state_links": st.tuples(*(st.sampled_from([None, 0.5, 1.5, 4.0]) for _ in range(2))),
 })
 
 
@@ -141,11 +143,15 @@ offloads = st.fixed_dictionaries({
 def test_the_milp_step_is_the_simulated_step_with_the_states_on_nvme(case: dict, offload: dict) -> None:
     """Issue 10's property with the optimizer's state on NVMe (issue 24): a drawn staging depth, 8-bit or fp32
     states with or without the fp32 masters, updates from free to slower than the forward, the NVMe link from
-    very slow to free and shared with the activations'; the MILP's step of its plan is the simulated one."""
+    very slow to free and shared with the activations', the state files at the spills' rate or their own; the
+    MILP's step of its plan is the simulated one."""
     L, mode = case["L"], case["mode"]
     base = _cost(L, case["rate_gbps"], case["links"])
+    hw = base.hardware
+    hardware = hw.with_overrides(**{f"nvme_state_{d}_gbps": None if f is None else f * getattr(hw, f"nvme_{d}_gbps")
+                                    for d, f in zip(("read", "write"), offload["state_links"], strict=True)})
     master = "bf16" if offload["optimizer"] == "8bit" else offload["masters"]
-    cost = CostModel(base.spec, base.hardware, base.workload, offload["optimizer"], master_weights=master,
+    cost = CostModel(base.spec, hardware, base.workload, offload["optimizer"], master_weights=master,
                      optimizer_offload="nvme")
     seconds = cost.param_bytes[0] * 8 / 1e9 / offload["update_gbps"]  # per layer group: 4 B of state per byte
     cost.optimizer_s = [seconds] * L

@@ -215,6 +215,9 @@ class CostModel:
         self.d2h_bytes_per_s = _rate(hardware.d2h_gbps)
         self.nvme_read_bytes_per_s = _rate(hardware.nvme_read_gbps)
         self.nvme_write_bytes_per_s = _rate(hardware.nvme_write_gbps)
+        # the optimizer's state files on those links (optimizer_offload nvme; HardwareSpec.nvme_state_*_gbps)
+        self.state_read_bytes_per_s = _rate(hardware.nvme_state_read_gbps or hardware.nvme_read_gbps)
+        self.state_write_bytes_per_s = _rate(hardware.nvme_state_write_gbps or hardware.nvme_write_gbps)
 
     # ---- FLOPs and bytes of one layer --------------------------------------------------------------
     def _layer_forward_flops(self, j: int) -> float:

@@ -50,6 +50,12 @@ class HardwareSpec:
     # asks for it.
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
+    # optimizer_offload nvme: the rate the optimizer's state files move at on the NVMe links, GB/s: a group's whole
+    # file in large aligned requests, several in flight (runtime/statefiles.py), where the activations' spill files
+    # are one small file each with a checksum. None = the link's figure (nvme_read_gbps / nvme_write_gbps); the
+    # emulated device's calibration measures both (runtime/probe.py).
+    nvme_state_read_gbps: float | None = None
+    nvme_state_write_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -91,8 +91,9 @@ class Topology:
         if self.local_ranks == 1:
             return hardware
         g = self.local_ranks
-        return hardware.with_overrides(nvme_read_gbps=hardware.nvme_read_gbps / g,
-                                       nvme_write_gbps=hardware.nvme_write_gbps / g)
+        rates = {f: getattr(hardware, f) for f in ("nvme_read_gbps", "nvme_write_gbps", "nvme_state_read_gbps",
+                                                    "nvme_state_write_gbps")}
+        return hardware.with_overrides(**{f: rate / g for f, rate in rates.items() if rate is not None})
 
 
 ONE_RANK = Topology()  # one process: no sums over ranks

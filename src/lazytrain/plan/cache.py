@@ -41,7 +41,8 @@ def remembered_plan_path(cost: CostModel, budgets: dict[str, int], *, device: st
     key = dict(
         spec=cost.spec.fingerprint(), workload=[cost.workload.batch_size, cost.workload.seq_len, cost.workload.dtype],
         masked=cost.workload.masked, budgets=budgets, device=device, hardware=hardware.name,
-        links=[hardware.h2d_gbps, hardware.d2h_gbps, hardware.nvme_read_gbps, hardware.nvme_write_gbps],
+        links=[hardware.h2d_gbps, hardware.d2h_gbps, hardware.nvme_read_gbps, hardware.nvme_write_gbps,
+               hardware.nvme_state_read_gbps, hardware.nvme_state_write_gbps],
         optimizer=optimizer, constant_bytes=cost.constant_device_bytes, offload=cost.optimizer_offload,
         plan={k: v for k, v in plan_options.items() if k != "time_limit_s"},
         machine=[_cpu_model(), os.cpu_count(), torch_version],

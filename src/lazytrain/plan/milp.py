@@ -38,6 +38,9 @@ Parameters (all from the CostModel; bytes, seconds, bytes/second)
     D, S[k], u[k]  optimizer state on NVMe (issue 24): the staging depth (fixed per solve; the planner solves one
                 MILP per depth the host memory allows), group k's state file bytes and update seconds, groups in
                 update order; the state ops' windows from plan/schedule.py's StateSchedule
+    B_SR, B_SW  the state files' rates on the NVMe read / write links (a group's whole file in large requests, where
+                a spill is one small file; default B_R, B_W); s_X = 1 / B_SX. One link each: a state op and a
+                spill queue on the same lane, each at its own rate
 
 Variables
     x[s,e] in {0,1}   edge (s, e) is a segment: s and e materialized, s+1..e-1 recomputed
@@ -90,6 +93,7 @@ from lazytrain.plan.plan import TIERS, Plan, SolveReport, Transfer
 from lazytrain.plan.schedule import (
     OFFLOADED,
     OPTIMIZER_MODES,
+    STATE_OPS,
     Op,
     Shapes,
     StepProgram,
@@ -176,6 +180,8 @@ class PlanningInstance:
     # (embedding, layers 0..L-1, head), read and written by the step program's state ops; 0 / () = the states in RAM
     staging_depth: int = 0
     state_bytes: tuple[float, ...] = ()
+    state_read_bytes_per_s: float | None = None  # B_SR on the nvme_read link; None = B_R
+    state_write_bytes_per_s: float | None = None  # B_SW on the nvme_write link; None = B_W
 
     def __post_init__(self) -> None:
         L = len(self.forward_s)
@@ -206,13 +212,20 @@ class PlanningInstance:
                   self.cpu_act_bytes, self.nvme_act_bytes, self.head_slot_bytes]
         if any(not v >= 0 for v in values):
             raise LazyTrainError("planning instance: times, bytes and budgets must be >= 0")
-        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
-            if not getattr(self, name) > 0:
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s",
+                     "state_read_bytes_per_s", "state_write_bytes_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise LazyTrainError(f"planning instance: {name} must be > 0, got {getattr(self, name)}")
 
     @property
     def num_layers(self) -> int:
         return len(self.forward_s)
+
+    @property
+    def state_rates(self) -> tuple[float, float]:
+        """(B_SR, B_SW): the state files' read and write rates, bytes/s."""
+        return (self.nvme_read_bytes_per_s if self.state_read_bytes_per_s is None else self.state_read_bytes_per_s,
+                self.nvme_write_bytes_per_s if self.state_write_bytes_per_s is None else self.state_write_bytes_per_s)
 
     def land_seconds(self) -> tuple[float, ...]:
         return self.land_s or (0.0,) * (self.num_layers + 1)
@@ -222,7 +235,8 @@ class PlanningInstance:
         if op.lane == "compute":
             return compute_seconds(op.kind, op.target, self.forward_s, self.backward_s, self.head_s)
         if op.lane in LINK_RATES:
-            rate = getattr(self, LINK_RATES[op.lane])
+            rate = self.state_rates[op.kind == "state_write"] if op.kind in STATE_OPS else \
+                getattr(self, LINK_RATES[op.lane])
             return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
         return {"land": lambda: self.land_seconds()[op.target], "embedding": lambda: self.embedding_s,
                 "reduce": lambda: self.reduce_s[op.target], "gather": lambda: self.gather_s,
@@ -245,7 +259,7 @@ class PlanningInstance:
         lanes idle at the backward's end: the step's constant tail."""
         state = state_schedule(self.num_layers, self.tied_head, self.staging_depth)
         D, targets = state.depth, state.targets
-        rate_r, rate_w = self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s
+        rate_r, rate_w = self.state_rates
         read_s = [0.0 if not math.isfinite(rate_r) else self.state_bytes[t + 1] / rate_r for t in targets]
         write_s = [0.0 if not math.isfinite(rate_w) else self.state_bytes[t + 1] / rate_w for t in targets]
         update = write = read = 0.0
@@ -339,6 +353,8 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         d2h_bytes_per_s=float(cost.d2h_bytes_per_s),
         nvme_read_bytes_per_s=float(cost.nvme_read_bytes_per_s),
         nvme_write_bytes_per_s=float(cost.nvme_write_bytes_per_s),
+        state_read_bytes_per_s=float(cost.state_read_bytes_per_s),
+        state_write_bytes_per_s=float(cost.state_write_bytes_per_s),
         static_device_bytes=static,
         gpu_mem_cap_bytes=float(gpu_cap),
         working_bytes=tuple(float(w) for w in cost.working_bytes[:L]),
@@ -427,6 +443,8 @@ def _scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
                    "fwd_transient_bytes", "bwd_transient_bytes", "static_device_bytes", "gpu_mem_cap_bytes",
                    "head_working_bytes", "static_working_bytes", "head_slot_bytes")
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
+    for k in ("state_read_bytes_per_s", "state_write_bytes_per_s"):
+        changes[k] = None if getattr(inst, k) is None else getattr(inst, k) / unit
     for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes", "state_bytes"):
         changes[name] = tuple(b / unit for b in getattr(inst, name))
     return replace(inst, **changes)
@@ -445,12 +463,13 @@ class _Formulation:
         # a_X: seconds per model unit on link X; p[L] the loss head's bytes; d[k] = a_D p[k], group k's gradient d2h
         self.aH, self.aD = self._inverse(inst.h2d_bytes_per_s), self._inverse(inst.d2h_bytes_per_s)
         self.aW, self.aR = self._inverse(inst.nvme_write_bytes_per_s), self._inverse(inst.nvme_read_bytes_per_s)
+        self.sR, self.sW = (self._inverse(rate) for rate in inst.state_rates)  # s_X: a state file's seconds per unit
         self.p = [*inst.param_bytes, inst.head_param_bytes]
         self.send = [self.aD * p for p in self.p]
         # optimizer_offload nvme: where the state ops go (plan/schedule.py), and the seconds of the state read each
         # backward window B_j prefetches for the next update (B_{L-1-k}, group k < D)
         self.state = state_schedule(self.L, inst.tied_head, inst.staging_depth) if inst.staging_depth else None
-        self.prefetch_s = {self.L - 1 - k: self.aR * inst.state_bytes[t + 1]
+        self.prefetch_s = {self.L - 1 - k: self.sR * inst.state_bytes[t + 1]
                            for k, t in enumerate(self.state.targets[:self.state.depth])} if self.state else {}
         self.T0: int | None = None  # the start window's seconds, a column when the state ops make it one
         for family in (self._add_variables, self._add_path, self._add_placement, self._add_kept, self._add_capacity,
@@ -796,7 +815,7 @@ class _Formulation:
         the slot refilled with group k + D in window read[k + D]; the ops start at their window's start E(w - 1),
         first on their lanes, FIFO. The event times are columns with the simulator's max-plus as lower bounds (the
         objective pushes each down to its max): update end U, read end R, write end W, with u = the update's
-        seconds, r = a_R S, w = a_W S of the group's file S:
+        seconds, r = s_R S, w = s_W S of the group's file S (at the state files' rates):
             U[k] >= U[k-1] + u[k],   U[k] >= R[k] + u[k] (k >= D; the first D were read in the last backward)
             R[k] >= E(read[k] - 1) + r[k],   R[k] >= R[k-1] + r[k],   R[k] >= W[k - D] + r[k]
             W[k] >= U[k] + w[k],   W[k] >= E(write[k] - 1) + w[k],   W[k] >= W[k-1] + w[k]
@@ -806,7 +825,7 @@ class _Formulation:
         window's state writes E(w) >= W[last written in w] + a_W A[b] n[b]. The start window is a column T0; the
         host mode's rows (`update[j]`, a constant start) are these with R and W absent."""
         inst, m, L, A = self.inst, self.m, self.L, self.inst.boundary_bytes
-        aH, aR, aW = self.aH, self.aR, self.aW
+        aH, sR, sW = self.aH, self.sR, self.sW
         state = self.state
         assert state is not None
         D, targets, G = state.depth, state.targets, len(state.targets)
@@ -834,15 +853,15 @@ class _Formulation:
             after(f"U[{k}]_lane", U[k], U[k - 1] if k else None, upd)
             if k >= D:
                 after(f"U[{k}]_read", U[k], R[k], upd)
-                after(f"R[{k}]_issue", R[k], start_of(state.read[k]), aR * S[k])
+                after(f"R[{k}]_issue", R[k], start_of(state.read[k]), sR * S[k])
                 if k > D:
-                    after(f"R[{k}]_lane", R[k], R[k - 1], aR * S[k])
-                after(f"R[{k}]_slot", R[k], W[k - D], aR * S[k])
+                    after(f"R[{k}]_lane", R[k], R[k - 1], sR * S[k])
+                after(f"R[{k}]_slot", R[k], W[k - D], sR * S[k])
                 after(f"R[{k}]_fence", self._window_end(state.read[k]), R[k], 0.0)
-            after(f"W[{k}]_update", W[k], U[k], aW * S[k])
-            after(f"W[{k}]_issue", W[k], start_of(state.write[k]), aW * S[k])
+            after(f"W[{k}]_update", W[k], U[k], sW * S[k])
+            after(f"W[{k}]_issue", W[k], start_of(state.write[k]), sW * S[k])
             if k:
-                after(f"W[{k}]_lane", W[k], W[k - 1], aW * S[k])
+                after(f"W[{k}]_lane", W[k], W[k - 1], sW * S[k])
             after(f"W[{k}]_fence", self._window_end(state.write[k]), W[k], 0.0)
             if k >= 2 and not (inst.tied_head and t == L):
                 after(f"update[{t}]", self._window_end(k - 1), U[k], aH * self.p[t])
@@ -853,7 +872,7 @@ class _Formulation:
                 written = state.writes_in(w)
                 b = w - 2 if w <= L else L - 1
                 if written and b > 0:
-                    coefs = {**self._window_end(w), W[written[-1]]: -1.0, self.n[b]: -aW * A[b]}
+                    coefs = {**self._window_end(w), W[written[-1]]: -1.0, self.n[b]: -self.aW * A[b]}
                     m.row(f"spill[{b}]_after_state", coefs, lo=0.0)
 
     def _add_step(self) -> None:

@@ -19,9 +19,11 @@ the compute thread or the links through shared memory bandwidth or cores (on the
 the CPU), and the bf16 copy refresh as its own cost (it is part of the measured update).
 
 With the optimizer's state on NVMe (optimizer_offload nvme, the program's staging_depth D >= 1) each group's
-"state_read" and "state_write" are link ops of the nvme_read / nvme_write lanes (their bytes over the NVMe rates),
-queued FIFO with the activations' spills and reads; a later group's update waits for its read (`after`). The
-static host bytes then hold no optimizer state, and the program's host_alloc of the D staging slots counts them.
+"state_read" and "state_write" are link ops of the nvme_read / nvme_write lanes, queued FIFO with the activations'
+spills and reads, their bytes over the state files' rates on those links (a group's whole file in large aligned
+requests, where a spill is one small file: the emulated device's calibration measures the two apart); a later
+group's update waits for its read (`after`). The static host bytes then hold no optimizer state, and the program's
+host_alloc of the D staging slots counts them.
 
 A program built for several ranks (costmodel/topology.py) sums each group's gradient over the ranks on the optimizer
 lane ("reduce j" before "land j", "gather" before the embedding backward), its seconds the topology's bytes over
@@ -138,13 +140,16 @@ def _seconds(num_bytes: float, bytes_per_s: float) -> float:
 
 
 def op_seconds(op: Op, cost: CostModel, topology: Topology = ONE_RANK) -> float:
-    """Seconds of one program op on `cost` (link ops: bytes over the link rate; host ops: gradient accumulation,
-    one group's optimizer update, the whole serial step, or with ranks a group's sum over them)."""
+    """Seconds of one program op on `cost` (link ops: bytes over the link rate, a state file's over the state
+    files' rate; host ops: gradient accumulation, one group's optimizer update, the whole serial step, or with
+    ranks a group's sum over them)."""
     c, k, j = cost, op.kind, op.target
     if k in ("reduce", "gather"):
         return topology.collective_s(op.num_bytes, c.hardware, k)
     if op.lane == "compute":
         return compute_seconds(k, j, c.forward_s, c.backward_s, c.head_s)
+    if k in STATE_RATES:  # a state file on its NVMe lane, at the state files' rate
+        return _seconds(op.num_bytes, getattr(c, STATE_RATES[k]))
     if op.lane in RATES:
         return _seconds(op.num_bytes, getattr(c, RATES[op.lane]))
     if k == "land":
@@ -179,6 +184,8 @@ def update_seconds(cost: CostModel) -> tuple[float, ...]:
 
 RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
          "nvme_write": "nvme_write_bytes_per_s"}
+# the optimizer's state files on the NVMe lanes (CostModel: HardwareSpec.nvme_state_*_gbps, else the link's)
+STATE_RATES = {"state_read": "state_read_bytes_per_s", "state_write": "state_write_bytes_per_s"}
 
 
 def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str = "overlap",

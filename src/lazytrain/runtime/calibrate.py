@@ -20,8 +20,10 @@ Two more figures come from the same steps, so the simulator replays the step the
   device, whose links are this host's memcpy (and, where configured, a sleep to the configured rate): so an
   unthrottled link is predicted at the rate it really copies, and a throttled one at the slower of the two. The
   probe's steps move weights (h2d) and gradients (d2h); its NVMe rates come from spill files it writes and reads
-  (runtime/probe.py). CUDA keeps its preset's link figures (its link jobs' seconds include waiting for the
-  compute stream).
+  and, with the optimizer's state on NVMe, its state files' rates on the same links ("state_read", "state_write")
+  from a state file of a group's size (runtime/probe.py): the two move at different rates on one link. A run's
+  steps report their state ops under those names too (runtime/step.py), so the re-planner compares like with
+  like. CUDA keeps its preset's link figures (its link jobs' seconds include waiting for the compute stream).
 
 On CUDA the per-op times are CUDA-event times of the compute stream; until those are in, a device whose
 per-layer timers see asynchronous launches passes `scale_flops=True`: the FLOP estimate scaled by the
@@ -51,7 +53,9 @@ QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
 PROBE_MIN_STEPS = 3  # measured probe steps at the least (after one warm-up step)
 PROBE_MIN_S = 5.0  # and at least this many seconds of them ...
 PROBE_MAX_STEPS = 12  # ... unless this many steps came first (a tiny model's steps take milliseconds)
-LINK_FIELDS = {"h2d": "h2d_gbps", "d2h": "d2h_gbps", "nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps"}
+LINK_FIELDS = {"h2d": "h2d_gbps", "d2h": "d2h_gbps", "nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps",
+               # the optimizer's state files on the NVMe links (optimizer_offload nvme), apart from the spill files
+               "state_read": "nvme_state_read_gbps", "state_write": "nvme_state_write_gbps"}
 
 
 def probe_steps(step: Callable[[], StepStats]) -> list[StepStats]:

@@ -11,14 +11,19 @@ launches, so there the FLOP estimate is scaled by the measured step time instead
 
 Link rates, on the emulated device, are measured too, as compute is: h2d and d2h from the probe steps' weight
 and gradient copies, NVMe from a few spill files of the run's largest boundary written and read back through the
-activations' own store. An emulated link copies with this host's memcpy and sleeps to its configured rate when it
-has one, so a throttled link calibrates to about that rate (or slower, if the copies are) and an unthrottled one
-to what the copies really take: the model predicts the device either way (tests/test_calibrate.py). CUDA's links
-keep the hardware's figures.
+activations' own store and, with the optimizer's state on NVMe, from a state file of a staging slot's size written
+and read back through the state files' own module (runtime/statefiles.py) on the same links. The two move at
+different rates on one link: a spill is a small file with a CRC32, a state file one group's data in large aligned
+requests, several in flight (under the emulated 0.5 GB/s, 96 KiB spill files moved at 0.34-0.37 GB/s and 70 MiB
+state files at the throttle's 0.5; timed at the spills' rate, the state ops were predicted 1.4x their seconds).
+An emulated link copies with this host's memcpy and sleeps to its configured rate when it has one, so a throttled
+link calibrates to about that rate (or slower, if the copies are) and an unthrottled one to what the copies really
+take: the model predicts the device either way (tests/test_calibrate.py). CUDA's links keep the hardware's figures.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -34,8 +39,9 @@ from lazytrain.plan.plan import Plan
 from lazytrain.runtime.calibrate import calibrate, lane_seconds, link_gbps, probe_steps
 from lazytrain.runtime.device import EmulatedDevice
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.statefiles import GroupLayout, StateFiles
 from lazytrain.runtime.step import GroupUpdate, StepStats
-from lazytrain.runtime.store import ActivationStore
+from lazytrain.runtime.store import ActivationStore, aligned_empty
 from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
@@ -99,7 +105,8 @@ def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDev
             optimizer_s = min(samples[1:])
         links = None
         if isinstance(device, EmulatedDevice):
-            links = link_gbps(steps) | nvme_gbps(device, max(estimate.boundary_bytes))
+            state_bytes = _state_probe_bytes(estimate, device)
+            links = link_gbps(steps) | nvme_gbps(device, max(estimate.boundary_bytes), state_bytes)
     finally:
         device.close()
     model.zero_grad(set_to_none=True)
@@ -110,28 +117,69 @@ def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDev
 
 
 NVME_PROBE_FILES = 5  # spill files written, then read back, per calibration (after one of each to warm up)
+STATE_PROBE_OPS = 3  # state file writes, then reads, per calibration (after one of each to warm up)
+STATE_PROBE_MAX_BYTES = 256 << 20  # the state file's size at most (a slot's size, where smaller)
 
 
-def nvme_gbps(device: EmulatedDevice, num_bytes: int) -> dict[str, float]:
+def nvme_gbps(device: EmulatedDevice, num_bytes: int, state_bytes: int = 0) -> dict[str, float]:
     """GB/s of the device's NVMe links on spill files of `num_bytes` (the run's largest boundary): written one
     after another on the nvme_write link, then read back on nvme_read, through an ActivationStore as the run's
     spills are (its CRC32 included); each link's file bytes over its jobs' median seconds, the first job of each
-    apart (it first-touches the buffers and the directory; a process's first file write took 20x the next)."""
+    apart (it first-touches the buffers and the directory; a process's first file write took 20x the next).
+    `state_bytes` > 0 (optimizer_offload nvme): also "state_write" and "state_read", the same links' rates on a
+    state file of that size written and read whole through StateFiles, as the run's state ops are."""
     num_bytes = max(int(num_bytes), 4096)
     store = ActivationStore(device.nvme_dir, device.host_empty)
     data = device.host_empty((num_bytes,), torch.uint8)
     data.copy_(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8))
     back = device.host_empty((num_bytes,), torch.uint8)
-    seconds = {}
     try:
-        for link, job in (("nvme_write", lambda k: store.write(k, data)), ("nvme_read", lambda k: store.read(k, back))):
-            events = [device.submit(link, lambda k=k, job=job: job(k), num_bytes) for k in range(NVME_PROBE_FILES + 1)]
-            for event in events:
-                device.wait(event)
-            seconds[link] = statistics.median(e.end_s - e.start_s for e in events[1:])
+        gbps = _link_gbps(device, {"nvme_write": lambda k: store.write(k, data),
+                                   "nvme_read": lambda k: store.read(k, back)}, num_bytes, NVME_PROBE_FILES)
     finally:
         store.end_step()
+    if state_bytes > 0:
+        gbps |= _state_gbps(device, int(state_bytes))
+    return gbps
+
+
+def _state_gbps(device: EmulatedDevice, num_bytes: int) -> dict[str, float]:
+    """"state_write" and "state_read": GB/s of one state file of `num_bytes` (a group's data) written whole on the
+    nvme_write link, then read back on nvme_read, as the run's state ops are (train/offload.py)."""
+    with StateFiles(device.nvme_dir, {"probe": GroupLayout([("data", torch.uint8, (num_bytes,))])},
+                    host_empty=device.host_empty) as files:
+        size = files.layouts["probe"].padded_data_bytes
+        slot = aligned_empty(size, torch.uint8, device.host_empty)
+        slot.random_(0, 256)
+        rates = _link_gbps(device, {"nvme_write": lambda k: files.write("probe", slot).wait(),
+                                    "nvme_read": lambda k: files.read("probe", slot).wait()}, size, STATE_PROBE_OPS)
+    return {("state_write" if link == "nvme_write" else "state_read"): rate for link, rate in rates.items()}
+
+
+def _link_gbps(device: EmulatedDevice, jobs: dict[str, Callable[[int], object]], num_bytes: int,
+               count: int) -> dict[str, float]:
+    """GB/s of each link's job (called with its number 0..count) moving `num_bytes`: `count` + 1 jobs one after
+    another, all of a link's before the next link's, the bytes over the median seconds of all but the first."""
+    seconds = {}
+    for link, job in jobs.items():
+        events = [device.submit(link, lambda k=k, job=job: job(k), num_bytes) for k in range(count + 1)]
+        for event in events:
+            device.wait(event)
+        seconds[link] = statistics.median(e.end_s - e.start_s for e in events[1:])
     return {link: num_bytes / s / 1e9 for link, s in seconds.items() if s > 0}
+
+
+def _state_probe_bytes(cost: CostModel, device: EmulatedDevice) -> int:
+    """The state file the calibration times with the optimizer's state on NVMe: a staging slot's size (at most
+    STATE_PROBE_MAX_BYTES); 0 with the state in RAM, or when the directory cannot hold the run's state files (the
+    run then refuses with its own line, before writing any)."""
+    if cost.optimizer_offload != "nvme":
+        return 0
+    try:
+        free = shutil.disk_usage(device.nvme_dir).free
+    except OSError:
+        return 0
+    return min(cost.staging_slot_bytes, STATE_PROBE_MAX_BYTES) if free >= cost.nvme_state_bytes() else 0
 
 
 def _check_probe_fits(executor: Executor, workload: Workload) -> None:

@@ -136,6 +136,7 @@ class StepStats:
     backward_s: list[float] = field(default_factory=list)  # per layer: autograd re-forward + backward seconds
     recompute_s: list[float] = field(default_factory=list)  # per layer: recompute-forward seconds (0 if none)
     head_s: float = 0.0
+    # per link, its jobs' busy seconds and bytes; the optimizer's state files apart, as "state_read" / "state_write"
     link_busy_s: dict[str, float] = field(default_factory=dict)
     link_bytes: dict[str, int] = field(default_factory=dict)
     peak_host_activation_bytes: int = 0
@@ -614,6 +615,13 @@ class Step:
             after = self.dev.link_stats()
             stats.link_busy_s = {n: after[n][0] - before[n][0] for n in after}
             stats.link_bytes = {n: after[n][1] - before[n][1] for n in after}
+            for op in self.program.ops:  # the state files apart from the spills on their NVMe links: their own rate
+                event = self.events.get(op.index)
+                if op.kind in ("state_read", "state_write") and event is not None and event.end_s > 0:
+                    for totals, value in ((stats.link_busy_s, event.end_s - event.start_s),
+                                          (stats.link_bytes, op.num_bytes)):
+                        totals[op.lane] -= value
+                        totals[op.kind] = totals.get(op.kind, 0) + value
         t_start = getattr(self, "t_start", None)
         if t_start is not None:  # the measured trace: compute ops timed here, lane ops by their events
             links = [(op.lane, op.name, self.events[op.index]) for op in self.program.ops if op.index in self.events]
