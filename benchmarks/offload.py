@@ -18,7 +18,11 @@ forward-backward: the updates, the staging and the state ops included), over the
 transients on the emulated device, which its arena does not count) and over the whole run (model built
 included). The same steps time every state_read / state_write op (its bytes over its seconds on its lane),
 against the raw sequential rate of the same directory measured in the same process (benchmarks/nvme.py's `Raw`,
-one file of the largest group's size).
+one file of the largest group's size): all ops against the raw rate of their direction alone; apart, the ops that
+had the disk to themselves (the other lane's ops beside them for at most a tenth of their seconds) against that,
+and those that shared it with the other lane's op for more than half their seconds (a group's write beside the
+next group's read: the program's two NVMe lanes) against the raw rate of a raw write and a raw read of another
+file at once (this VM's disk wrote at 0.46-0.52x of its rate alone beside a read).
 
 step: `lazytrain train` of the same shape saved as a config.json (init random, dataset zen, the MILP's plan and
 staging depth under --cpu-mem), `--steps` steps, with optimizer_offload nvme and host; the summary's median step
@@ -110,14 +114,14 @@ MEMORY = textwrap.dedent("""
     built = peak["host"]
     peak["host"] = 0
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    times, rates = [], {"state_read": [], "state_write": []}
+    times, ops = [], []
     group_bytes = nvme.state_bytes()  # executor group index = target + 1
-    def timed(kind, real):  # each state op of the program: its bytes over its seconds on its lane
+    def timed(kind, real):  # each state op of the program: (kind, bytes, start, end) on its lane
         def op(index, *rest):
             t0 = time.perf_counter()
             real(index, *rest)
             if threading.current_thread().name.startswith("lazytrain-nvme") and group_bytes[index]:
-                rates[kind].append(group_bytes[index] / (time.perf_counter() - t0) / 1e9)
+                ops.append((kind, group_bytes[index], t0, time.perf_counter()))
         return op
     nvme.read, nvme.write = timed("state_read", nvme.read), timed("state_write", nvme.write)
     for _ in range(steps):
@@ -134,21 +138,44 @@ MEMORY = textwrap.dedent("""
     largest = max(nvme.state_bytes())
     buf = aligned_empty(largest, torch.uint8, lambda shape, dtype: torch.empty(shape, dtype=dtype))
     buf.random_(0, 256)
-    raw, raw_times = Raw(Path(nvme_dir), largest), {"write": [], "read": []}
+    # each op's rate; apart, those alone on the disk (the other lane's ops beside them for at most a tenth of their
+    # seconds) and those sharing it (for more than half)
+    rates = {f"{kind}_{how}": [] for kind in ("state_read", "state_write") for how in ("all", "alone", "shared")}
+    for kind, num_bytes, t0, t1 in ops:
+        shared = sum(max(0.0, min(t1, b) - max(t0, a)) for k, _, a, b in ops if k != kind) / (t1 - t0)
+        rates[f"{kind}_all"].append(num_bytes / (t1 - t0) / 1e9)
+        if shared <= 0.1 or shared > 0.5:
+            rates[f"{kind}_{'shared' if shared > 0.5 else 'alone'}"].append(num_bytes / (t1 - t0) / 1e9)
+    # the raw rates: each direction alone, then a write and a read of another file at once (the two lanes' pattern)
+    raw, other = Raw(Path(nvme_dir), largest), Raw(Path(nvme_dir), largest)
+    back = aligned_empty(largest, torch.uint8, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    other.write(bytes_view(buf))  # (a read of blocks never written returns zeros without the disk)
+    raw_times = {"write": [], "read": [], "mixed_write": [], "mixed_read": []}
+    def write_timed():
+        t0 = time.perf_counter()
+        raw.write(bytes_view(buf))
+        raw_times["mixed_write"].append(time.perf_counter() - t0)
     for _ in range(5):
         for op in ("write", "read"):
             t0 = time.perf_counter()
             getattr(raw, op)(bytes_view(buf))
             raw_times[op].append(time.perf_counter() - t0)
+        writer = threading.Thread(target=write_timed)
+        t0 = time.perf_counter()
+        writer.start()
+        other.read(bytes_view(back))
+        raw_times["mixed_read"].append(time.perf_counter() - t0)
+        writer.join()
     raw.close()
+    other.close()
     nvme.close()
     print(json.dumps({
         "params": sum(p.numel() for p in model.parameters()), "admitted": cost.static_host_bytes(depth),
         "breakdown": cost.host_breakdown(depth), "peak_build": built, "peak_steps": stepping, "peak_idle": idle,
         "groups": len(groups), "file_bytes": nvme.file_bytes, "slot_bytes": nvme.slot_bytes, "step_s": times[1:],
-        "read_gbps": statistics.median(rates["state_read"]), "write_gbps": statistics.median(rates["state_write"]),
-        "raw_read_gbps": largest / statistics.median(raw_times["read"]) / 1e9,
-        "raw_write_gbps": largest / statistics.median(raw_times["write"]) / 1e9, "direct": raw.direct}))
+        **{f"{k}_gbps": statistics.median(v) if v else None for k, v in rates.items()},
+        **{f"{k}_ops": len(v) for k, v in rates.items()},
+        **{f"raw_{k}_gbps": largest / statistics.median(v) / 1e9 for k, v in raw_times.items()}, "direct": raw.direct}))
 """)
 
 
@@ -166,8 +193,8 @@ def memory(args: argparse.Namespace) -> None:
         rows.append(json.loads(out.strip().splitlines()[-1]))
     r = rows[0]
     n, admitted = r["params"], r["admitted"]
-    med = {k: statistics.median(row[k] for row in rows) for k in
-           ("peak_build", "peak_steps", "peak_idle", "read_gbps", "write_gbps", "raw_read_gbps", "raw_write_gbps")}
+    med = {k: statistics.median(row[k] for row in rows if row[k] is not None)
+           for k in rows[0] if k.endswith("_gbps") or k.startswith("peak_")}
     whole = max(med["peak_build"], med["peak_steps"])
     parts = ", ".join(f"{k} {v / n:.2f}" for k, v in r["breakdown"].items() if v)
     print(f"{n / 1e6:.1f} M params, {r['groups']} groups, {args.depth} slots of {r['slot_bytes'] / 2**20:.1f} MiB, "
@@ -177,9 +204,17 @@ def memory(args: argparse.Namespace) -> None:
           f"{med['peak_idle'] / admitted:.3f}x, over the steps {med['peak_steps'] / 2**20:.0f} MiB = "
           f"{med['peak_steps'] / admitted:.3f}x, over the whole run {whole / 2**20:.0f} MiB = {whole / admitted:.3f}x; "
           f"step {statistics.median(s for row in rows for s in row['step_s']):.2f} s")
-    print(f"state ops: read {med['read_gbps']:.2f} GB/s vs raw {med['raw_read_gbps']:.2f} "
-          f"({med['read_gbps'] / med['raw_read_gbps']:.2f}x), write {med['write_gbps']:.2f} GB/s vs raw "
-          f"{med['raw_write_gbps']:.2f} ({med['write_gbps'] / med['raw_write_gbps']:.2f}x)")
+    for how, raw_how, what in (("all", "", "all state ops against the raw rate alone"),
+                               ("alone", "", "alone on the disk against the raw rate alone"),
+                               ("shared", "mixed_", "beside the other lane's op against the raw rate beside a raw "
+                                                    "op of the other direction")):
+        line = []
+        for kind in ("read", "write"):
+            got, raw = med.get(f"state_{kind}_{how}_gbps"), med[f"raw_{raw_how}{kind}_gbps"]
+            n_ops = sum(row[f"state_{kind}_{how}_ops"] for row in rows)
+            line.append(f"{kind} {got:.2f} GB/s vs raw {raw:.2f} ({got / raw:.2f}x, {n_ops} ops)" if got else
+                        f"{kind} no op")
+        print(f"state ops, {what}: {', '.join(line)}")
 
 
 def step(args: argparse.Namespace) -> None:
