@@ -82,6 +82,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -1075,20 +1076,46 @@ def _solve_highs(m: _Model, time_limit_s: float, mip_rel_gap: float,
     return name, list(h.getSolution().col_value), objective, _gap(objective, bound)
 
 
+# the signals whose handlers raise while HiGHS solves: Ctrl-C, a run's SIGTERM, the planning deadline's alarm
+_SOLVE_SIGNALS = {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGALRM", signal.SIGTERM)}
+
+
 def _run_interruptibly(h: highspy.Highs) -> None:
-    """`h.run()` in HiGHS's solver thread while this one waits, so a signal (Ctrl-C; a run's SIGTERM) is acted on
-    at once: HiGHS is cancelled at its next interrupt check and the exception goes on (h.run() held the signal until
-    the solve ended, up to time_limit_s)."""
+    """`h.run()` in HiGHS's solver thread while this one waits, so a signal (Ctrl-C; a run's SIGTERM; the planning
+    deadline) is acted on at once: HiGHS is cancelled at its next interrupt check, its thread joined, and the
+    exception goes on (h.run() held the signal until the solve ended, up to time_limit_s).
+
+    The thread must never outlive the exception: a process that exits while HiGHS runs aborts ("terminate called
+    without an active exception") or hangs. So the signals wait while startSolve() starts it (one landing there
+    left the thread running, unowned; a CI run hung on it), and a second signal (another Ctrl-C, the deadline's
+    repeating alarm) during the join cancels again rather than cutting the join short."""
     h.HandleUserInterrupt = True  # HiGHS's interrupt callbacks stop the solve once cancelSolve() was called
-    h.startSolve()
+    masked = hasattr(signal, "pthread_sigmask")
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SOLVE_SIGNALS) if masked else set()
     try:
-        while not h.wait(0.1)[0]:
-            pass
-    except BaseException:
-        h.cancelSolve()
-        while not h.wait(0.1)[0]:
-            pass
-        raise
+        h.startSolve()  # its thread inherits the mask: the signals are this thread's to handle
+        try:
+            if masked:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a signal that waited is raised in here
+            while not h.wait(0.1)[0]:
+                pass
+        except BaseException:
+            h.cancelSolve()
+            _join_solver(h)
+            raise
+    finally:
+        if masked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _join_solver(h: highspy.Highs) -> None:
+    """Wait until HiGHS's thread (cancelled) has stopped, whatever signal comes meanwhile."""
+    while True:
+        try:
+            if h.wait(0.1)[0]:
+                return
+        except BaseException:
+            h.cancelSolve()
 
 
 def _solve_scip(m: _Model, time_limit_s: float, mip_rel_gap: float,
