@@ -9,8 +9,11 @@ import sys
 import time
 
 HARD_SOLVE = """
-import random, sys
+import random, signal, sys
 import numpy as np, highspy
+
+# Ctrl-C as a terminal delivers it: a shell's background job (CI started with `&`) inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def market_split(h, m=4, n=40):
     # Cornuejols-Dawande market split: a 4 x 40 instance runs HiGHS to any time limit
