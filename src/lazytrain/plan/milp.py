@@ -1087,8 +1087,9 @@ def _run_interruptibly(h: highspy.Highs) -> None:
 
     The thread must never outlive the exception: a process that exits while HiGHS runs aborts ("terminate called
     without an active exception") or hangs. So the signals wait while startSolve() starts it (one landing there
-    left the thread running, unowned; a CI run hung on it), and a second signal (another Ctrl-C, the deadline's
-    repeating alarm) during the join cancels again rather than cutting the join short."""
+    would leave the thread running, unowned), and a second signal (another Ctrl-C, the deadline's repeating alarm)
+    during the join cancels again rather than cutting the join short. Left: Ctrl-C within a millisecond of a solve's
+    start still ends in that abort about one time in three, after "interrupted" (in HiGHS's teardown; none later)."""
     h.HandleUserInterrupt = True  # HiGHS's interrupt callbacks stop the solve once cancelSolve() was called
     masked = hasattr(signal, "pthread_sigmask")
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SOLVE_SIGNALS) if masked else set()
