@@ -61,3 +61,18 @@ def test_ctrl_c_while_highs_solves_stops_plan_at_once(tmp_path):
     assert time.monotonic() - t0 < 20, "HiGHS ran on after Ctrl-C"
     assert proc.returncode == 130, err[-2000:]
     assert err.strip() == "interrupted", err[-2000:]
+
+
+def test_the_planning_deadline_stops_a_solve_that_ignores_its_limit_in_one_line(tmp_path):
+    """The same endless solve with HiGHS's own limit at 600 s and the planning limit at 2 s, four at once: the
+    deadline's alarm (repeating every 0.1 s until planning stops) cancels HiGHS and waits for its thread; one line,
+    exit 2 each. Before, a repeat of the alarm could cut that wait short and the process aborted ("terminate
+    called", exit -6; 2 of 10 runs), so four catch it more often than not."""
+    procs = [subprocess.Popen([sys.executable, "-c", HARD_SOLVE, "plan", "--model", "tiny-llama", "--seq-len", "64",
+                               "--time-limit-s", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-2000:]
+        assert len(err.strip().splitlines()) == 1, err[-2000:]
+        assert "planning ran past time_limit_s 2 s while the solver ran" in err, err[-2000:]

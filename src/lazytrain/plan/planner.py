@@ -187,11 +187,13 @@ class Deadline:
     def _alarm(self, signum: int, frame: FrameType | None) -> None:
         # Not inside an import (it would leave the module half-initialized) or a finalizer (which swallows and
         # prints the exception): the repeating alarm raises in ordinary code a moment later.
+        solving = False
         while frame is not None:
             if frame.f_code.co_filename.startswith("<frozen importlib") or frame.f_code.co_name in UNSAFE_FRAMES:
                 return
+            solving |= frame.f_code.co_name == "_run_interruptibly"  # the solver ran past its own limit
             frame = frame.f_back
-        raise self.error("while building the model, the cost model or the MILP")
+        raise self.error("while the solver ran" if solving else "while building the model, the cost model or the MILP")
 
     def __enter__(self) -> Deadline:
         try:
