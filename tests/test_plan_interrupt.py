@@ -63,7 +63,7 @@ def test_ctrl_c_while_highs_solves_stops_plan_at_once(tmp_path):
     assert err.strip() == "interrupted", err[-2000:]
 
 
-def test_the_planning_deadline_stops_a_solve_that_ignores_its_limit_in_one_line(tmp_path):
+def test_the_planning_deadline_stops_a_solve_that_ignores_its_limit_in_one_line():
     """The same endless solve with HiGHS's own limit at 600 s and the planning limit at 2 s, four at once: the
     deadline's alarm (repeating every 0.1 s until planning stops) cancels HiGHS and waits for its thread; one line,
     exit 2 each. Before, a repeat of the alarm could cut that wait short and the process aborted ("terminate
