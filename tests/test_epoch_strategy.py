@@ -180,6 +180,35 @@ def test_the_best_checkpoint_survives_rotation_and_a_resume(job_files, tmp_path,
     assert (result.summary["best_metric"], result.summary["best_global_step"]) == (1.5, 6)
 
 
+def test_the_best_checkpoint_read_back_at_resume_is_looked_up_in_the_run_never_followed(tmp_path):
+    """trainer_state.json is data: its best_model_checkpoint is matched by name among the run's own complete
+    checkpoints (a run directory that moved keeps its best; a path elsewhere, a damaged checkpoint, a non-finite
+    metric or a step that is no count are not taken)."""
+    from lazytrain.train.checkpoint import FORMAT, MANIFEST
+    from lazytrain.train.trainer import best_of
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    for folder in (run / "checkpoint-4", run / "checkpoint-8", elsewhere / "model"):
+        (folder / MANIFEST).parent.mkdir(parents=True)
+        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": {}}))
+    metric = round(RNG.uniform(0.5, 3.0), 4)
+
+    def read(best: object, value: object = metric, step: object = 4) -> tuple[object, object]:
+        (run / "checkpoint-8" / "trainer_state.json").write_text(json.dumps(
+            {"best_metric": value, "best_global_step": step, "best_model_checkpoint": best}))
+        return best_of(run / "checkpoint-8")
+
+    assert read(str(run / "checkpoint-4")) == ((metric, 4), run / "checkpoint-4")
+    assert read("/a/run/that/moved/checkpoint-4") == ((metric, 4), run / "checkpoint-4")
+    assert read(str(elsewhere / "model")) == ((metric, 4), None)
+    assert read(str(elsewhere / "model" / ".." / ".." / "run" / "checkpoint-9")) == ((metric, 4), None)
+    (run / "checkpoint-4" / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": {"model.safetensors": {
+        "bytes": 10, "xxh3_128": "0" * 32}}}))  # its weights are missing
+    assert read(str(run / "checkpoint-4")) == ((metric, 4), None)
+    for value, step in ((float("nan"), 4), (float("inf"), 4), (True, 4), (metric, -1), (metric, 4.5)):
+        assert read(str(run / "checkpoint-8"), value, step) == (None, None)
+
+
 def test_load_best_model_at_end_without_a_held_out_set_is_one_line(job_files, tmp_path):
     job = _job(job_files, tmp_path / "run", val_size=None, max_steps=2, eval_steps=1, save_steps=1,
                load_best_model_at_end=True)

@@ -56,6 +56,8 @@ from lazytrain.train.build import (
 from lazytrain.train.checkpoint import (
     Saved,
     TrainerState,
+    checkpoints,
+    incomplete_reason,
     keep_best_only,
     load_checkpoint,
     read_checkpoint,
@@ -783,14 +785,20 @@ class Trainer:
 
 def best_of(checkpoint: Path) -> tuple[tuple[float, int] | None, Path | None]:
     """The best eval_loss and its step, and the best checkpoint, a checkpoint's trainer_state.json recorded (as the
-    HF Trainer resumes them; a best checkpoint that is gone is forgotten)."""
+    HF Trainer resumes them). The file is data: a best checkpoint is looked up by its name among the complete
+    checkpoints beside this one (never a path the file names elsewhere; a run directory that moved keeps it), and
+    one that is gone, a non-finite metric or a step that is not a count are forgotten."""
     try:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         metric, step, best = state.get("best_metric"), state.get("best_global_step"), state.get("best_model_checkpoint")
     except (OSError, ValueError, AttributeError):
         return None, None
-    found = (float(metric), int(step)) if isinstance(metric, int | float) and isinstance(step, int) else None
-    return found, Path(best) if found is not None and isinstance(best, str) and Path(best).is_dir() else None
+    if not (isinstance(metric, int | float) and not isinstance(metric, bool) and math.isfinite(metric)
+            and isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return None, None
+    name = Path(best).name if isinstance(best, str) else None
+    found = [p for p in checkpoints(checkpoint.parent) if p.name == name and incomplete_reason(p) is None]
+    return (float(metric), step), (found[0] if found else None)
 
 
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]
