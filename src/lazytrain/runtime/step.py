@@ -26,7 +26,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms, per_tensor_sq_norms_fp32
-from lazytrain.plan.schedule import Action, Op, StepProgram
+from lazytrain.plan.schedule import STATE_OPS, Action, Op, StepProgram
 from lazytrain.runtime.hf import (
     LayerGraph,
     graph_backward,
@@ -371,7 +371,7 @@ class Step:
             update, target = self.update, op.target
             assert update is not None
             return dev.submit("optimizer", lambda: update(target), after=after)
-        if op.kind in ("state_read", "state_write"):  # a group's optimizer states into / out of a staging slot
+        if op.kind in STATE_OPS:  # a group's optimizer states into / out of a staging slot
             states, index, slot = self.ex.states, self.ex.index_of(op.target), op.slot
             assert states is not None
             if op.kind == "state_read":
@@ -617,7 +617,7 @@ class Step:
             stats.link_bytes = {n: after[n][1] - before[n][1] for n in after}
             for op in self.program.ops:  # the state files apart from the spills on their NVMe links: their own rate
                 event = self.events.get(op.index)
-                if op.kind in ("state_read", "state_write") and event is not None and event.end_s > 0:
+                if op.kind in STATE_OPS and event is not None and event.end_s > 0:
                     for totals, value in ((stats.link_busy_s, event.end_s - event.start_s),
                                           (stats.link_bytes, op.num_bytes)):
                         totals[op.lane] -= value
