@@ -124,24 +124,27 @@ def _eval_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
                   "(epoch), or before and after training only (no); set one of them")
 
 
+def _steps_or_epoch(key: str, steps_key: str, value: Any, given: Mapping[str, Any]) -> Translation | None:
+    """`<key>: steps | epoch` (None = steps) as our own key of that name; None for any other value."""
+    strategy = "steps" if value is None else _text(value)
+    if strategy not in ("steps", "epoch"):
+        return None
+    note = _unused_steps(steps_key, given) if strategy == "epoch" else None
+    return ({} if value is None else {key: strategy}), note
+
+
 def _save_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
-    strategy = _text(value)
-    if strategy == "steps" or value is None:
-        return ({} if value is None else {"save_strategy": "steps"}), None
-    if strategy == "epoch":
-        return {"save_strategy": "epoch"}, _unused_steps("save_steps", given)
-    if strategy == "no":
+    if (ours := _steps_or_epoch("save_strategy", "save_steps", value, given)) is not None:
+        return ours
+    if _text(value) == "no":
         return {"save_steps": 0}, "save_strategy no: only the final checkpoint is saved (save_steps 0)"
     raise Refused("LazyTrain saves every save_steps steps (save_strategy steps) or at the end of every epoch "
                   "(epoch), and at the end; set one of them")
 
 
 def _logging_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
-    strategy = _text(value)
-    if strategy == "steps" or value is None:
-        return ({} if value is None else {"logging_strategy": "steps"}), None
-    if strategy == "epoch":
-        return {"logging_strategy": "epoch"}, _unused_steps("logging_steps", given)
+    if (ours := _steps_or_epoch("logging_strategy", "logging_steps", value, given)) is not None:
+        return ours
     raise Refused("metrics rows are written every logging_steps steps (logging_strategy steps) or at the end of "
                   "every epoch (epoch); set one of them")
 
