@@ -284,6 +284,7 @@ def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):
     ({"eval_strategy": "no"}, {"eval_batches": 0}),
     ({"evaluation_strategy": "steps", "logging_steps": 7}, {"eval_steps": 7}),
     ({"save_strategy": "no"}, {"save_steps": 0}),
+    ({"save_strategy": False, "eval_strategy": False}, {"save_steps": 0, "eval_batches": 0}),  # YAML's unquoted no
     ({"eval_strategy": "epoch", "save_strategy": "epoch", "logging_strategy": "epoch"},  # HF's semantics, ours
      {"eval_strategy": "epoch", "save_strategy": "epoch", "logging_strategy": "epoch"}),
     ({"evaluation_strategy": "epoch"}, {"eval_strategy": "epoch"}),

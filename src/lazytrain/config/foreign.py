@@ -63,6 +63,11 @@ def _text(value: Any) -> str:
     return str(value).strip().lower()
 
 
+def _strategy(value: Any) -> str:
+    """An HF `*_strategy` value's name: YAML reads an unquoted `no` as false, as a LLaMA-Factory YAML writes it."""
+    return "no" if value is False else _text(value)
+
+
 # ---- kinds of entries --------------------------------------------------------------------------------
 def rename(source: str, ours: str, does: str = "") -> Foreign:
     """The same setting under another name."""
@@ -108,7 +113,7 @@ def _unused_steps(steps_key: str, given: Mapping[str, Any]) -> str | None:
 
 
 def _eval_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
-    strategy = "no" if value is None or value is False else _text(value)
+    strategy = "no" if value is None else _strategy(value)
     if strategy == "no":
         return {"eval_batches": 0}, None
     if strategy == "epoch":
@@ -126,7 +131,7 @@ def _eval_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
 
 def _steps_or_epoch(key: str, steps_key: str, value: Any, given: Mapping[str, Any]) -> Translation | None:
     """`<key>: steps | epoch` (None = steps) as our own key of that name; None for any other value."""
-    strategy = "steps" if value is None else _text(value)
+    strategy = "steps" if value is None else _strategy(value)
     if strategy not in ("steps", "epoch"):
         return None
     note = _unused_steps(steps_key, given) if strategy == "epoch" else None
@@ -136,7 +141,7 @@ def _steps_or_epoch(key: str, steps_key: str, value: Any, given: Mapping[str, An
 def _save_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
     if (ours := _steps_or_epoch("save_strategy", "save_steps", value, given)) is not None:
         return ours
-    if _text(value) == "no":
+    if _strategy(value) == "no":
         return {"save_steps": 0}, "save_strategy no: only the final checkpoint is saved (save_steps 0)"
     raise Refused("LazyTrain saves every save_steps steps (save_strategy steps) or at the end of every epoch "
                   "(epoch), and at the end; set one of them")
