@@ -171,7 +171,7 @@ def test_milp_optimum_equals_brute_force_with_the_states_on_nvme(case: int, mode
 
 
 def slow_and_tight(rng: random.Random, L: int, mode: str) -> PlanningInstance:
-    """Where the tightened rows bite (milp.py: the lifted windows, the backward rows' C[s]): a d2h link slower
+    """Where the tightened rows bite (milp/windows.py: the lifted windows, the backward rows' C[s]): a d2h link slower
     than the forward (an offload's copy and a segment's gradient d2h show in their windows), working sets of two
     to five boundaries (27B: 45 boundaries), the cap a few boundaries above the largest."""
     inst = random_instance(rng, L, nvme=rng.random() < 0.5, optimizer_mode=mode)

@@ -1,4 +1,4 @@
-"""`lazytrain plan` acts on Ctrl-C while HiGHS solves (plan/milp.py runs the solve in HiGHS's thread and cancels
+"""`lazytrain plan` acts on Ctrl-C while HiGHS solves (plan/milp/highs.py runs the solve in HiGHS's thread and cancels
 it through its interrupt callback): one line, exit 130, within seconds."""
 
 from __future__ import annotations

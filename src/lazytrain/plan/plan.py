@@ -45,7 +45,7 @@ class Transfer:
     """`num_bytes` of boundary `boundary` move over `link` while compute window `window` runs.
 
     Windows are 0..L: window w < L is the forward of layer w for offload links (d2h, nvme_write) and
-    the backward of layer w for reload links (h2d, nvme_read); window L is the loss head (see plan/milp.py).
+    the backward of layer w for reload links (h2d, nvme_read); window L is the loss head (see plan/milp/).
     """
 
     boundary: int
@@ -79,7 +79,7 @@ class Prediction:
     peak_bytes: dict[str, int]  # per tier: "gpu", "cpu", "nvme"
     exposed_s: dict[str, float]  # stall per stream: "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"
     simulated_step_s: float | None = None  # the simulator's step of the plan's step program (= step_s)
-    milp_step_s: float | None = None  # the MILP's step seconds of the tiers (plan/milp.py milp_step_s)
+    milp_step_s: float | None = None  # the MILP's step seconds of the tiers (plan/milp/ milp_step_s)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class Evaluation:
 def evaluate_tiers(tiers: Sequence[str], inst: PlanningInstance, *, max_segment: int | None = None,
                    kept_layers: int = 0) -> Evaluation:
     """Check `tiers` (L+1 entries) and `kept_layers` against the MILP's constraints (memory rows in closed form,
-    see plan/milp.py) and time its step program with the simulator on the instance's op seconds."""
+    see plan/milp/) and time its step program with the simulator on the instance's op seconds."""
     L, A = inst.num_layers, inst.boundary_bytes
     tiers = tuple(tiers)
     if len(tiers) != L + 1:

@@ -2,7 +2,7 @@
 
 The executor runs it (`lazytrain.runtime.executor`), the simulator times it on a CostModel (`plan/sim.py`),
 the device-memory count walks its alloc/free actions (`StepProgram.device_peak_bytes`) and the MILP adds up its
-windows (`plan/milp.py`). The program is a list of *actions* in the order the host thread performs them:
+windows (`plan/milp/`). The program is a list of *actions* in the order the host thread performs them:
 
     issue op   enqueue a job on its lane (FIFO); it starts once its lane is free and its `after` ops are done
     run op     the host thread runs a compute op (lane `compute`)
