@@ -52,7 +52,7 @@ import torch
 
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
 from lazytrain.config import load_job_config
-from lazytrain.costmodel.hardware import resolve_dtype
+from lazytrain.costmodel.hardware import LINKS, resolve_dtype
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.schedule import Op, StepProgram
@@ -65,13 +65,12 @@ from lazytrain.train.metrics import MetricsLog
 from lazytrain.train.planning import plan_run
 from lazytrain.train.trainer import Trainer
 
-KINDS = ("forward", "recompute", "keep", "head", "backward", "backprop", "h2d", "d2h", "nvme_read", "nvme_write",
-         "update", "land", "embedding")
+KINDS = ("forward", "recompute", "keep", "head", "backward", "backprop", *LINKS, "update", "land", "embedding")
 
 
 def kind_of(op: Op) -> str:
     """The row an op's seconds are added to: compute ops by kind, link jobs by lane, optimizer jobs by kind."""
-    return op.lane if op.lane in ("h2d", "d2h", "nvme_read", "nvme_write") else op.kind
+    return op.lane if op.lane in LINKS else op.kind
 
 
 def measured_seconds(program: StepProgram, stats: StepStats) -> Callable[[Op], float]:
@@ -299,7 +298,7 @@ def part_why(args: argparse.Namespace) -> None:
         errors = [s.wall_s / step_seconds(program, measured_seconds(program, s))[0] - 1 for s in steps]
         peaks = {s.peak_device_bytes for s in steps}
         exposed = ", ".join(f"{lane} {statistics.median(s.stall_s[lane] for s in steps) * 1e3:.0f}/"
-                            f"{sim.exposed_s[lane] * 1e3:.0f}" for lane in ("h2d", "d2h", "nvme_read", "nvme_write")
+                            f"{sim.exposed_s[lane] * 1e3:.0f}" for lane in LINKS
                             if sim.exposed_s[lane] > 0 or statistics.median(s.stall_s[lane] for s in steps) > 1e-3)
         print(f"{name:<24} {plan.placement_map():>9} {plan.kept_layers:>2} {wall:8.3f} {sim.forward_backward_s:8.3f} "
               f"{wall / sim.forward_backward_s - 1:+6.1%} {wall / beside - 1:+14.1%} "
@@ -321,7 +320,6 @@ def part_why(args: argparse.Namespace) -> None:
 # =====================================================================================================
 # links: the probe's link calibration (issue 26 item 14)
 # =====================================================================================================
-LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 LINK_CASES = {  # name: (model, batch, seq, the config's rate GB/s, the device's rate GB/s or None = unthrottled)
     "unthrottled (config inf)": ("small", 2, 16, math.inf, None),
     "throttled 11 MB/s (config 1 GB/s)": ("debug", 4, 32, 1.0, 0.011),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tiny_models import FAMILIES, VOCAB, assert_matches, make_batch, make_model, pack, reference, unpacked
 
 from lazytrain import EmulatedDevice, Executor, ModelSpec, Plan
+from lazytrain.costmodel import families
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime import hf
 
@@ -138,8 +139,25 @@ def test_the_docs_table_lists_every_family() -> None:
 
 
 def test_every_family_is_a_model_spec_family() -> None:
-    """The executor's table and the planner's ModelSpec agree on what is supported."""
+    """The executor's table and the planner's ModelSpec read one list: what one supports, the other does."""
     from lazytrain.costmodel import model as spec_model
 
-    assert set(hf.FAMILIES) <= spec_model.SUPPORTED_TYPES
-    assert json.dumps(sorted(hf.TEXT_TOWERS)) == json.dumps(sorted(set(hf.TEXT_TOWERS) & spec_model.SUPPORTED_TYPES))
+    assert hf.FAMILIES is families.FAMILIES and hf.TEXT_TOWERS is families.TEXT_TOWERS
+    assert spec_model.SUPPORTED_TYPES == set(hf.FAMILIES) | set(hf.TEXT_TOWERS)
+    assert spec_model.DENSE_TYPES | spec_model.HYBRID_TYPES | spec_model.MOE_TYPES == spec_model.SUPPORTED_TYPES
+
+
+def test_plan_refuses_a_family_train_cannot_run(tmp_path, capsys) -> None:
+    """A config.json of a family transformers has but the executor does not run (Qwen3-Next): `lazytrain plan`
+    says so in one line, exit 2, rather than planning a job `lazytrain train` refuses."""
+    from lazytrain.cli import main
+    from lazytrain.costmodel.model import PRESET_DIR
+
+    config = {**json.loads((PRESET_DIR / "tiny-qwen3.6.json").read_text()), "model_type": "qwen3_next"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "qwen3_next" not in families.SUPPORTED_TYPES
+    assert main(["plan", "--model", str(tmp_path), "--hardware", "emulated", "--batch-size", "1",
+                 "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type 'qwen3_next' is not supported" in err[0], err
+    assert "Qwen3.5 / Qwen3.6 (qwen3_5_text)" in err[0]

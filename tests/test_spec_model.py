@@ -46,8 +46,6 @@ def _configs() -> dict[str, dict]:
                       **{k: moe[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}},
         "qwen3_5_text": {**d, "model_type": "qwen3_5_text", "num_hidden_layers": 4, **linear},
         "qwen3_5_moe_text": {**d, "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, **linear, **moe},
-        "qwen3_next": {**d, "model_type": "qwen3_next", "num_hidden_layers": 4, **linear, **moe,
-                       "mlp_only_layers": [1]},
         "gpt_oss": {**d, "model_type": "gpt_oss", "num_local_experts": RNG.choice([4, 8]), "num_experts_per_tok": 2,
                     "head_dim": 16},
     }

@@ -17,9 +17,9 @@ from typing import Any
 
 from lazytrain import jsonio
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.schedule import LANES
 from lazytrain.writes import write_atomic, writing
 
-ROWS = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 COLORS = {"F": "#4c72b0", "R": "#dd8452", "B": "#55a868", "H": "#c44e52", "h2d": "#8172b3", "d2h": "#937860",
           "nvme_read": "#da8bc3", "nvme_write": "#8c8c8c", "optimizer": "#ccb974"}
 
@@ -40,13 +40,13 @@ def plot_timeline(result: Any, path: str | Path, *, title: str = "") -> Path:
     except ImportError:
         raise LazyTrainError("the timeline picture needs matplotlib: pip install 'lazytrain[viz]'") from None
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(14, 5.5), sharex=True, height_ratios=[3, 1.4])
-    for row, stream in enumerate(ROWS):
+    for row, stream in enumerate(LANES):
         bars = [(e.start, e.end - e.start) for e in result.events if e.stream == stream and e.end > e.start]
         colors = [_color(stream, e.name) for e in result.events if e.stream == stream and e.end > e.start]
         if bars:
             ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors, edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(ROWS)), [f"{s}\n(exposed {result.exposed_s.get(s, 0.0) * 1e3:.0f} ms)"
-                                      if s != "compute" else s for s in ROWS], fontsize=8)
+    ax.set_yticks(range(len(LANES)), [f"{s}\n(exposed {result.exposed_s.get(s, 0.0) * 1e3:.0f} ms)"
+                                      if s != "compute" else s for s in LANES], fontsize=8)
     ax.invert_yaxis()
     ax.set_title(title or f"step {result.step_s:.3f} s, {result.tflops:.1f} TFLOPS ({result.optimizer_mode} optimizer)")
     times, levels = zip(*result.memory_trace["gpu"], strict=True) if result.memory_trace["gpu"] else ((0,), (0,))
@@ -69,7 +69,7 @@ def trace_events(ops: Iterable[object], *, process: str = "step") -> dict[str, l
     for op in ops:
         lane, name, start, end = (op.stream, op.name, op.start, op.end) if hasattr(op, "stream") else tuple(op)
         rows.append((str(lane), str(name), float(start), float(end)))
-    lanes = [lane for lane in ROWS if any(r[0] == lane for r in rows)]
+    lanes = [lane for lane in LANES if any(r[0] == lane for r in rows)]
     lanes += sorted({r[0] for r in rows} - set(lanes))
     tid = {lane: k + 1 for k, lane in enumerate(lanes)}
     events: list[dict[str, object]] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": process}}]

@@ -49,7 +49,9 @@ from lazytrain.errors import LazyTrainError
 # the host optimizers: torch AdamW (fp32 states), Hybrid8bitAdamW (the paper's 2% in 8 bits), all 8-bit states
 OPTIMIZERS = ("adamw", "hybrid8bit", "8bit")
 HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid8bit"
-QUANT_BLOCK = 256  # elements per absmax block of the 8-bit states (bitsandbytes' current block size)
+# elements per absmax block of the 8-bit states (bitsandbytes' current block size): the optimizer's default
+# (optim/hybrid8bit.py block_size) and the cost model's bytes of its absmax
+QUANT_BLOCK = 256
 UPDATE_CHUNK_NUMEL = 1 << 22  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
 # Where the optimizer's state (moments, and fp32 masters where a narrower copy streams) lives between updates: in
 # host RAM, or in one file per layer group on the NVMe SSD, read into a staging slot before the group's update and

@@ -24,6 +24,9 @@ from typing import Any
 from lazytrain.errors import LazyTrainError
 
 GiB = 2**30
+# The machine's data links, each `<link>_gbps` here and a FIFO lane of the step program (plan/schedule.py LANES):
+# the one list the planner, the simulator, the devices and the plots read.
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,8 @@ class HardwareSpec:
         grad = torch.randn(2**22)
         measured["grad_accumulate_gbps"] = grad.numel() * 4 / _time_it(lambda: p.grad.add_(grad), seconds) / 1e9
         if base == "emulated":
-            for link in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps"):
-                measured[link] = min(PRESETS["emulated"][link], copy_gbps)
+            for link in LINKS:
+                measured[f"{link}_gbps"] = min(PRESETS["emulated"][f"{link}_gbps"], copy_gbps)
         return cls.load(base).with_overrides(**{**measured, **overrides})
 
 

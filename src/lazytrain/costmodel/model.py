@@ -5,11 +5,12 @@ counts per layer, bytes of a boundary activation per token) is derived here, so 
 the executor agree on one source. `fingerprint()` identifies the shapes; plan files carry it so a
 plan made for another model is refused.
 
-Layer families (counts equal those of the `transformers` model built from the same config):
+Layer families (costmodel/families.py: the one list, the executor runs the same; counts equal those of the
+`transformers` model built from the same config):
 - dense (llama, mistral, qwen2, qwen3): attention + gated MLP + 2 RMSNorms;
-- hybrid (qwen3_5, qwen3_5_moe, qwen3_next): `layer_types` mixes `full_attention` layers (gated
+- hybrid (qwen3_5, qwen3_5_moe): `layer_types` mixes `full_attention` layers (gated
   attention: q_proj is twice as wide, q/k RMSNorm) with `linear_attention` (Gated DeltaNet) layers;
-- MoE (gpt_oss, qwen3_moe, qwen3_5_moe, qwen3_next): every expert is stored (`layer_params`, what streams over
+- MoE (gpt_oss, qwen3_moe, qwen3_5_moe): every expert is stored (`layer_params`, what streams over
   the link and what the optimizer updates), only `num_experts_per_tok` experts are computed per token
   (`layer_active_params`, what the FLOPs count).
 Multimodal wrappers (qwen3_5 with `text_config`) are planned as their language model; the vision
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lazytrain.costmodel.families import SUPPORTED_TYPES, TEXT_TOWERS, family_of, supported_families
 from lazytrain.errors import LazyTrainError
 
 PRESET_DIR = Path(__file__).parent / "presets"  # the planner's model presets: HF config.json files by name
@@ -41,12 +43,10 @@ BUILT_IN_SHAPES: dict[str, dict[str, int]] = {
 }
 BYTE_VOCAB = 259  # the byte tokenizer's ids (data/corpus.py): 256 bytes + bos, eos, pad
 
-# model_type values whose decoder layer is the dense Llama shape (attention + gated MLP + 2 norms).
-DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-# Hybrid linear/full attention (Qwen3.5 / Qwen3.6, Qwen3-Next) and MoE (GPT-OSS) families.
-HYBRID_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-MOE_TYPES = {"gpt_oss", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-SUPPORTED_TYPES = DENSE_TYPES | HYBRID_TYPES | MOE_TYPES
+# model_type values by layer shape, from the one list of families (a multimodal type as its text tower's)
+DENSE_TYPES = {t for t in SUPPORTED_TYPES if family_of(t).dense}
+HYBRID_TYPES = {t for t in SUPPORTED_TYPES if family_of(t).hybrid}
+MOE_TYPES = {t for t in SUPPORTED_TYPES if family_of(t).moe}
 # `transformers` config defaults for keys a config.json of these families may leave out.
 _QWEN_HYBRID_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                          "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
@@ -55,8 +55,6 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": _QWEN_HYBRID_DEFAULTS,
     "qwen3_5_moe": {**_QWEN_HYBRID_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8,
                     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
-    "qwen3_next": {**_QWEN_HYBRID_DEFAULTS, "num_experts": 512, "num_experts_per_tok": 10,
-                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     "gpt_oss": {"head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "attention_bias": True,
                 "sliding_window": 128},
@@ -258,8 +256,8 @@ class ModelSpec:
         cfg = {**_FAMILY_DEFAULTS.get(str(model_type), {}), **{k: v for k, v in cfg.items() if v is not None}}
         if model_type not in SUPPORTED_TYPES:
             raise LazyTrainError(
-                f"model {name!r}: model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_TYPES))}"
+                f"model {name!r}: model_type {model_type!r} is not supported (the executor cannot train it); "
+                f"supported: {supported_families()}, and the multimodal {', '.join(TEXT_TOWERS)} as their text tower"
             )
         try:
             heads = int(cfg["num_attention_heads"])
@@ -337,7 +335,7 @@ def _hybrid_moe_layers(cfg: dict[str, Any], model_type: str, num_layers: int, hi
                        head_dim: int) -> dict[str, Any]:
     """Per-layer stored/active parameter counts and layer types of the hybrid and MoE families.
 
-    Mirrors the module shapes of `transformers` (modeling_qwen3_5, modeling_qwen3_next,
+    Mirrors the module shapes of `transformers` (modeling_qwen3_5, modeling_qwen3_5_moe,
     modeling_gpt_oss); tests compare against the real modules built on the meta device.
     """
     h, kv_heads = hidden, int(cfg.get("num_key_value_heads") or heads)

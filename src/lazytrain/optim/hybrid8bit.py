@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from lazytrain.costmodel.cost import QUANT_BLOCK
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.bf16 import rounding_key, stochastic_round_
 from lazytrain.optim.chunked import Scratch, chunk_ranges
@@ -79,7 +80,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         max_grad_norm: float | None = 1.0,
-        block_size: int = 256,
+        block_size: int = QUANT_BLOCK,
         eightbit_fraction: float = 1.0,
         min_8bit_size: int = 4096,
         max_consecutive_skips: int = 3,

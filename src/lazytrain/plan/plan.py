@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lazytrain import jsonio
+from lazytrain.costmodel.hardware import LINKS
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
@@ -36,7 +37,6 @@ PLAN_VERSION = 1
 TIERS = ("gpu", "cpu", "nvme", "recompute")
 TIER_CHARS = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "R"}
 KEPT_CHAR = "K"  # placement map: the input boundary of a kept layer (gpu, its graph kept)
-LINKS = ("d2h", "h2d", "nvme_write", "nvme_read")
 OFFLOADS = ("host", "nvme")  # where the optimizer's state lives: costmodel/cost.py OPTIMIZER_OFFLOADS
 
 
@@ -77,7 +77,7 @@ class Prediction:
     tflops: float  # 6 * N_params * tokens / step_s / 1e12 (MegaTrain convention)
     tokens_per_s: float
     peak_bytes: dict[str, int]  # per tier: "gpu", "cpu", "nvme"
-    exposed_s: dict[str, float]  # stall per stream: "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"
+    exposed_s: dict[str, float]  # stall per lane (schedule.STALL_LANES)
     simulated_step_s: float | None = None  # the simulator's step of the plan's step program (= step_s)
     milp_step_s: float | None = None  # the MILP's step seconds of the tiers (plan/milp/ milp_step_s)
 

@@ -32,14 +32,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lazytrain.costmodel.hardware import LINKS
 from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
 from lazytrain.errors import LazyTrainError
 
 if TYPE_CHECKING:
     from lazytrain.costmodel.cost import CostModel
 
-LANES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
-STALL_LANES = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+# a lane is a FIFO queue of ops: the compute thread, each of the machine's links, the host optimizer's worker; the
+# compute thread waits on the others (their stalls)
+STALL_LANES = (*LINKS, "optimizer")
+LANES = ("compute", *STALL_LANES)
 OPTIMIZER_MODES = ("overlap", "serial")
 OFFLOADED = ("cpu", "nvme")
 COMPUTE_KINDS = ("forward", "recompute", "backward", "keep", "backprop", "head", "loss")

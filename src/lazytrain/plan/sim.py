@@ -42,12 +42,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import LINKS
 from lazytrain.costmodel.topology import ONE_RANK, Topology
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan, Prediction
-from lazytrain.plan.schedule import OPTIMIZER_MODES, STALL_LANES, Op, StepProgram, program_for
-
-STREAMS = ("compute", *STALL_LANES)
+from lazytrain.plan.schedule import LANES, OPTIMIZER_MODES, STALL_LANES, Op, StepProgram, program_for
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ class _Replay:
     """The host thread's clock, each stream's FIFO tail, the jobs, and the memory levels."""
 
     now: float = 0.0
-    free_at: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STREAMS, 0.0))
+    free_at: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LANES, 0.0))
     jobs: list[_Job] = field(default_factory=list)
     exposed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STALL_LANES, 0.0))
     level: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "nvme": 0})
@@ -182,8 +181,7 @@ def update_seconds(cost: CostModel) -> tuple[float, ...]:
     return (0.0 if tied else cost.embedding_optimizer_s, *cost.optimizer_s[:cost.num_layers], head)
 
 
-RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
-         "nvme_write": "nvme_write_bytes_per_s"}
+RATES = {link: f"{link}_bytes_per_s" for link in LINKS}  # the CostModel's (and PlanningInstance's) rate fields
 # the optimizer's state files on the NVMe lanes (CostModel: HardwareSpec.nvme_state_*_gbps, else the link's)
 STATE_RATES = {"state_read": "state_read_bytes_per_s", "state_write": "state_write_bytes_per_s"}
 
@@ -203,8 +201,8 @@ def simulate(plan: Plan | StepProgram, cost: CostModel, *, optimizer_mode: str =
     r, forward_backward_s, host_activation = _replay(program, lambda op: op_seconds(op, cost, program.topology),
                                                      cost.static_host_bytes(), cost.nvme_state_bytes())
     step_s = r.now
-    busy = dict.fromkeys(STREAMS, 0.0)
-    link_bytes = dict.fromkeys(STREAMS[1:], 0)
+    busy = dict.fromkeys(LANES, 0.0)
+    link_bytes = dict.fromkeys(STALL_LANES, 0)
     for job in r.jobs:
         busy[job.stream] += job.end - job.start
         if job.stream != "compute":

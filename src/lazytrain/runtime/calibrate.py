@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import LINKS
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.sim import simulate
@@ -53,7 +54,7 @@ QUANTUM = 0.04  # relative step of the grid measured seconds are rounded to
 PROBE_MIN_STEPS = 3  # measured probe steps at the least (after one warm-up step)
 PROBE_MIN_S = 5.0  # and at least this many seconds of them ...
 PROBE_MAX_STEPS = 12  # ... unless this many steps came first (a tiny model's steps take milliseconds)
-LINK_FIELDS = {"h2d": "h2d_gbps", "d2h": "d2h_gbps", "nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps",
+LINK_FIELDS = {**{link: f"{link}_gbps" for link in LINKS},  # HardwareSpec's rate fields
                # the optimizer's state files on the NVMe links (optimizer_offload nvme), apart from the spill files
                "state_read": "nvme_state_read_gbps", "state_write": "nvme_state_write_gbps"}
 

@@ -38,12 +38,12 @@ from typing import Protocol
 import torch
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.schedule import STALL_LANES
 from lazytrain.runtime.files import StorageError
 from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file, spill_dir
 from lazytrain.units import format_bytes
 
-LINKS = ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD_MAX_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
 
@@ -183,7 +183,7 @@ class _ArenaDevice:
         self._sizes: dict[int, int] = {}  # id(tensor) -> bytes counted for it
         # measure_memory: also count every storage the step really holds on the device (runtime/live_bytes.py)
         self.live = LiveBytes() if measure_memory else None
-        self.links = {name: _Link(name, _bytes_per_s(rates_gbps.get(name))) for name in LINKS}
+        self.links = {name: _Link(name, _bytes_per_s(rates_gbps.get(name))) for name in STALL_LANES}
         if nvme_dir is None:
             self.nvme_dir = spill_dir(Path(tempfile.gettempdir()))
             weakref.finalize(self, shutil.rmtree, str(self.nvme_dir), True)

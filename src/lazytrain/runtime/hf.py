@@ -1,6 +1,7 @@
 """The pieces of a `transformers` decoder the executor streams, and the stateless calls that run them.
 
-`FAMILIES` declares the supported causal LMs and what each layer call needs. The model's own modules are
+`FAMILIES` (costmodel/families.py, the one list the planner reads too) declares the supported causal LMs and
+what each layer call needs. The model's own modules are
 the *templates*: `torch.func.functional_call` binds streamed device weights to a layer for one call,
 so the host parameters are never moved and the math is the model's own (exactness tests compare the
 result with the model's `forward` + `backward`).
@@ -18,56 +19,11 @@ from torch.func import functional_call
 from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING, find_packed_sequence_indices
 
 from lazytrain.costmodel.cost import step_constant_bytes
+from lazytrain.costmodel.families import FAMILIES, TEXT_TOWERS, Family, supported_families
 from lazytrain.data.loader import IGNORE_INDEX
 from lazytrain.errors import LazyTrainError
 
 ATTENTION = ("eager", "sdpa")  # attention implementations whose masks `Rotary` builds (and counts)
-
-
-@dataclass(frozen=True)
-class Family:
-    """One supported causal-LM family and what each of its layer calls needs.
-
-    Every layer is called as `layer(hidden, attention_mask=masks[kind], position_embeddings=(cos, sin),
-    position_ids=positions)`; `kinds` are the per-layer mask kinds it may use (`config.layer_types` picks
-    them per layer; without it every layer is `default_kind`, or sliding when `sliding_from_window` and the
-    config sets `sliding_window`).
-    """
-
-    name: str
-    kinds: tuple[str, ...]
-    rotary: str  # how the model's rotary module makes cos/sin (for the docs' table)
-    extra: str  # what else its layers hold or need
-    packing: bool = True  # can attention and state restart at packed example boundaries
-    default_kind: str = "full_attention"
-    sliding_from_window: bool = False
-
-
-_HYBRID = ("full_attention", "linear_attention")
-_LINEAR_NOTE = "Gated DeltaNet layers: the 2D padding mask, no cache; gated full attention with q/k norm"
-FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama", ("full_attention",), "RoPE", "-"),
-    "mistral": Family("Mistral", ("full_attention", "sliding_attention"), "RoPE", "sliding window on every layer",
-                      sliding_from_window=True),
-    "qwen2": Family("Qwen2 / Qwen2.5", ("full_attention", "sliding_attention"), "RoPE",
-                    "q/k/v biases; tied embeddings in the small sizes"),
-    "qwen3": Family("Qwen3", ("full_attention", "sliding_attention"), "RoPE", "q/k RMSNorm"),
-    "qwen3_moe": Family("Qwen3-MoE", ("full_attention", "sliding_attention"), "RoPE",
-                        "q/k RMSNorm; router + every expert streamed (mlp_only_layers dense)"),
-    "gpt_oss": Family("GPT-OSS", ("full_attention", "sliding_attention"), "YaRN RoPE",
-                      "alternating sliding/full layers, attention sinks, biased experts (every one streamed); eager"),
-    "qwen3_5_text": Family("Qwen3.5 / Qwen3.6", _HYBRID, "partial M-RoPE (text positions)", _LINEAR_NOTE,
-                           packing=False),
-    "qwen3_5_moe_text": Family("Qwen3.5 / Qwen3.6 MoE", _HYBRID, "partial M-RoPE (text positions)",
-                               _LINEAR_NOTE + "; router, shared expert + every expert streamed", packing=False),
-}
-# Multimodal checkpoints whose text tower `AutoModelForCausalLM` builds (and loads from their folder).
-TEXT_TOWERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-
-
-def supported_families() -> str:
-    """'Llama (llama), Mistral (mistral), ...' for error messages."""
-    return ", ".join(f"{f.name} ({t})" for t, f in FAMILIES.items())
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.optim.clip import per_tensor_sq_norms, per_tensor_sq_norms_fp32
-from lazytrain.plan.schedule import STATE_OPS, Action, Op, StepProgram
+from lazytrain.plan.schedule import STALL_LANES, STATE_OPS, Action, Op, StepProgram
 from lazytrain.runtime.hf import (
     LayerGraph,
     graph_backward,
@@ -606,8 +606,7 @@ class Step:
         stats = self.stats
         stats.peak_device_bytes = self.dev.peak_bytes
         stats.true_peak_device_bytes = self.dev.true_peak_bytes()
-        stats.stall_s = {link: self.stall.get(link, 0.0)
-                         for link in ("h2d", "d2h", "nvme_read", "nvme_write", "optimizer")}
+        stats.stall_s = {lane: self.stall.get(lane, 0.0) for lane in STALL_LANES}
         stats.peak_host_activation_bytes = self.ex.store.peak_host_bytes
         stats.peak_nvme_bytes = self.ex.store.peak_nvme_bytes
         before = getattr(self, "links_before", None)

@@ -11,7 +11,7 @@ by symbol), families (the build order of variables, path, placement, kept, capac
 updates, step, counts, objective: one module each), highs and scip (the drivers), solve (the entry points below).
 """
 
-from lazytrain.plan.milp.instance import LINK_RATES, PlanningInstance, instance_from_cost
+from lazytrain.plan.milp.instance import PlanningInstance, instance_from_cost
 from lazytrain.plan.milp.model import INF
 from lazytrain.plan.milp.solve import (
     DEFAULT_MAX_SEGMENT,
@@ -28,7 +28,7 @@ from lazytrain.plan.milp.solve import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_SEGMENT", "DEFAULT_MIP_REL_GAP", "DEFAULT_SOLVER", "DEFAULT_TIME_LIMIT_S", "INF", "LINK_RATES",
+    "DEFAULT_MAX_SEGMENT", "DEFAULT_MIP_REL_GAP", "DEFAULT_SOLVER", "DEFAULT_TIME_LIMIT_S", "INF",
     "SOLVERS", "MilpSolution", "PlanningInstance", "instance_from_cost", "milp_step_s", "plan_transfers",
     "solve_instance", "solve_milp", "to_plan",
 ]

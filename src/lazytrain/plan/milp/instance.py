@@ -19,14 +19,12 @@ from lazytrain.plan.schedule import (
     build_program,
     state_schedule,
 )
-from lazytrain.plan.sim import compute_seconds, op_seconds, update_seconds
+from lazytrain.plan.sim import RATES, compute_seconds, op_seconds, update_seconds
 
 if TYPE_CHECKING:
     from lazytrain.costmodel.cost import CostModel
     from lazytrain.plan.budgets import Budgets
 
-LINK_RATES = {"h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s", "nvme_read": "nvme_read_bytes_per_s",
-              "nvme_write": "nvme_write_bytes_per_s"}
 
 
 
@@ -140,9 +138,9 @@ class PlanningInstance:
         """Seconds of one step-program op on this instance (what `sim.op_seconds` is on a CostModel)."""
         if op.lane == "compute":
             return compute_seconds(op.kind, op.target, self.forward_s, self.backward_s, self.head_s)
-        if op.lane in LINK_RATES:
+        if op.lane in RATES:
             rate = self.state_rates[op.kind == "state_write"] if op.kind in STATE_OPS else \
-                getattr(self, LINK_RATES[op.lane])
+                getattr(self, RATES[op.lane])
             return 0.0 if op.num_bytes == 0 or not math.isfinite(rate) else op.num_bytes / rate
         return {"land": lambda: self.land_seconds()[op.target], "embedding": lambda: self.embedding_s,
                 "reduce": lambda: self.reduce_s[op.target], "gather": lambda: self.gather_s,
