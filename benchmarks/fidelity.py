@@ -53,6 +53,7 @@ import torch
 from lazytrain import CostModel, EmulatedDevice, Executor, HardwareSpec, ModelSpec, Plan, Workload
 from lazytrain.config import load_job_config
 from lazytrain.costmodel.hardware import LINKS, resolve_dtype
+from lazytrain.job.resolve import with_math_dataset
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.milp import solve_milp
 from lazytrain.plan.schedule import Op, StepProgram
@@ -130,8 +131,8 @@ def part_default(args: argparse.Namespace) -> None:
                            **dict(kv.split("=", 1) for kv in args.set)})
     job = replace(job, runtime=replace(job.runtime, dtype=resolve_dtype(job.runtime.dtype, emulated=True)))
     torch.manual_seed(job.runtime.seed)
-    data = load_data(job)
-    job = data.job
+    job, exact_match_file = with_math_dataset(job, None)  # dataset math: the default job's files
+    data = load_data(job, exact_match_file=exact_match_file)
     model = build_model(job, model_source(job, data.vocab_size))
     planned = plan_run(job, model, "cpu", data.probe)
     plan, cost = planned.plan, planned.cost
@@ -343,7 +344,7 @@ def part_links(args: argparse.Namespace) -> None:
                                "optimizer_mode": "serial", "eval_batches": 0, "progress": False,
                                **{f"{link}_gbps": config_gbps for link in LINKS}})
         data = load_data(job)
-        model = build_model(data.job, model_source(data.job, data.vocab_size))
+        model = build_model(job, model_source(job, data.vocab_size))
         L = model.config.num_hidden_layers
         plan = Plan.from_tiers(model, ["gpu"] + [("cpu", "nvme")[j % 2] for j in range(L - 1)] + ["gpu"])
         for run in range(args.repeats):
@@ -351,7 +352,7 @@ def part_links(args: argparse.Namespace) -> None:
             planning.build_device = lambda job, kind, cap, rates=rates: EmulatedDevice(capacity_bytes=cap, **rates)
             probe.probe_steps = lambda step, probed=probed: probed.extend(take(step)) or probed
             try:
-                cost = planning.measured_cost(data.job, model, "cpu", data.probe)
+                cost = planning.measured_cost(job, model, "cpu", data.probe)
             finally:
                 planning.build_device, probe.probe_steps = build, take
             configured = calibrate(rebuilt(cost, cost.hardware.with_overrides(

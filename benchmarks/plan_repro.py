@@ -25,6 +25,7 @@ def once(overrides: list[str]) -> dict[str, object]:
     from lazytrain.config import load_job_config
     from lazytrain.costmodel.hardware import resolve_dtype
     from lazytrain.job.batch import resolve_batch
+    from lazytrain.job.resolve import with_math_dataset
     from lazytrain.train.build import build_model, model_source
     from lazytrain.train.data import load_data
     from lazytrain.train.planning import plan_run
@@ -32,8 +33,8 @@ def once(overrides: list[str]) -> dict[str, object]:
     job = load_job_config(overrides=overrides)
     job = replace(job, runtime=replace(job.runtime, dtype=resolve_dtype(job.runtime.dtype, emulated=True)))
     job, _ = resolve_batch(job)
+    job, _ = with_math_dataset(job, None)  # dataset math: the default job's files
     data = load_data(job)
-    job = data.job
     model = build_model(job, model_source(job, data.vocab_size))
     planned = plan_run(job, model, "cpu", data.probe)
     cost = planned.cost

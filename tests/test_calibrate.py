@@ -233,14 +233,14 @@ def _probed_job(monkeypatch, model: str, batch: int, seq: int, config_gbps: floa
                                optimizer_mode="serial", eval_batches=0, progress=False,
                                **{f"{link}_gbps": config_gbps for link in LINKS}))
     data = load_data(job)
-    model_ = build_model(data.job, model_source(data.job, data.vocab_size))
+    model_ = build_model(job, model_source(job, data.vocab_size))
     probed, nvme = [], {}
     take, take_nvme = probe.probe_steps, probe.nvme_gbps
     monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
     monkeypatch.setattr(probe, "nvme_gbps", lambda *a: nvme.update(take_nvme(*a)) or nvme)
     monkeypatch.setattr(planning, "build_device", lambda job, kind, cap: EmulatedDevice(
         capacity_bytes=cap, **{f"{link}_gbps": device_gbps for link in LINKS}))
-    return model_, data.probe, planning.measured_cost(data.job, model_, "cpu", data.probe), probed, nvme
+    return model_, data.probe, planning.measured_cost(job, model_, "cpu", data.probe), probed, nvme
 
 
 def _measured_and_predicted(model, batch, cost: CostModel, device_gbps: float | None) -> tuple[Plan, float, float]:

@@ -167,7 +167,7 @@ def test_num_train_epochs_become_steps_as_the_hf_trainer_counts_them(packing, ep
     import time
 
     from lazytrain.config import load_job_config
-    from lazytrain.train.trainer import steps_for_epochs
+    from lazytrain.job.resolve import steps_for_epochs
 
     gen = torch.Generator().manual_seed(11)
     examples = []

@@ -180,7 +180,7 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
 
     cfg = job(**GOLDEN_CONFIG, optimizer_mode="serial")
     data = load_data(cfg)
-    model = build_model(data.job, model_source(data.job, data.vocab_size))
+    model = build_model(cfg, model_source(cfg, data.vocab_size))
     alive = []
     step = planning.optimizer_step
 
@@ -192,7 +192,7 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
     devices = []
     build = planning.build_device
     monkeypatch.setattr(planning, "build_device", lambda *a, **k: devices.append(build(*a, **k)) or devices[-1])
-    cost = planning.measured_cost(data.job, model, "cpu", data.probe)
+    cost = planning.measured_cost(cfg, model, "cpu", data.probe)
     assert alive == [True] * 5 and cost.hardware.host_mem_gbps > 0
     for link in devices[0].links.values():  # closed once calibrated
         link._thread.join(timeout=60)
@@ -215,13 +215,13 @@ def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkey
     cfg = job(**GOLDEN_CONFIG, optimizer=optimizer, weight_decay=0.1)
     assert cfg.optim.optimizer_mode == "overlap"
     data = load_data(cfg)
-    model = build_model(data.job, model_source(data.job, data.vocab_size))
+    model = build_model(cfg, model_source(cfg, data.vocab_size))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     probed = []
     take = probe.probe_steps
     monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
     monkeypatch.setattr(planning, "optimizer_step", lambda *a, **k: pytest.fail("a serial optimizer step ran"))
-    cost = planning.measured_cost(data.job, model, "cpu", data.probe)
+    cost = planning.measured_cost(cfg, model, "cpu", data.probe)
     updates = sorted(sum(end - start for lane, name, start, end in s.timeline
                          if lane == "optimizer" and name.startswith("update ")) for s in probed)
     assert len(probed) >= 3 and updates[0] > 0  # every measured step ran an update (the warm-up's came first)

@@ -1,9 +1,9 @@
 """The run's data: what `dataset` names, turned into the loader, the held-out batches and the tokenizer.
 
-- `math` (the default): the embedded MetaMathQA-like set. With a built-in shape (`small`, `debug`) the model is
-  the default job's: `lazytrain.data.default_job` makes (once, cached) an HF model directory with a BPE
-  tokenizer trained on the set (digits split, ChatML template) and a Llama config of that shape; the model
-  starts from a seeded random init. Exact match of the final number is measured on its held-out problems.
+- `math` (the default): the embedded MetaMathQA-like set, which job/resolve.py has already turned into the
+  default job's model directory and files (`lazytrain.data.default_job`: a BPE tokenizer trained on the set,
+  digits split, ChatML template, a Llama config of the built-in shape, a seeded random init). Exact match of
+  the final number is measured on its held-out problems (`exact_match_file`).
 - `stdlib`, `zen` or a `.txt` file: the byte-level corpus of the built-in shapes (random windows, loss on every
   token), as before SFT data existed.
 - any other path: an SFT file (json/jsonl/parquet/arrow) in `dataset_format`, tokenized with the model
@@ -13,7 +13,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from lazytrain.config import JobConfig
 from lazytrain.costmodel.model import BUILT_IN_SHAPES
 from lazytrain.data.corpus import ByteTokenizer, TokenData
-from lazytrain.data.default_job import prepare_default_job, read_jsonl
+from lazytrain.data.default_job import read_jsonl
 from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens, eval_batches, eval_rows
 from lazytrain.data.sft import Row, Tokenization, load_sft
 from lazytrain.data.sources import check_names
@@ -36,7 +37,6 @@ MATH_EVAL_PROBLEMS = 64  # held-out problems exact match is measured on (greedy 
 
 @dataclass
 class RunData:
-    job: JobConfig  # the job, its model pointed at the default job's directory when that is used
     batches: Loader | CorpusBatches
     eval_set: list[Batch]
     probe: tuple[torch.Tensor, torch.Tensor]  # one (input_ids, labels) of the run's shape, for calibration
@@ -46,28 +46,22 @@ class RunData:
     math_eval: list[Row]  # held-out problems for exact match (empty unless dataset is math)
 
 
-def load_data(job: JobConfig, world_size: int = 1) -> RunData:
-    """world_size: data parallelism; the training and held-out batches are global ones of B x world_size rows
-    (each rank keeps its own rows: the single process's batches), the probe batch stays per device."""
+def load_data(job: JobConfig, world_size: int = 1, exact_match_file: Path | None = None) -> RunData:
+    """The data of a resolved job (job/resolve.py: `dataset: math` is already the default job's files).
+    world_size: data parallelism; the training and held-out batches are global ones of B x world_size rows
+    (each rank keeps its own rows: the single process's batches), the probe batch stays per device.
+    exact_match_file: held-out problems whose final number is checked by greedy decoding (`math_eval`)."""
     dataset, seed = job.data.dataset, job.runtime.seed
     data_seed = seed if job.runtime.data_seed is None else job.runtime.data_seed  # the batch order and the split
     batch_size, seq_len = job.data.per_device_train_batch_size, job.data.cutoff_len
     check_data_files(job)  # the root cause first: a file that is not there, before what it would be read with
     if not job.data.masked:  # a byte-level corpus: full rows, no mask
         return _corpus_data(job, world_size)
-    math_eval: list[Row] = []
     if dataset == MATH:
-        if job.model.model not in BUILT_IN_SHAPES:
-            raise LazyTrainError(f"dataset math with model {job.model.model}: the embedded math set comes with its "
-                                 f"own tokenizer and model shapes ({', '.join(BUILT_IN_SHAPES)}); give a dataset file "
-                                 "for your model")
-        prepared = prepare_default_job(cache_dir() / f"default-job-{job.model.model}",
-                                       shapes=BUILT_IN_SHAPES[job.model.model],
-                                       max_position_embeddings=max(1024, seq_len))
-        job = replace(job, model=replace(job.model, model=str(prepared.model_dir), init="random"),
-                      data=replace(job.data, dataset=str(prepared.train_file), eval_dataset=str(prepared.eval_file)))
-        math_eval = read_jsonl(prepared.eval_file)[:MATH_EVAL_PROBLEMS]
-    elif job.model.model in BUILT_IN_SHAPES:
+        raise LazyTrainError("dataset math names the default job's files: resolve the job first "
+                             "(lazytrain.job.resolve.with_math_dataset)")
+    math_eval = read_jsonl(exact_match_file)[:MATH_EVAL_PROBLEMS] if exact_match_file is not None else []
+    if job.model.model in BUILT_IN_SHAPES:
         raise LazyTrainError(f"dataset {dataset}: model {job.model.model} is a built-in shape with the byte tokenizer "
                              "only; give a model directory with its tokenizer (or dataset math, stdlib or zen)")
     source = resolve_model(job.model.model)
@@ -91,7 +85,7 @@ def load_data(job: JobConfig, world_size: int = 1) -> RunData:
     eval_note = _eval_note(job, kept, len(rows), sum(len(r) for r in rows[:kept]), len(sft.val), "examples")
     probe = Loader(sft.examples, batch_size=batch_size, seq_len=seq_len, packing=d.packing,
                    pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
-    return RunData(job=job, batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
+    return RunData(batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
                    tokenizer=tokenizer, vocab_size=len(tokenizer),
                    summary=f"dataset  {dataset} ({sft.summary()})" + eval_note, math_eval=math_eval)
 
@@ -130,7 +124,7 @@ def _corpus_data(job: JobConfig, world_size: int) -> RunData:
     eval_set = [_batch(*b) for b in data.held_out_batches(batch_size * world_size, seq_len, max_windows=kept)]
     eval_note = _eval_note(job, kept, windows, kept, windows, f"windows of {seq_len} tokens")
     probe = data.fixed_batches(1, batch_size, seq_len, seed=seed + 2, split="train")[0]
-    return RunData(job=job, batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=data_seed),
+    return RunData(batches=CorpusBatches(data, batch_size * world_size, seq_len, seed=data_seed),
                    eval_set=eval_set,
                    probe=probe, tokenizer=None, vocab_size=tokenizer.vocab_size,
                    summary=f"corpus   {job.data.dataset}: {len(data.train):,} train / {len(data.val):,} held-out "

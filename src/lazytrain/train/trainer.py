@@ -1,9 +1,10 @@
 """The training job: build -> loop -> close, read top to bottom.
 
-`train(job)` checks the job and the output directory (before anything is written), loads the data, builds the
-model, measures this machine and plans, builds the device, executor and optimizer, resumes from a checkpoint
-when asked, then runs `max_steps` steps of `Trainer.train_step` (fetch, stream forward + backward per
-micro-batch, optimizer, log), evaluating, logging and saving a checkpoint every N steps or at each epoch's end (the
+`train(job)` resolves the job once (job/resolve.py: its checks, every derived value, the output directory;
+nothing after rewrites it), loads the data, prints the effective config, builds the model, measures this machine
+and plans, builds the device, executor and optimizer, resumes from a checkpoint when asked, then runs `max_steps`
+steps of `Trainer.train_step` (fetch, stream forward + backward per micro-batch, optimizer, log), evaluating,
+logging and saving a checkpoint every N steps or at each epoch's end (the
 HF Trainer's DefaultFlowCallback), at the end and on SIGINT / SIGTERM.
 """
 
@@ -14,7 +15,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from lazytrain.config import MAX_STEPS, JobConfig
+from lazytrain.config import JobConfig
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
@@ -31,15 +32,9 @@ from lazytrain.distributed import (
     RankBatches,
     Ranks,
     attach_executor,
-    init_ranks,
-    launched_local_world_size,
-    launched_world_size,
 )
-from lazytrain.errors import LazyTrainError
-from lazytrain.job.batch import resolve_batch
-from lazytrain.job.inputs import resolved_dtype
+from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
 from lazytrain.plan.plan import Plan
-from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
 from lazytrain.train import rundir
@@ -50,7 +45,6 @@ from lazytrain.train.build import (
     compute_dtype,
     fit_device_cap,
     model_source,
-    pick_device_kind,
     starts_from_weights,
 )
 from lazytrain.train.checkpoint import (
@@ -60,8 +54,6 @@ from lazytrain.train.checkpoint import (
     incomplete_reason,
     keep_best_only,
     load_checkpoint,
-    read_checkpoint,
-    resume_checkpoint,
     save_checkpoint,
     stopped,
 )
@@ -93,9 +85,6 @@ from lazytrain.train.signals import Interrupted, StopSignals, saving
 from lazytrain.units import format_bytes
 from lazytrain.viz import write_trace
 
-# Keys of the schema this job does not act on yet: set away from their default they are refused (one line),
-# never ignored.
-NOT_YET = ("hardware", "cpu_mem_bytes")
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -135,37 +124,25 @@ def train(job: JobConfig) -> TrainResult:
 
 def _train(job: JobConfig) -> TrainResult:
     t_start = time.perf_counter()
-    check_job(job)
-    job = with_dtype(job)
-    # Data parallelism (torchrun): None for one process. Rank 0 checks the output directory; the others log
-    # under out/rank-<r>/ and never write a checkpoint. The job then names the launched layout (its world_size
-    # 1 meant "as many as launched"): the planner plans one rank of it, and rank 0 decides the batch and the plan.
-    ranks = init_ranks(backend=job.parallel.backend, timeout_s=job.parallel.collective_timeout_s,
-                       cuda=pick_device_kind(job.runtime.device) == "cuda")
-    if ranks is not None:
-        job = replace(job, parallel=replace(job.parallel, world_size=ranks.world_size,
-                                            nodes=ranks.world_size // ranks.local_world_size))
-    # per_device_train_batch_size auto: the largest the planner admits for one rank
-    job, note = resolve_batch(job) if ranks is None else ranks.decided_by_main(lambda: resolve_batch(job), "the batch")
-    if note:
-        say(f"batch    {note}")
-    out, resume_from, saved = output_dir(job, ranks)
-    if job.runtime.nvme_dir is not None:  # like the output dir: refused before anything is built
-        check_nvme_dir(Path(job.runtime.nvme_dir))
+    # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
+    run = resolve_job(job)
+    job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
     torch.manual_seed(job.runtime.seed)
 
     with StopSignals() as signals:
         # ---- data -----------------------------------------------------------------------------------
         world = 1 if ranks is None else ranks.world_size
-        data = load_run_data(job, world, ranks)  # the loader draws global batches of B x world rows
-        job = data.job  # dataset math: the model is the default job's directory
+        data = load_run_data(job, world, ranks, run.exact_match_file)  # global batches of B x world rows
         batches: Loader | CorpusBatches | RankBatches = data.batches
         if ranks is not None:  # this rank's rows of the global batch
             batches = RankBatches(data.batches, ranks, job.data.per_device_train_batch_size)
 
         # ---- model ----------------------------------------------------------------------------------
         source = model_source(job, data.vocab_size)
-        job, per_epoch = epochs(job, data)
+        run = with_steps(run, data)
+        job = run.job
+        for line in describe(job):  # the effective config, before anything is built; train_config.json is it
+            say(f"config   {line}")
         Schedule(job)  # its arguments are refused here, before anything is built or written
         model = build_model(job, source, ranks)  # with ranks: one copy per node, in its shared memory
         num_params = sum(p.numel() for p in model.parameters())
@@ -179,8 +156,7 @@ def _train(job: JobConfig) -> TrainResult:
             say(f"eval     exact match on {len(data.math_eval)} held-out problems before training: {exact_before:.1%}")
 
         # ---- plan -----------------------------------------------------------------------------------
-        job = resumed_plan(job, resume_from)
-        kind = pick_device_kind(job.runtime.device)
+        kind = job.runtime.device
         planned = plan_run(job, model, kind, data.probe, ranks=ranks)
         plan = planned.plan
         say(f"budgets  gpu cap {format_bytes(planned.budgets['gpu_mem_cap_bytes'])}, cpu act "
@@ -199,7 +175,7 @@ def _train(job: JobConfig) -> TrainResult:
             say(f"device   {device!r}")
             trainer = Trainer(job=job, model=model, executor=executor, planned=planned, batches=batches,
                               eval_set=data.eval_set, out=out, tokenizer=data.tokenizer, ranks=ranks,
-                              steps_per_epoch=per_epoch)
+                              steps_per_epoch=run.steps_per_epoch)
             if saved is not None:
                 trainer.resume(saved)
             # every refusal is behind: the run writes from here on (a refused run leaves the directory as it was)
@@ -265,55 +241,6 @@ def run_model(trainer: Trainer, final: Path, *, main: bool) -> Path:
     return best
 
 
-def with_dtype(job: JobConfig) -> JobConfig:
-    """The job with `dtype: auto` resolved for this machine's device."""
-    dtype = resolved_dtype(job.runtime, emulated=pick_device_kind(job.runtime.device) == "cpu")
-    if dtype == job.runtime.dtype:
-        return job
-    if dtype == "fp32":
-        say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
-    return replace(job, runtime=replace(job.runtime, dtype=dtype))
-
-
-def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path | None, Saved | None]:
-    """The run's output directory, checked before anything is written (rank 0 checks it and, when it exists,
-    claims it: rundir.py; the other ranks log under out/rank-<r>/), the checkpoint to resume from, and its JSON
-    parts, read and checked (world size, optimizer) before anything is built or written."""
-    out = Path()
-    if ranks is None or ranks.is_main:
-        out = rundir.check_output_dir(job.checkpoint.output_dir,
-                                      resume=job.checkpoint.resume_from_checkpoint is not None,
-                                      overwrite=job.checkpoint.overwrite_output_dir,
-                                      default=rundir.default_output_dir())
-    if ranks is not None:
-        out = Path(ranks.broadcast_object(str(out) if ranks.is_main else None, "the output directory"))
-    resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out,
-                                    overwrite=job.checkpoint.overwrite_output_dir)
-    saved = None if resume_from is None else read_checkpoint(
-        resume_from, optimizer_kind=job.optim.optimizer, world_size=1 if ranks is None else ranks.world_size)
-    if ranks is not None and not ranks.is_main:
-        out = out / f"rank-{ranks.rank}"  # made beside rank 0's, once the data and the model are built
-    return out, resume_from, saved
-
-
-def resumed_plan(job: JobConfig, resume_from: Path | None) -> JobConfig:
-    """A resumed run executes the plan it was executing (its checkpoint's plan.json), unless the job names a plan
-    file or moves the optimizer's states between RAM and NVMe (optimizer_offload changed: that plan has no staging,
-    or staging it no longer needs): then it plans afresh, and says so."""
-    if resume_from is None or job.plan.plan_file is not None:
-        return job
-    path = resume_from / "trainer_state" / "plan.json"
-    try:
-        offload = json.loads(path.read_text()).get("optimizer_offload", "host")
-    except (OSError, ValueError, AttributeError):
-        offload = None  # Plan.load says what is wrong with it
-    if offload is not None and offload != job.runtime.optimizer_offload:
-        say(f"note     {resume_from.name} was running with optimizer_offload {offload}: planning anew for "
-            f"{job.runtime.optimizer_offload}")
-        return job
-    return replace(job, plan=replace(job.plan, plan_file=str(path)))
-
-
 def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_s: float, plotted: bool,
                held_out: bool, problems: int) -> None:
     """The run's closing lines: losses, exact match, the measured step vs the one predicted before the first
@@ -335,78 +262,11 @@ def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_
         "steps of this run)")
 
 
-def load_run_data(job: JobConfig, world: int, ranks: Ranks | None) -> RunData:
+def load_run_data(job: JobConfig, world: int, ranks: Ranks | None, exact_match_file: Path | None) -> RunData:
     """The run's data; with ranks, rank 0 reads and tokenizes first (into the tokenized cache) and the others then
     read its tokens back, so a dataset is tokenized once (a LazyTrainError of rank 0's stops every rank)."""
-    if ranks is None:
-        return load_data(job, world_size=world)
-    first: list[RunData] = []
-    ranks.decided_by_main(lambda: first.append(load_data(job, world_size=world)), "rank 0's tokenized data")
-    return first[0] if first else load_data(job, world_size=world)
-
-
-def steps_per_epoch(job: JobConfig, batches: Loader | CorpusBatches, what: str, fix: str) -> int:
-    """One epoch in optimizer steps, as the HF Trainer counts them: max(1, the batches of one pass over the training
-    examples // gradient_accumulation_steps) (laid out once, no tensor built). `what` needs epochs; a text corpus,
-    read in random windows, has none: refused naming `fix`."""
-    if not isinstance(batches, Loader):
-        raise LazyTrainError(f"{what}: dataset {job.data.dataset} is a text corpus read in random windows, with no "
-                             f"epochs; {fix}")
-    return max(1, batches.batches_for_epochs(1.0) // job.optim.gradient_accumulation_steps)
-
-
-def steps_for_epochs(job: JobConfig, batches: Loader | CorpusBatches, per_epoch: int | None = None) -> JobConfig:
-    """`num_train_epochs` as optimizer steps, as the HF Trainer counts them: ceil(epochs x steps_per_epoch)."""
-    epochs = job.optim.num_train_epochs
-    if per_epoch is None:
-        per_epoch = steps_per_epoch(job, batches, f"num_train_epochs {epochs:g}", "set max_steps")
-    steps = math.ceil(epochs * per_epoch)
-    if steps > MAX_STEPS:
-        raise LazyTrainError(f"num_train_epochs {epochs:g} x {per_epoch:,} steps an epoch = {steps:,} steps, more than "
-                             f"{MAX_STEPS:,}; lower num_train_epochs or set max_steps")
-    say(f"epochs   num_train_epochs {epochs:g} x {per_epoch:,} optimizer steps an epoch = {steps:,} steps")
-    return replace(job, optim=replace(job.optim, max_steps=steps))
-
-
-def epochs(job: JobConfig, data: RunData) -> tuple[JobConfig, int | None]:
-    """The job's steps (num_train_epochs when max_steps is -1, as in the HF Trainer) and the length of an epoch
-    in optimizer steps when a strategy is `epoch` (with max_steps set too: an epoch ends where a pass over the data
-    does, as in the HF Trainer)."""
-    per_epoch = None
-    if strategies := epoch_strategies(job):
-        per_epoch = steps_per_epoch(job, data.batches, " and ".join(strategies),
-                                    "set the steps strategy instead (eval_steps, save_steps, logging_steps)")
-    if job.optim.max_steps == -1:
-        job = steps_for_epochs(job, data.batches, per_epoch)
-    elif per_epoch is not None:
-        say(f"epochs   an epoch = {per_epoch:,} optimizer steps ({' and '.join(strategies)}: every {per_epoch:,} "
-            f"steps, and the last step {job.optim.max_steps:,})")
-    if job.checkpoint.load_best_model_at_end and not data.eval_set:
-        raise LazyTrainError("load_best_model_at_end needs a held-out set to compare the checkpoints on: set "
-                             "val_size or eval_dataset")
-    return job, per_epoch
-
-
-def epoch_strategies(job: JobConfig) -> list[str]:
-    """The `<what>_strategy epoch` keys the job sets (each needs the length of an epoch)."""
-    return [f"{key} epoch" for key, value in (("eval_strategy", job.metrics.eval_strategy),
-                                               ("save_strategy", job.checkpoint.save_strategy),
-                                               ("logging_strategy", job.metrics.logging_strategy)) if value == "epoch"]
-
-
-def check_job(job: JobConfig) -> None:
-    """What this job refuses before touching anything (one line each)."""
-    job.refuse(NOT_YET, "train")
-    launched = launched_world_size()
-    if job.parallel.world_size not in (1, launched):
-        raise LazyTrainError(f"world_size {job.parallel.world_size} but {launched} rank(s) were launched; start "
-                             f"the run with torchrun --nproc_per_node {job.parallel.world_size} -m lazytrain train ...")
-    launched_nodes = launched // launched_local_world_size()
-    if job.parallel.nodes not in (1, launched_nodes):
-        raise LazyTrainError(f"nodes {job.parallel.nodes} but torchrun started {launched_nodes} node(s); start the "
-                             f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
-    if job.runtime.dtype == "fp16":
-        raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
+    return main_first(ranks, lambda: load_data(job, world_size=world, exact_match_file=exact_match_file),
+                      "rank 0's tokenized data")
 
 
 # =====================================================================================================
