@@ -124,3 +124,88 @@ def test_the_plan_command_does_not_import_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
+# The one up-arrow docs/architecture.md names: plan/planner.py names config's PlanConfig under TYPE_CHECKING.
+UP_ARROWS = {("lazytrain.plan.planner", "lazytrain.config")}
+
+
+@cache
+def layers() -> dict[str, int]:
+    """Module prefix -> layer number, read from the layer table of docs/architecture.md (`| 2. ... | `costmodel/`,
+    `optim/` | ... |`)."""
+    out = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) > 3 and parts[1][:1].isdigit() and ". " in parts[1]:
+            number = int(parts[1].split(".")[0])
+            for name in parts[2].replace("`", "").split(","):
+                out["lazytrain." + name.strip().removesuffix("/").removesuffix(".py").replace("/", ".")] = number
+    return out
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: its package's row of the table; `lazytrain` itself and `__main__` are the top."""
+    for prefix, number in sorted(layers().items(), key=lambda kv: -len(kv[0])):
+        if module == prefix or module.startswith(prefix + "."):
+            return number
+    assert module in ("lazytrain", "lazytrain.__main__"), f"{module} is in no layer of docs/architecture.md"
+    return max(layers().values())
+
+
+def test_the_layer_table_names_eight_layers() -> None:
+    assert sorted(set(layers().values())) == list(range(1, 9)), layers()
+
+
+def test_every_import_goes_down_the_eight_layers() -> None:
+    """A module imports only its own layer and the ones below it (docs/architecture.md's table, the whole graph
+    read from the source: top-level, TYPE_CHECKING and function-local imports alike), but the one named up-arrow."""
+    up = []
+    for module in modules():
+        for imported in imports(module):
+            if layer_of(imported) > layer_of(module) and not any(
+                    module.startswith(a) and imported.startswith(b) for a, b in UP_ARROWS):
+                up.append(f"{module} (layer {layer_of(module)}) imports {imported} (layer {layer_of(imported)})")
+    assert up == [], "\n".join(up)
+
+
+def folder_map() -> set[str]:
+    """The paths the folder map of docs/architecture.md lists under src/lazytrain/ (`config/`, `config/schema.py`,
+    `plan/milp/`, ...)."""
+    text = ARCHITECTURE.read_text().split("## Folder map", 1)[1].split("```")[1]
+    listed, package = set(), ""
+    for line in text.splitlines()[2:]:
+        indent = len(line) - len(line.lstrip())
+        names = line.strip().split("  ")[0]
+        if not names or indent not in (2, 4) or names.startswith("("):
+            continue
+        if indent == 2:
+            package = ""
+        for name in (n.strip() for n in names.split(",")):
+            listed.add(package + name)
+        if indent == 2 and names.endswith("/"):
+            package = names
+    return listed
+
+
+def test_the_folder_map_matches_the_tree() -> None:
+    """Every module, config file and folder of src/lazytrain/ and of its packages is in docs/architecture.md's
+    folder map, and everything the map lists exists."""
+    root = SRC / "lazytrain"
+
+    def entries(folder: Path, prefix: str = "") -> set[str]:
+        out = set()
+        for path in folder.iterdir():
+            if path.is_dir() and path.name != "__pycache__":
+                out.add(f"{prefix}{path.name}/")
+            elif path.suffix in (".py", ".yaml") and not (prefix and path.name == "__init__.py"):
+                out.add(prefix + path.name)
+        return out
+
+    tree = entries(root)
+    for package in [p for p in tree if p.endswith("/")]:
+        tree |= entries(root / package, package)
+    listed = folder_map()
+    assert sorted(tree - listed) == [], "in the tree, not in the folder map"
+    assert sorted(listed - tree) == [], "in the folder map, not in the tree"
