@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import cli_error
 from safetensors.torch import load_file, save_file
 
 from lazytrain.cli import main
@@ -37,12 +38,6 @@ class Payload:
 
 def _train(out: Path, *words: str) -> int:
     return main(["train", *ARGV, *words, "--output-dir", str(out)])
-
-
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def _files(out: Path) -> dict[str, tuple[int, bytes]]:
@@ -99,7 +94,7 @@ def test_a_pickle_payload_in_any_file_of_a_checkpoint_is_never_executed(run, tmp
             code = _train(out, "--steps", "3", "resume_from_checkpoint=auto")
             assert not marker.exists(), f"{name} ({kind}) was executed"
             if code == 2:
-                _one_line(capsys)
+                cli_error(capsys)
                 refused.add(name)
             else:
                 assert code == 0, name
@@ -112,9 +107,9 @@ def test_a_pickle_payload_in_any_file_of_a_checkpoint_is_never_executed(run, tmp
         (old / "trainer_state" / name).write_bytes((tmp_path / "zip.pt").read_bytes())
     shutil.rmtree(old.parent / "checkpoint-2")
     assert _train(old.parent, "--steps", "3", f"resume_from_checkpoint={old}") == 2
-    assert "old format (pickled state.pt / optimizer.pt), which cannot be read safely" in _one_line(capsys)
+    assert "old format (pickled state.pt / optimizer.pt), which cannot be read safely" in cli_error(capsys)
     assert _train(old.parent, "--steps", "3", "resume_from_checkpoint=auto") == 2
-    assert "no usable checkpoint" in _one_line(capsys) and not marker.exists()
+    assert "no usable checkpoint" in cli_error(capsys) and not marker.exists()
 
 
 def test_no_loader_that_can_unpickle_in_the_package():
@@ -146,7 +141,7 @@ def test_same_size_damage_is_caught_by_the_content_hash(run, tmp_path, capsys, t
     data[at] ^= 0x40
     path.write_bytes(bytes(data))
     assert _train(checkpoint.parent, "--steps", "3", f"resume_from_checkpoint={checkpoint}") == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert f"{path.relative_to(checkpoint)}'s content differs from the manifest's hash" in err
     assert _train(checkpoint.parent, "--steps", "3", "resume_from_checkpoint=auto") == 0
     printed = capsys.readouterr().out
@@ -166,7 +161,7 @@ def test_non_finite_weights_are_refused_at_resume(run, tmp_path, capsys):
     _reseal(checkpoint)
     before = _files(checkpoint.parent)
     assert _train(checkpoint.parent, "--steps", "4", f"resume_from_checkpoint={checkpoint}") == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert f"{name} holds NaN or infinite values" in err and str(checkpoint) in err
     assert _files(checkpoint.parent) == before
 
@@ -203,7 +198,7 @@ def test_hostile_values_with_a_matching_manifest_are_one_line(run, tmp_path, cap
         (state / "optimizer.json").write_text("null")
     _reseal(checkpoint)
     assert _train(checkpoint.parent, "--steps", "4", f"resume_from_checkpoint={checkpoint}") == 2
-    assert f"checkpoint {checkpoint} cannot be resumed" in _one_line(capsys)
+    assert f"checkpoint {checkpoint} cannot be resumed" in cli_error(capsys)
 
 
 def test_auto_never_starts_over_on_top_of_damaged_checkpoints(run, tmp_path, capsys):
@@ -217,7 +212,7 @@ def test_auto_never_starts_over_on_top_of_damaged_checkpoints(run, tmp_path, cap
         shard.write_bytes(bytes(data))
     before = _files(out)
     assert _train(out, "--steps", "3", "resume_from_checkpoint=auto") == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert "no usable checkpoint" in err and "overwrite_output_dir" in err
     assert _files(out) == before
     # overwrite_output_dir says the run may start over: auto then does, deleting the damaged checkpoints
@@ -238,7 +233,7 @@ def test_a_refused_resume_writes_nothing(run, tmp_path, capsys, refusal):
         _reseal(out / "checkpoint-3")
     before = _files(out)
     assert _train(out, "--steps", "4", "resume_from_checkpoint=auto", *words) == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert {"optimizer": "resume with optimizer adamw",
             "world size": "resume with torchrun --nproc_per_node 2"}[refusal] in err
     assert _files(out) == before

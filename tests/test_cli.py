@@ -55,7 +55,7 @@ def test_train_refuses_a_key_it_does_not_act_on_yet(tmp_path) -> None:
 
 
 def test_a_config_with_four_mistakes_is_four_lines_at_once_without_importing_torch(tmp_path) -> None:
-    """Issue 25: three unknown keys and one wrong type -> one run, four lines, exit 2, output dir untouched, and
+    """Three unknown keys and one wrong type -> one run, four lines, exit 2, output dir untouched, and
     the whole config read before torch, transformers or datasets is imported (benchmarks/config_errors.py times
     it)."""
     path = tmp_path / "job.yaml"

@@ -141,7 +141,7 @@ def test_optimizer_modes_change_states_and_time() -> None:
 def test_optimizer_state_on_nvme_leaves_the_host_about_4_bytes_per_parameter() -> None:
     """optimizer_offload nvme: the state files hold each group's moments and, with fp32 masters of a bf16 compute,
     its masters but the embedding matrix's; the host keeps the streamed weights, the gradients and D staging slots
-    of the largest file (issue 24: at most 4.3 B/param + staging with bf16 compute)."""
+    of the largest file (at most 4.3 B/param + staging with bf16 compute)."""
     from lazytrain.runtime.files import ALIGN_BYTES
 
     assert STATE_PAGE_BYTES == ALIGN_BYTES

@@ -163,7 +163,7 @@ def test_bad_inputs_are_one_line_errors():
 @pytest.mark.parametrize("epochs", [0.3, 1.0, 2.5, 1e6])
 def test_num_train_epochs_become_steps_as_the_hf_trainer_counts_them(packing, epochs):
     """ceil(epochs x max(1, batches of one epoch // gradient_accumulation_steps)), from one epoch's layout: a
-    million epochs cost what one does (issue 26: `num_train_epochs` huge spun in a loop over every batch)."""
+    million epochs cost what one does (a huge `num_train_epochs` once spun in a loop over every batch)."""
     import time
 
     from lazytrain.config import load_job_config

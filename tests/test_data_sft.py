@@ -8,6 +8,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from checks import one_line
 
 from lazytrain.data.corpus import zen_of_python
 from lazytrain.data.loader import IGNORE_INDEX, Example
@@ -191,7 +192,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
     for call, message in cases:
         with pytest.raises(LazyTrainError, match=message) as err:
             call()
-        assert "\n" not in str(err.value)
+        one_line(str(err.value))
     tok.chat_template = None
     with pytest.raises(LazyTrainError, match="no chat template; set template to one of chatml"):
         tokenize_rows([{"messages": CONVERSATION}], tok, cutoff_len=64)

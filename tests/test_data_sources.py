@@ -1,7 +1,7 @@
 """Datasets as LLaMA-Factory users name them: dataset_info.json names (columns, tags, num_samples), several
 datasets concatenated or interleaved, max_samples, a dataset in the local HF cache, the tokenized cache
 (datasets.map) that a resume or a second rank reads back, LLaMA-Factory's template names; and rows that crashed
-the data path before (issue 26: alpaca history "x", a sharegpt turn that is a string, non-UTF-8 jsonl, a jsonl of
+the data path before (alpaca history "x", a sharegpt turn that is a string, non-UTF-8 jsonl, a jsonl of
 null lines), each now one line with nothing left in the system temp dir."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from checks import one_line
 
 from lazytrain.data import sft as sft_module
 from lazytrain.data.corpus import zen_of_python
@@ -86,7 +87,7 @@ def test_dataset_info_entries_lazytrain_does_not_train_on_are_refused(tmp_path):
                          ("nope", "nor a name in")):
         with pytest.raises(LazyTrainError) as err:
             resolve((name,), str(tmp_path / "data"))
-        assert needle in str(err.value) and "\n" not in str(err.value)
+        one_line(str(err.value), needle)
     with pytest.raises(LazyTrainError, match=r"dataset_info.json does not exist \(set dataset_dir\)"):
         resolve(("identity",), str(tmp_path / "elsewhere"))
     with pytest.raises(LazyTrainError, match="math is a dataset of its own"):
@@ -133,7 +134,7 @@ def test_a_dataset_in_the_local_hf_cache_is_read_offline_and_a_missing_one_names
     assert os.environ.get("HF_DATASETS_OFFLINE") is None and not datasets.config.HF_DATASETS_OFFLINE  # restored
     with pytest.raises(LazyTrainError) as err:
         load_sft("someone/not-downloaded", tok, cutoff_len=256, dataset_dir=str(tmp_path / "no-data"))
-    assert "is not in the local HF datasets cache" in str(err.value) and "\n" not in str(err.value)
+    one_line(str(err.value), "is not in the local HF datasets cache")
     assert "datasets.load_dataset('someone/not-downloaded')" in str(err.value)
 
 
@@ -175,7 +176,7 @@ def test_several_workers_tokenize_the_same_examples(tmp_path, tokenizer_factory)
     assert len(list((tmp_path / "cache").glob("*/tokens_*.arrow"))) == 2  # one file per worker
 
 
-# ---- rows that crashed the data path (issue 26 items 6 and 9) ----------------------------------------------
+# ---- rows that crashed the data path ---------------------------------------------------------------------
 @pytest.mark.parametrize("name, content, needle", [
     ("history.json", json.dumps([{"instruction": "a", "output": "b", "history": "x"}]),
      'row 1 (alpaca): history is "x", expected a list of [instruction, response] pairs'),
@@ -198,7 +199,7 @@ def test_malformed_rows_are_one_line_and_leave_no_temp_folder(tmp_path, tokenize
     before = set(Path(tempfile.gettempdir()).glob("lazytrain-datasets-*"))
     with pytest.raises(LazyTrainError) as err:
         load_sft(str(path), tokenizer_factory(), cutoff_len=64)
-    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    one_line(str(err.value), needle)
     assert set(Path(tempfile.gettempdir()).glob("lazytrain-datasets-*")) == before
 
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from checks import cli_error
 
 from lazytrain.cli import main
 
@@ -17,9 +18,7 @@ TRAIN = ["train", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--eva
 
 def _refused(capsys, argv: list[str], needle: str, *, not_needle: str | None = None, out: Path | None = None) -> str:
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    assert needle in err, err
+    err = cli_error(capsys, needle)
     assert not_needle is None or not_needle not in err, err
     assert out is None or not out.exists(), "the output directory was written"
     return err

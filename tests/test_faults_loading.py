@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from checks import raises_one_line
 from safetensors.torch import load_file, save_file
 
 from lazytrain.cli import main
 from lazytrain.costmodel.model import MAX_LAYERS, PRESET_DIR, ModelSpec
-from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.weights import built_spec, load_model, resolve_model
 
 RNG = random.Random(20261203)
@@ -43,16 +43,6 @@ def _save(path: Path, config: transformers.PretrainedConfig, shard: str | None =
         p.data.normal_(0, 0.1)
     model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
     return model
-
-
-def _one_line_error(fn, *needles: str) -> str:
-    with pytest.raises(LazyTrainError) as err:
-        fn()
-    text = str(err.value)
-    assert "\n" not in text, text
-    for needle in needles:
-        assert needle in text, text
-    return text
 
 
 def _load(path: Path, init: str = "auto") -> torch.nn.Module:
@@ -154,11 +144,11 @@ def test_a_per_expert_checkpoint_with_an_expert_missing_or_non_finite_is_one_lin
     broken = dict(state)
     del broken[expert]
     save_file(broken, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    _one_line_error(lambda: _load(tmp_path), expert.rpartition(".experts.")[0] + ".experts.gate_up_proj",
+    raises_one_line(lambda: _load(tmp_path), expert.rpartition(".experts.")[0] + ".experts.gate_up_proj",
                     "do not belong to this config")
     state[expert].view(-1)[RNG.randrange(state[expert].numel())] = float("nan")
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    _one_line_error(lambda: _load(tmp_path), "experts.gate_up_proj", "non-finite")
+    raises_one_line(lambda: _load(tmp_path), "experts.gate_up_proj", "non-finite")
 
 
 def test_bf16_weights_become_fp32_parameters(tmp_path):
@@ -172,7 +162,7 @@ def test_bf16_weights_become_fp32_parameters(tmp_path):
 def test_init_random_builds_from_the_config_alone(tmp_path):
     config = _config()
     config.save_pretrained(tmp_path)
-    _one_line_error(lambda: _load(tmp_path), "has no model.safetensors", "init: random")
+    raises_one_line(lambda: _load(tmp_path), "has no model.safetensors", "init: random")
     model = _load(tmp_path, init="random")
     assert sum(p.numel() for p in model.parameters()) == ModelSpec.from_config(config).num_params
     _load(tmp_path / "config.json")  # a config.json names a shape: random init without asking
@@ -186,7 +176,7 @@ def test_damaged_safetensors_are_one_line_errors(tmp_path, damage):
     data = weights.read_bytes()
     weights.write_bytes({"truncated": data[:RNG.randrange(len(data) // 2, len(data) - 1)], "empty": b"",
                          "garbage header": b"\xff" * 8 + data[8:]}[damage])
-    _one_line_error(lambda: _load(tmp_path), "model.safetensors", "truncated or corrupt")
+    raises_one_line(lambda: _load(tmp_path), "model.safetensors", "truncated or corrupt")
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
@@ -195,7 +185,7 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     raw = json.loads((tmp_path / "config.json").read_text())
     raw["intermediate_size"] += 8
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    _one_line_error(lambda: _load(tmp_path), "mlp", "has shape", "do not belong to this config")
+    raises_one_line(lambda: _load(tmp_path), "mlp", "has shape", "do not belong to this config")
 
 
 def test_missing_tensor_is_refused_not_random_initialised(tmp_path):
@@ -205,14 +195,14 @@ def test_missing_tensor_is_refused_not_random_initialised(tmp_path):
     dropped = RNG.choice(sorted(k for k in state if ".layers." in k))
     del state[dropped]
     save_file(state, weights, metadata={"format": "pt"})
-    _one_line_error(lambda: _load(tmp_path), dropped, "missing from its weights")
+    raises_one_line(lambda: _load(tmp_path), dropped, "missing from its weights")
 
 
 def test_missing_shard_is_refused(tmp_path):
     _save(tmp_path, _config(), shard="40KB")
     shard = RNG.choice(sorted(tmp_path.glob("model-*.safetensors")))
     shard.unlink()
-    _one_line_error(lambda: _load(tmp_path), shard.name, "missing")
+    raises_one_line(lambda: _load(tmp_path), shard.name, "missing")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -224,7 +214,7 @@ def test_non_finite_weights_are_refused_at_load(tmp_path, bad):
     flat = state[key].view(-1)
     flat[RNG.randrange(flat.numel())] = bad
     save_file(state, weights, metadata={"format": "pt"})
-    _one_line_error(lambda: _load(tmp_path), key, "non-finite")
+    raises_one_line(lambda: _load(tmp_path), key, "non-finite")
 
 
 def test_huge_but_finite_weights_load(tmp_path):
@@ -241,7 +231,7 @@ def test_huge_but_finite_weights_load(tmp_path):
 def test_pickle_only_directory_says_safetensors(tmp_path):
     _config().save_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0")
-    _one_line_error(lambda: _load(tmp_path), "safetensors")
+    raises_one_line(lambda: _load(tmp_path), "safetensors")
 
 
 # ---- the hub cache, offline -----------------------------------------------------------------------
@@ -250,7 +240,7 @@ def test_hub_id_from_the_cache_only(tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    _one_line_error(lambda: resolve_model("someone/not-cached"), "not in the local Hugging Face cache",
+    raises_one_line(lambda: resolve_model("someone/not-cached"), "not in the local Hugging Face cache",
                     "hf download someone/not-cached")
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--someone--tiny"
@@ -272,7 +262,7 @@ def test_a_config_transformers_reads_differently_is_refused_naming_both_counts(t
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
     (tmp_path / "config.json").write_text(json.dumps(flat))
     small = ModelSpec.from_config(flat).num_params
-    text = _one_line_error(lambda: built_spec(resolve_model(str(tmp_path)).config), f"{small:,}",
+    text = raises_one_line(lambda: built_spec(resolve_model(str(tmp_path)).config), f"{small:,}",
                            "transformers builds Qwen3_5ForCausalLM")
     assert int(text.split("with ")[1].split(" parameters")[0].replace(",", "")) > 1e9
     for argv in (["plan", "--model", str(tmp_path), "--batch-size", "1"],
@@ -291,7 +281,7 @@ BAD_KEYS = {
     "intermediate_size": 10**30,  # overflows a float's exact range
     "num_hidden_layers": MAX_LAYERS + 1,
     "vocab_size": True,
-    "rms_norm_eps": -1,  # was transformers' StrictDataclassFieldValidationError, a traceback (issue 26 item 6)
+    "rms_norm_eps": -1,  # was transformers' StrictDataclassFieldValidationError, a traceback
 }
 
 
@@ -299,7 +289,7 @@ BAD_KEYS = {
 def test_invalid_shapes_are_refused_by_plan_and_train_naming_the_key(tmp_path, capsys, key):
     raw = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, key: BAD_KEYS[key]}
-    _one_line_error(lambda: ModelSpec.from_config(raw), key)
+    raises_one_line(lambda: ModelSpec.from_config(raw), key)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     for argv in (["plan", "--model", str(tmp_path / "config.json"), "--batch-size", "1"],
                  ["train", "--model", str(tmp_path / "config.json"), "--output-dir", str(tmp_path / "run"), *TRAIN]):

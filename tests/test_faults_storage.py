@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import mount_tmpfs, one_line
 
 import lazytrain.runtime.store as store_module
 from lazytrain.cli import main
@@ -35,14 +36,6 @@ from tiny_models import make_batch, make_model  # noqa: E402
 MIX_NVME = ["gpu", "nvme", "recompute", "cpu", "nvme", "nvme", "gpu"]  # 6 layers
 
 
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    return done.returncode == 0
-
-
 def _unmount(path: Path) -> None:
     subprocess.run(["umount", str(path)], capture_output=True)
 
@@ -51,7 +44,7 @@ def _unmount(path: Path) -> None:
 def full_disk(tmp_path, monkeypatch) -> Iterator[Path]:
     """A directory on a 64 KiB file system (a real tmpfs, or a patched pwrite that fails past 64 KiB)."""
     path = tmp_path / "small"
-    if _mount_tmpfs(path, "size=64k"):
+    if mount_tmpfs(path, "size=64k"):
         yield path
         _unmount(path)
         return
@@ -70,7 +63,7 @@ def full_disk(tmp_path, monkeypatch) -> Iterator[Path]:
 def read_only_dir(tmp_path) -> Iterator[Path]:
     """A read-only directory: a tmpfs mounted ro where root may, else one without write permission."""
     path = tmp_path / "ro"
-    if _mount_tmpfs(path, "ro,size=64k"):
+    if mount_tmpfs(path, "ro,size=64k"):
         yield path
         _unmount(path)
         return
@@ -105,7 +98,7 @@ def test_a_full_disk_while_spilling_is_one_line_and_leaves_no_partial_file(full_
     store.write(0, torch.randn(1024))  # 4 KiB fits
     with pytest.raises(LazyTrainError) as err:
         store.write(1, torch.randn(64 * 1024))  # 256 KiB does not
-    assert "\n" not in str(err.value) and "No space left on device" in str(err.value), err.value
+    one_line(str(err.value), "No space left on device")
     assert 1 not in store._files and list(full_disk.iterdir()) == []
     store.end_step()
     assert _free_bytes(full_disk) == free  # the partial file's blocks are back
@@ -130,7 +123,7 @@ def test_a_disk_filled_by_someone_else_mid_step_fails_the_step_cleanly(full_disk
             OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
     with pytest.raises(LazyTrainError, match="No space left on device") as err:
         ex.forward_backward(ids, labels)
-    assert "\n" not in str(err.value)
+    one_line(str(err.value))
     assert sorted(p.name for p in full_disk.iterdir()) == ["filler"] and ex.device.used_bytes == 0
     filler.unlink()
     monkeypatch.undo()
@@ -141,7 +134,7 @@ def test_a_disk_filled_by_someone_else_mid_step_fails_the_step_cleanly(full_disk
 def test_a_read_only_nvme_dir_is_one_line(read_only_dir, tmp_path, capsys):
     with pytest.raises(LazyTrainError, match="is not writable") as err:
         check_nvme_dir(read_only_dir)
-    assert "\n" not in str(err.value)
+    one_line(str(err.value))
     out = tmp_path / "run"
     assert main(["train", "--model", "debug", "--corpus", "zen", "--batch-size", "2", "--seq-len", "16", "--steps",
                  "1", "--eval-batches", "0", "--no-progress", "--device", "cpu", "--nvme-dir", str(read_only_dir),
@@ -156,7 +149,8 @@ def test_plan_save_into_a_read_only_dir_is_one_line_and_leaves_nothing(read_only
     plan = Plan.from_tiers(model, MIX_NVME)
     with pytest.raises(LazyTrainError, match=r"cannot write .*plan\.json \(") as err:
         plan.save(read_only_dir / "plan.json")
-    assert "\n" not in str(err.value) and list(read_only_dir.iterdir()) == []
+    one_line(str(err.value))
+    assert list(read_only_dir.iterdir()) == []
 
 
 def test_plan_save_on_a_full_disk_keeps_the_previous_file_and_no_tmp(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 import yaml
+from checks import cli_error
 
 from lazytrain.cli import main
 from lazytrain.data.tokenizer import train_bpe_tokenizer
@@ -108,8 +109,7 @@ def _refused(tmp_path: Path, capsys, argv: list[str], needle: str) -> None:
     before = sorted(p.name for p in out.iterdir()) if out.exists() else None
     capsys.readouterr()
     assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and needle in err, err
+    cli_error(capsys, needle)
     assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before  # untouched
 
 

@@ -1,4 +1,4 @@
-"""Issue 25's "done when": a LLaMA-Factory `train_full`-style YAML runs as it is on a tiny Qwen2 model folder, with
+"""A LLaMA-Factory `train_full`-style YAML runs as it is on a tiny Qwen2 model folder, with
 two datasets of a dataset_info.json (one alpaca, one sharegpt); the result loads with from_pretrained, its
 trainer_state.json with transformers' TrainerState, and the evaluation scores every held-out example."""
 

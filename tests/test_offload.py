@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import mount_tmpfs
 
 from lazytrain.config import load_job_config
 from lazytrain.runtime import store
@@ -252,15 +253,6 @@ def test_host_memory_holds_no_state_and_no_master_between_updates(tmp_path, opti
 
 
 # ---- faults -------------------------------------------------------------------------------------------------
-def _mount_tmpfs(path, options: str) -> bool:
-    import os
-    import subprocess
-
-    path.mkdir(parents=True, exist_ok=True)
-    return os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                                capture_output=True).returncode == 0
-
-
 def _umount(path) -> None:
     import subprocess
 
@@ -284,7 +276,7 @@ def test_a_missing_nvme_dir_is_one_line(tmp_path, capsys):
 
 def test_a_read_only_nvme_dir_is_one_line(tmp_path, capsys):
     path = tmp_path / "ro"
-    if not _mount_tmpfs(path, "ro,size=64k"):
+    if not mount_tmpfs(path, "ro,size=64k"):
         pytest.skip("needs root to mount a read-only tmpfs")
     try:
         code, err = _main(tmp_path, capsys, f"nvme_dir={path}")
@@ -297,7 +289,7 @@ def test_a_disk_without_room_for_the_states_is_one_line_before_any_file(tmp_path
     import os
 
     path = tmp_path / "small"
-    if not _mount_tmpfs(path, "size=1m"):
+    if not mount_tmpfs(path, "size=1m"):
         pytest.skip("needs root to mount a small tmpfs")
     try:
         free = os.statvfs(path).f_bavail
@@ -539,7 +531,7 @@ def test_a_disk_filled_up_mid_run_stops_at_the_next_checkpoint_and_keeps_the_las
     from lazytrain.train.checkpoint import damage_reason
 
     disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, "size=16m"):
+    if not mount_tmpfs(disk, "size=16m"):
         pytest.skip("needs root to mount a small tmpfs")
     filler = disk / "filler"
     real_step = trainer_module.Trainer.train_step

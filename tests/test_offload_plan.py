@@ -1,4 +1,4 @@
-"""The optimizer's state on NVMe, planned (issue 24): admission's host and NVMe sides, the staging depth the
+"""The optimizer's state on NVMe, planned: admission's host and NVMe sides, the staging depth the
 planner picks under the host memory, and `lazytrain plan`'s lines for the issue's three jobs (with the state in
 RAM they are refused; with it on NVMe admitted at a predicted step within 1.15x of the same job in 1 TiB). The
 figures are the cost model's and the simulator's, read back from what `lazytrain plan` prints, never typed in."""
@@ -145,7 +145,7 @@ def _check_admitted_with_offload(capsys, model: str, cpu_mem: str, json_path=Non
 
 
 def test_14b_on_a_64gib_desktop(tmp_path, capsys) -> None:
-    """Issue 24's headline: Qwen2.5-14B on an RTX 3090 with 64 GiB of RAM and an NVMe SSD."""
+    """The headline case: Qwen2.5-14B on an RTX 3090 with 64 GiB of RAM and an NVMe SSD."""
     ratio = _check_admitted_with_offload(capsys, "qwen2.5-14b", "64GiB", tmp_path / "plan.json")
     assert ratio <= 1.15
     plan = Plan.load(tmp_path / "plan.json", spec=ModelSpec.load("qwen2.5-14b"))

@@ -231,7 +231,7 @@ def test_rank_0_alone_prints_and_the_others_write_their_console_log(two_rank_run
 
 @pytest.mark.parametrize("optimizer", ["8bit", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_two_ranks_with_offloaded_states_give_the_in_ram_run_each_rank_holding_only_its_groups(tmp_path, optimizer):
-    """optimizer_offload nvme under torchrun (issue 24 item 8): each rank makes state files for the layer groups it
+    """optimizer_offload nvme under torchrun: each rank makes state files for the layer groups it
     steps, and no others (the two ranks' files are disjoint and cover every group, as the shard's owners do); the
     losses, gradient norms, final parameters and optimizer states equal the same 2 ranks with the states in RAM bit
     for bit; nothing is left in either nvme_dir."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from checks import one_line
 
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
@@ -140,4 +141,4 @@ def test_malformed_plan_files_are_refused_in_one_line(tmp_path, milp_plan, case:
     path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
     with pytest.raises(LazyTrainError) as err:
         Plan.load(path, spec=spec)
-    assert "\n" not in str(err.value)
+    one_line(str(err.value))

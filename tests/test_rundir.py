@@ -11,18 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from checks import cli_error
 from paused_run import ARGV, start, wait_for
 
 from lazytrain.cli import main
 from lazytrain.data.default_job import prepare_default_job
 from lazytrain.train.checkpoint import incomplete_reason
 from lazytrain.train.rundir import LOCK
-
-
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def _train(out: Path, *words: str) -> int:
@@ -40,7 +35,7 @@ def test_a_second_run_on_a_held_output_dir_is_refused_naming_the_holder(tmp_path
         before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK}
         for words in (["resume_from_checkpoint=auto"], ["overwrite_output_dir=true"]):
             assert _train(out, "--steps", "6", *words) == 2
-            err = _one_line(capsys)
+            err = cli_error(capsys)
             assert f"output_dir {out} is in use by another run (pid {proc.pid} holds" in err, err
         assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK} == before
     finally:

@@ -102,7 +102,7 @@ instances = st.fixed_dictionaries({
 @settings(max_examples=25, deadline=None)
 @given(case=instances)
 def test_the_milp_step_is_the_simulated_step_and_its_plans_fit_their_cap(case: dict) -> None:
-    """Issue 10's property: on drawn instances (4-16 layers, links very slow to free, nvme on and off, caps
+    """The step program's property: on drawn instances (4-16 layers, links very slow to free, nvme on and off, caps
     tight to loose -- up to keeping every layer's graph --, both optimizer modes) the MILP's step of its plan
     (tiers and kept layers) equals the simulated step of the plan's program within 1% + 1 ms (exactly, up to
     rounding), and the simulated device peak stays under the cap."""
@@ -141,7 +141,7 @@ offloads = st.fixed_dictionaries({
 @settings(max_examples=15, deadline=None)
 @given(case=instances, offload=offloads)
 def test_the_milp_step_is_the_simulated_step_with_the_states_on_nvme(case: dict, offload: dict) -> None:
-    """Issue 10's property with the optimizer's state on NVMe (issue 24): a drawn staging depth, 8-bit or fp32
+    """The same property with the optimizer's state on NVMe: a drawn staging depth, 8-bit or fp32
     states with or without the fp32 masters, updates from free to slower than the forward, the NVMe link from
     very slow to free and shared with the activations', the state files at the spills' rate or their own; the
     MILP's step of its plan is the simulated one."""
@@ -211,7 +211,7 @@ def _check_ranks(case: dict, rank: dict) -> None:
 @settings(max_examples=15, deadline=None)
 @given(case=instances, rank=ranks)
 def test_the_milp_step_is_the_simulated_step_with_the_sums_over_the_ranks(case: dict, rank: dict) -> None:
-    """Issue 10's property for data parallelism: world sizes 1-32 over 1-4 nodes, the gradients summed on the
+    """The same property for data parallelism: world sizes 1-32 over 1-4 nodes, the gradients summed on the
     optimizer lane, intra- and inter-node links from 0.1 GB/s to free."""
     _check_ranks(case, rank)
 
@@ -370,7 +370,7 @@ def test_the_head_slots_live_only_around_the_windows_that_use_them(tiers) -> Non
     assert not any(a.buffer[0] == "head_grads" for a in e.actions)
 
 
-# ---- the optimizer's state on NVMe (issue 24) ----------------------------------------------------------------
+# ---- the optimizer's state on NVMe ---------------------------------------------------------------------------
 # state file bytes at index target + 1: the embedding, layers 0..5, the head
 STATES = Shapes(**{**SHAPES.__dict__, "state_bytes": (300, 200, 210, 220, 230, 240, 250, 400)})
 

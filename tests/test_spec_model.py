@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+from checks import one_line
 
 from lazytrain.costmodel.model import PRESET_DIR, ModelSpec, preset_names
 from lazytrain.errors import LazyTrainError
@@ -132,7 +133,7 @@ def test_fingerprint_tells_models_apart() -> None:
 def test_bad_configs_raise_one_line_errors(bad: dict) -> None:
     with pytest.raises(LazyTrainError) as err:
         ModelSpec.from_config(bad)
-    assert "\n" not in str(err.value)
+    one_line(str(err.value))
 
 
 def test_unknown_preset_names_the_presets() -> None:

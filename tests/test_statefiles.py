@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import mount_tmpfs, one_line
 from safetensors.torch import load_file, save_file
 
 import lazytrain.runtime.files as files_module
@@ -169,18 +170,10 @@ def test_without_o_tmpfile_a_named_file_is_unlinked_at_once(tmp_path, monkeypatc
 
 
 # ---- errors -----------------------------------------------------------------------------------------
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 @pytest.fixture
 def small_disk(tmp_path) -> Iterator[Path]:
     path = tmp_path / "small"
-    if not _mount_tmpfs(path, "size=256k"):
+    if not mount_tmpfs(path, "size=256k"):
         pytest.skip("needs root to mount a small tmpfs")
     yield path
     subprocess.run(["umount", str(path)], capture_output=True)
@@ -211,13 +204,13 @@ def test_a_disk_filled_between_the_check_and_the_files_is_one_line_and_leaves_no
 
 def test_a_read_only_directory_is_one_line(tmp_path):
     path = tmp_path / "ro"
-    if _mount_tmpfs(path, "ro,size=64k"):
+    if mount_tmpfs(path, "ro,size=64k"):
         try:
             with pytest.raises(LazyTrainError) as err:
                 StateFiles(path, {"g": GroupLayout([("0.qm", torch.uint8, (10,))])})
         finally:
             subprocess.run(["umount", str(path)], capture_output=True)
-        assert "\n" not in str(err.value) and "read-only" in str(err.value), err.value
+        one_line(str(err.value), "read-only")
     else:
         path.chmod(0o500)
         with pytest.raises(LazyTrainError, match="nvme_dir"):
@@ -330,4 +323,4 @@ def test_a_checkpoint_that_does_not_match_is_one_line(tmp_path):
         for name in [*bad, "garbage", "not_json", "absent"]:
             with pytest.raises(LazyTrainError) as err:
                 files.load_safetensors("g", tmp_path / f"{name}.safetensors")
-            assert "\n" not in str(err.value) and "checkpoint" in str(err.value), (name, err.value)
+            one_line(str(err.value), "checkpoint")

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from checks import cli_error
 from safetensors import SafetensorError
 
 from lazytrain import writes
@@ -30,12 +31,6 @@ def _mount(path: Path, size_kib: int) -> bool:
         return False
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
                           capture_output=True).returncode == 0
-
-
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def _leftovers(out: Path) -> list[str]:
@@ -57,7 +52,7 @@ def test_a_disk_that_fills_during_a_checkpoint_keeps_the_previous_one(small_disk
     with room made, `auto` resumes from checkpoint-2 and finishes."""
     out = small_disk / "run"
     assert main(["train", *ARGV, "--steps", "6", "save_steps=2", "--output-dir", str(out)]) == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert "checkpoint-4 (No space left on device); the run stopped, checkpoint-2 is intact" in err, err
     assert "resume_from_checkpoint=auto" in err
     assert _leftovers(out) == [] and incomplete_reason(out / "checkpoint-2") is None
@@ -78,7 +73,7 @@ def test_a_nearly_full_disk_at_the_start_is_one_line_and_leaves_no_temporary(sma
         f.write(b"\0" * max(0, total.f_bavail * total.f_frsize - free_kib * 1024))
     out = small_disk / "run"
     assert main(["train", *ARGV, "--steps", "2", "--output-dir", str(out)]) == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert "No space left on device" in err, err
     assert not out.exists() or _leftovers(out) == []
 
@@ -131,6 +126,6 @@ def test_a_failing_run_file_stops_the_run_in_one_line(tmp_path, monkeypatch, cap
         monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
     out = tmp_path / "run"
     assert main(["train", *ARGV, "--steps", "3", "save_steps=2", "--output-dir", str(out)]) == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert target in err and "No space left on device" in err and "resume_from_checkpoint=auto" in err, err
     assert _leftovers(out) == []

@@ -29,7 +29,7 @@ Planner = Literal["auto", "milp", *RULES]  # the rules' names are plan/rules.py'
 Optimizer = Literal[*OPTIMIZERS]  # the CostModel's names (costmodel/cost.py), one vocabulary
 DatasetFormat = Literal["auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 
-# Bounds of the counts (issue 26: every count bounded and checked before anything runs). Far beyond any run, and
+# Bounds of the counts (every count bounded and checked before anything runs). Far beyond any run, and
 # low enough that no loop over them (epochs into steps, a schedule's table) can spin or overflow.
 MAX_STEPS = 10**9  # optimizer steps (and every count of steps: warm-up, saving, logging, evaluating)
 MAX_COUNT = 2**40  # examples, rows, batches, micro-batches

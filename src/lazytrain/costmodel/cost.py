@@ -55,7 +55,7 @@ QUANT_BLOCK = 256
 UPDATE_CHUNK_NUMEL = 1 << 22  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
 # Where the optimizer's state (moments, and fp32 masters where a narrower copy streams) lives between updates: in
 # host RAM, or in one file per layer group on the NVMe SSD, read into a staging slot before the group's update and
-# written back after it (issue 24; plan/schedule.py's state ops).
+# written back after it (plan/schedule.py's state ops).
 OPTIMIZER_OFFLOADS = ("host", "nvme")
 STATE_PAGE_BYTES = 4096  # a state file's reads and writes move whole pages: runtime/files.py's ALIGN_BYTES (tested)
 STATE_HEADER_BYTES = 1 << 20  # at most, per state file: its safetensors header, padded to a page (runtime/statefiles)

@@ -297,8 +297,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # bf16 tensor-core peak 71 TFLOPS (fp32 accumulate); achieved = the same fraction of peak as the
     # calibrated H800 (298 / 989 = 30%) -> 21.4 TFLOPS. Host: dual-channel DDR4-3200 (a Ryzen 5000 / Intel 10th-11th
     # generation desktop) is 51.2 GB/s on the wire; STREAM reaches 74-78% of the wire rate on DDR4 (TI's SPRAD45A and
-    # SPRACV1B tables) and AIDA64 reads ~46 GB/s at 3200 MT/s (guru3d's DDR4-3200 review) -> 51.2 x 0.75 = 38 GB/s
-    # (before: one rate for every optimizer, "desktop CPU Adam about 0.8 Gparams/s" = 22 GB/s at 28 B/param).
+    # SPRACV1B tables) and AIDA64 reads ~46 GB/s at 3200 MT/s (guru3d's DDR4-3200 review) -> 51.2 x 0.75 = 38 GB/s.
     # Between GPUs: no NVLink bridge assumed and GeForce cards have peer-to-peer off, so NCCL goes through host
     # memory over PCIe 4.0: the 12.5 GB/s link x 0.8 = 10 GB/s; between nodes 10 GbE = 1.25 GB/s (a workstation).
     "rtx3090": dict(

@@ -123,7 +123,7 @@ def _print_max_batch(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, de
 
 
 # ---- the optimizer's state on NVMe ----------------------------------------------------------------------
-IN_RAM_HOST_BYTES = 1 << 40  # the host memory the in-RAM comparison assumes at least (issue 24's 1 TiB)
+IN_RAM_HOST_BYTES = 1 << 40  # the host memory the in-RAM comparison assumes at least (1 TiB)
 
 
 def _in_ram(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, deadline: Deadline

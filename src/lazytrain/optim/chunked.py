@@ -1,4 +1,4 @@
-"""A group's update in chunks, so no transient grows with the group (issue 24 item 9).
+"""A group's update in chunks, so no transient grows with the group.
 
 The executor keeps each group's gradient as it landed (bf16 with bf16 compute, fp32 where micro-batches are summed);
 the optimizer steps fp32 (or bf16) master weights. Casting a whole group's gradient to the masters' dtype, or copying

@@ -12,7 +12,7 @@ boundary). Boundaries 0 and L are always `gpu`. Consecutive materialized boundar
 without a re-forward and without a second weight h2d. Their boundaries L-K..L are `gpu`; K = 0 is the plain
 streamed step, K = L keeps every layer (what fits when the device holds the whole step).
 
-*Optimizer offload* (issue 24): with `optimizer_offload: nvme` the optimizer's state lives in one file per layer
+*Optimizer offload*: with `optimizer_offload: nvme` the optimizer's state lives in one file per layer
 group on the NVMe SSD and `staging_depth` D >= 1 host slots stage it around each group's update (plan/schedule.py's
 state ops); the planner chooses D under the host memory. `host` (D = 0): the state stays in RAM.
 

@@ -19,7 +19,7 @@ backward j, end); what each window issues, holds and frees, the optimizer modes 
 update group by group under the forward; "serial": MegaTrain's one step after the backward) and the kept layers
 are described in docs/executor.md, "The step program, window by window".
 
-With the optimizer's state on the NVMe SSD (`staging_depth` D >= 1, issue 24) the program also reads each group's
+With the optimizer's state on the NVMe SSD (`staging_depth` D >= 1) the program also reads each group's
 state file into one of D host staging slots before the group's update (`state_read` on the nvme_read lane) and
 writes it back after (`state_write` on the nvme_write lane), each fenced in a window like an activation's
 transfer and sharing those lanes with the activations' spills and reads; docs/executor.md, "Optimizer state on

@@ -4,8 +4,8 @@ Steps of an all-`gpu` plan on an uncapped device of the run's kind, its links as
 forward and backward and the loss head exactly as the executor runs them (a warm-up, then at least 3 steps and
 5 s of them: `probe_steps`); the run's optimizer at learning rate 0 times the host update (the same work; the
 weights do not move, so no copy of them is needed): in overlap mode each probe step runs the previous one's
-update on its optimizer lane under its forward, as the run does (so the compute is timed beside it too: alone,
-the default job's updates took 23 ms a step where the run's took 39); in serial mode five steps after the probe.
+update on its optimizer lane under its forward, as the run does (so the compute is timed beside it too: an update
+timed alone is faster than the run's); in serial mode five steps after the probe.
 `runtime/calibrate.py` turns them into the CostModel. On CUDA the executor's per-layer timers see asynchronous
 launches, so there the FLOP estimate is scaled by the measured step time instead.
 
@@ -14,8 +14,7 @@ and gradient copies, NVMe from a few spill files of the run's largest boundary w
 activations' own store and, with the optimizer's state on NVMe, from a state file of a staging slot's size written
 and read back through the state files' own module (runtime/statefiles.py) on the same links. The two move at
 different rates on one link: a spill is a small file with a CRC32, a state file one group's data in large aligned
-requests, several in flight (under the emulated 0.5 GB/s, 96 KiB spill files moved at 0.34-0.37 GB/s and 70 MiB
-state files at the throttle's 0.5; timed at the spills' rate, the state ops were predicted 1.4x their seconds).
+requests, several in flight, so the state files run nearer the link's rate than the spills (docs/benchmarks.md).
 An emulated link copies with this host's memcpy and sleeps to its configured rate when it has one, so a throttled
 link calibrates to about that rate (or slower, if the copies are) and an unthrottled one to what the copies really
 take: the model predicts the device either way (tests/test_calibrate.py). CUDA's links keep the hardware's figures.
@@ -125,7 +124,7 @@ def nvme_gbps(device: EmulatedDevice, num_bytes: int, state_bytes: int = 0) -> d
     """GB/s of the device's NVMe links on spill files of `num_bytes` (the run's largest boundary): written one
     after another on the nvme_write link, then read back on nvme_read, through an ActivationStore as the run's
     spills are (its CRC32 included); each link's file bytes over its jobs' median seconds, the first job of each
-    apart (it first-touches the buffers and the directory; a process's first file write took 20x the next).
+    apart (it first-touches the buffers and the directory; a process's first file write is far slower than the next).
     `state_bytes` > 0 (optimizer_offload nvme): also "state_write" and "state_read", the same links' rates on a
     state file of that size written and read whole through StateFiles, as the run's state ops are."""
     num_bytes = max(int(num_bytes), 4096)

@@ -207,8 +207,8 @@ class StateFiles:
             self.close()
             raise
         # one queue per direction, as the step program has one NVMe lane each: a write's requests never wait behind
-        # a read's in a shared queue (they did: in-step writes measured 0.51x of the disk's raw rate, 1.8x raw once
-        # started; benchmarks/offload.py memory)
+        # a read's in a shared queue (where they did, the in-step writes ran at half the disk's rate:
+        # benchmarks/offload.py memory)
         self._pools = {write: ThreadPoolExecutor(max_workers=queue_depth,
                                                  thread_name_prefix=f"lazytrain-state-{'write' if write else 'read'}")
                        for write in (False, True)}

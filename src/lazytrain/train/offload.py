@@ -1,4 +1,4 @@
-"""The optimizer's state on the NVMe SSD (`optimizer_offload: nvme`, issue 24): every layer group's state tensors
+"""The optimizer's state on the NVMe SSD (`optimizer_offload: nvme`): every layer group's state tensors
 and, where the streamed weights are a compute-dtype copy, its fp32 master weights live in a file, and host memory
 holds them only while the group is updated.
 

@@ -23,11 +23,10 @@ def add_counts(form: Formulation) -> None:
     single binary gives it. The bounds are below what each count's own row implies, so presolve keeps the
     counts (HiGHS substitutes an integer column that only sums others and is bounded by them).
     N_long counts only the lifted long edges: (s, e >= s+2) whose end's gradient d2h outlasts R_s's compute
-    (`_add_recompute_windows`), the rows where a fractional spread hides seconds. Elsewhere the count's bound is the
-    path rows' own (a unit path has at most L / 2 long edges in the LP too) and it only fed HiGHS's root cut
-    loop: counting every long edge took 1.7-12x the LP iterations on the 27B at 128 layers (seeds 0-2; 42
-    nodes / 56349 iterations vs 1 / 4667 on seed 0). Any subset of a path's long edges has at most
-    floor(L / 2) of them."""
+    (windows.add_recompute_windows), the rows where a fractional spread hides seconds. Elsewhere the count's bound
+    is the path rows' own (a unit path has at most L / 2 long edges in the LP too) and it only fed HiGHS's root cut
+    loop: counting every long edge multiplied the LP iterations (docs/planner.md, "N_long counts only ..."). Any
+    subset of a path's long edges has at most floor(L / 2) of them."""
     m, L, inst, A = form.m, form.L, form.inst, form.inst.boundary_bytes
     form.counts: dict[int, list[int]] = {}  # count column -> the binaries it sums (start_values)
     free = [i for i in range(1, L) if m.ub[form.z[i]] > m.lb[form.z[i]]]  # 0 and L are gpu; fixed tiers: none

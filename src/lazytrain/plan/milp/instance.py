@@ -80,7 +80,7 @@ class PlanningInstance:
     topology: Topology = ONE_RANK
     reduce_s: tuple[float, ...] = ()
     gather_s: float = 0.0
-    # optimizer_offload nvme (issue 24): D staging slots and each group's state file bytes at index target + 1
+    # optimizer_offload nvme: D staging slots and each group's state file bytes at index target + 1
     # (embedding, layers 0..L-1, head), read and written by the step program's state ops; 0 / () = the states in RAM
     staging_depth: int = 0
     state_bytes: tuple[float, ...] = ()

@@ -50,10 +50,10 @@ def add_recompute_windows(form: Formulation) -> None:
     of the gradients of the segment's end e (d[e] = a_D p[e]) when (j, e) is a segment:
         T[R_j] >= busy (1 - z[j+1]) + sum_{e >= j+2} (d[e] - busy)+ x[j,e],   busy = max(rho[j], a_H p[j+1])
         T[R_j] >= sum_{e >= j+2} x[j,e] d[e]
-    The lifted edges (d[e] > busy) are the long edges `_add_counts` counts."""
+    The lifted edges (d[e] > busy) are the long edges counts.py counts."""
     inst, L = form.inst, form.L
     form.R: list[int] = []
-    form.lifted_long: list[int] = []  # long edges whose gradients' d2h outlasts R_s's compute (_add_counts)
+    form.lifted_long = []  # long edges whose gradients' d2h outlasts R_s's compute (counts.py)
     for j in range(L - 1):
         busy = max(inst.forward_s[j], form.aH * form.p[j + 1])
         grads = {xv: form.send[e] for (s, e), xv in form.x.items() if s == j and e >= j + 2}
