@@ -209,3 +209,19 @@ def test_the_folder_map_matches_the_tree() -> None:
     listed = folder_map()
     assert sorted(tree - listed) == [], "in the tree, not in the folder map"
     assert sorted(listed - tree) == [], "in the folder map, not in the tree"
+
+
+def test_package_docstrings_list_their_modules_or_none() -> None:
+    """A package docstring that names one of its modules (`plan.py`, `` `sft` ``) names every one: a partial list
+    reads as the whole package."""
+    import re
+
+    partial = []
+    for package in sorted(p for p in (SRC / "lazytrain").iterdir() if (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        names = sorted({p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+                       | {p.name for p in package.iterdir() if (p / "__init__.py").exists()})
+        named = [n for n in names if re.search(rf"(\b{n}\.py\b|`{n}`|\b{n}/)", doc)]
+        if named and named != names:
+            partial.append(f"{package.name}: names {named}, not {sorted(set(names) - set(named))}")
+    assert partial == [], partial

@@ -1,6 +1,7 @@
 """The job configuration: one schema (schema.py) read from YAML, `key=value` words and flags (load.py,
-arguments.py), with every value converted and checked (values.py) and its docs generated from the schema
-(docs.py). The names below are the package's public surface; `from lazytrain.config import JobConfig` etc."""
+arguments.py), with every value converted and checked (values.py), LLaMA-Factory and HF Trainer keys mapped or
+refused with why (foreign.py), and its docs generated from the schema (docs.py). The names below are the package's
+public surface; `from lazytrain.config import JobConfig` etc."""
 
 from lazytrain.config.arguments import add_job_arguments, job_config_from_args
 from lazytrain.config.docs import default_of, field_docs, foreign_markdown, markdown_table

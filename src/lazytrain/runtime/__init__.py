@@ -1,5 +1,18 @@
 """The runtime: devices (emulated, CUDA), host stores, the transformers adapter and the plan executor.
 
-Import from the submodules (`lazytrain.runtime.executor`, `.device`, `.store`, `.hf`); `lazytrain`
-re-exports `Executor`, `EmulatedDevice` and `CudaDevice` lazily.
+  device.py        EmulatedDevice, CudaDevice: the arena and the links
+  executor.py      the Executor (Contract 3): what lives across steps; builds each step's program
+  step.py          one step in progress: runs the step program's actions on the device
+  shapes.py        the bytes one step moves and holds at a batch shape (formulas or measured)
+  hf.py            the transformers adapter (layers, rotary, masks, the chunked loss head)
+  store.py         host and NVMe homes of offloaded boundaries
+  files.py         positioned file I/O on nameless files (spills and state files)
+  statefiles.py    the optimizer's state files on NVMe, read and written whole
+  live_bytes.py    the true device bytes of a step (a measuring device)
+  weights.py       safetensors into fp32 host masters; the model's spec
+  probe.py         the calibration probe: timed steps of an all-gpu plan
+  calibrate.py     measured steps -> a CostModel
+  replan.py        re-planning from measured steps while training
+
+Import from the submodules; `lazytrain` re-exports `Executor`, `EmulatedDevice` and `CudaDevice` lazily.
 """

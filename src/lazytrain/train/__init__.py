@@ -2,13 +2,18 @@
 
 The package, in the order a run uses it (torchtitan's components behind a short composer):
   command.py     the command line (`add_arguments`, `run`): the JobConfig of the job
+  trainer.py     build -> loop -> close, and `train_step` (the job resolved first: job/resolve.py)
+  rundir.py      the output directory: checked, locked to one run, swept of a dead run's files
+  data.py        the run's data: loader, held-out batches, tokenizer, probe batch
   build.py       model, device and executor builders
   planning.py    `plan_run`: calibrate on this machine, plan, remember the plan
   optimizer.py   the host optimizer, its learning-rate schedule, the non-finite step policy
-  checkpoint.py  the output directory and checkpoints (Contract 5, docs/architecture.md)
-  metrics.py     report lines, metrics.jsonl, tensorboard, loss.png
+  offload.py     optimizer_offload nvme: the optimizer's states and masters in state files
+  checkpoint.py  checkpoints: written whole, checked, resumed (Contract 5, docs/architecture.md)
+  state_data.py  optimizer, data-position and RNG states as data (safetensors + JSON), checked on the way back
+  hf_state.py    trainer_state.json as the HF Trainer writes it
+  metrics.py     report lines, metrics.jsonl, trackers, loss.png
   signals.py     SIGINT / SIGTERM: finish the step, save, exit 130 / 143
-  trainer.py     build -> loop -> close, and `train_step`
 """
 
 from importlib import import_module
