@@ -248,6 +248,15 @@ def test_every_count_is_bounded_before_anything_runs(tmp_path, text, needle):
         load_job_config(overrides=[text.replace(": ", "=").replace(".inf", "inf").replace(".nan", "nan")])
 
 
+def test_a_yaml_the_reader_refuses_is_one_line(tmp_path):
+    """PyYAML's reader refuses control characters (a NUL byte) as the loader is built, before parsing starts."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"learning_rate: 1e-5\nmax_steps: 3\x00\n")
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(path)
+    assert str(err.value).startswith(f"config file {path}: not valid YAML") and "\n" not in str(err.value)
+
+
 # ---- LLaMA-Factory and HF Trainer keys ---------------------------------------------------------------------
 def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):
     path = tmp_path / "lf.yaml"
