@@ -220,6 +220,24 @@ def test_a_null_jsonl_through_the_cli_is_exit_2_not_a_crash(tmp_path):
                                   "object; each line must be one object of columns"
 
 
+def test_a_dataset_path_that_is_no_file_nor_folder_is_refused_before_it_is_opened(tmp_path):
+    """A FIFO (open() would wait for a writer forever), named directly, as a .txt corpus or by dataset_info.json,
+    is refused in one line; through `lazytrain train` within seconds, exit 2."""
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / "text.txt")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"piped": {"file_name": "rows.jsonl"}}))
+    for dataset, dataset_dir in ((str(fifo), "data"), (str(tmp_path / "text.txt"), "data"), ("piped", str(tmp_path))):
+        with pytest.raises(LazyTrainError) as err:
+            check_names(dataset, None, dataset_dir)
+        assert "is not a regular file or folder (a FIFO)" in str(err.value) and "\n" not in str(err.value)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    done = subprocess.run([sys.executable, "-m", "lazytrain", "train", f"dataset={fifo}", "model=debug",
+                           f"output_dir={tmp_path / 'run'}", "progress=false"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "(a FIFO)" in done.stderr, done.stderr[-2000:]
+
+
 # ---- templates ---------------------------------------------------------------------------------------------
 CONVERSATION = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi there"},
                 {"role": "assistant", "content": "Hello 12"}, {"role": "user", "content": "And 3+4?"},
