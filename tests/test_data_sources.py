@@ -238,6 +238,20 @@ def test_a_dataset_path_that_is_no_file_nor_folder_is_refused_before_it_is_opene
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "(a FIFO)" in done.stderr, done.stderr[-2000:]
 
 
+def test_a_dataset_info_file_name_outside_dataset_dir_is_refused(tmp_path):
+    """file_name is relative to dataset_dir and stays in it: `..` or an absolute path is refused, even when the
+    file it names exists."""
+    data = tmp_path / "a" / "data"
+    data.mkdir(parents=True)
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "secret"}) + "\n")
+    (data / "dataset_info.json").write_text(json.dumps({"up": {"file_name": "../../x.jsonl"},
+                                                        "absolute": {"file_name": str(tmp_path / "x.jsonl")}}))
+    for name in ("up", "absolute"):
+        with pytest.raises(LazyTrainError) as err:
+            resolve((name,), str(data))
+        assert "outside" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 # ---- templates ---------------------------------------------------------------------------------------------
 CONVERSATION = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi there"},
                 {"role": "assistant", "content": "Hello 12"}, {"role": "user", "content": "And 3+4?"},

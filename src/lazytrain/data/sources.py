@@ -8,9 +8,9 @@ relative to `dataset_dir`) or `hf_hub_url` (a dataset id, read from the local HF
 `query`, `response`, `history`, `system`; sharegpt's `messages`, `system`), `tags` (sharegpt's role and content
 keys and the role names: `role_tag`, `content_tag`, `user_tag`, `assistant_tag`, `system_tag`, ...), `split`,
 `subset` and `num_samples` (rows drawn at random). Entries for what LazyTrain does not train on (`ranking`
-pairs, images, videos, audios, tools, `script_url`, `ms_hub_url` alone) are refused by name. Every local path is a
-regular file or a folder: a FIFO, socket or device is refused before anything opens it (a FIFO's open() waits for a
-writer forever).
+pairs, images, videos, audios, tools, `script_url`, `ms_hub_url` alone) are refused by name. A `file_name` stays
+inside `dataset_dir` (no `..`, not absolute), and every local path is a regular file or a folder: a FIFO, socket or
+device is refused before anything opens it (a FIFO's open() waits for a writer forever).
 """
 
 from __future__ import annotations
@@ -192,7 +192,11 @@ def _entry(name: str, entry: Any, dataset_dir: Path, key: str) -> Source:
                   tags={**SHAREGPT_TAGS, **tags} if formatting != "alpaca" else {},
                   split=str(entry.get("split", "train")), subset=entry.get("subset"), num_samples=num_samples)
     if "file_name" in entry:
-        path = dataset_dir / str(entry["file_name"])
+        file_name = Path(str(entry["file_name"]))
+        if file_name.is_absolute() or ".." in file_name.parts:
+            raise LazyTrainError(f"{where}: file_name {entry['file_name']} is outside {dataset_dir}; file names are "
+                                 "relative to dataset_dir and stay in it: move the file there")
+        path = dataset_dir / file_name
         check_file_or_folder(path, f"{where}: file_name")
         if not path.exists():
             raise LazyTrainError(f"{where}: file_name {entry['file_name']} is not in {dataset_dir}; put the file "
