@@ -252,6 +252,21 @@ def test_a_dataset_info_file_name_outside_dataset_dir_is_refused(tmp_path):
         assert "outside" in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+def test_a_line_longer_than_the_bound_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    """A jsonl line is read with a bound (rows.MAX_LINE_BYTES, lowered here): a file with no line break is refused
+    after reading the bound, not after holding the whole file (a 2 GiB one took 4.5 GiB)."""
+    from lazytrain.data import rows
+
+    monkeypatch.setattr(rows, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "one_line.jsonl"
+    path.write_text(json.dumps({"text": _words(2000)}))  # ~8 KB, no line break
+    with pytest.raises(LazyTrainError) as err:
+        rows._path_rows(path, "train")
+    assert "line 1 is longer than 1000 bytes" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": _words(100)[:900]}) + "\n")
+    assert len(rows._path_rows(path, "train")) == 2  # lines up to the bound are read
+
+
 # ---- templates ---------------------------------------------------------------------------------------------
 CONVERSATION = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi there"},
                 {"role": "assistant", "content": "Hello 12"}, {"role": "user", "content": "And 3+4?"},
