@@ -6,10 +6,13 @@ test_checkpoint.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,6 +207,22 @@ def test_hostile_values_with_a_matching_manifest_are_one_line(run, tmp_path, cap
     _reseal(checkpoint)
     assert _train(checkpoint.parent, "--steps", "4", f"resume_from_checkpoint={checkpoint}") == 2
     assert f"checkpoint {checkpoint} cannot be resumed" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("consumed", [10**30, 5, "6"])
+def test_a_data_position_that_does_not_fit_the_step_is_refused_not_walked_to(run, tmp_path, consumed):
+    """data.json's position (a corpus: batches drawn) edited and the manifest resealed: 10**30 made the resume draw
+    that many batches; any position but the step's batches (step 3 x 1 micro-batch) is refused in one line, exit 2,
+    within seconds (a subprocess, so that a hang fails the test instead of stalling it)."""
+    checkpoint = _copy(run, tmp_path)
+    (checkpoint / "trainer_state" / "data.json").write_text(json.dumps({"consumed": consumed}))
+    _reseal(checkpoint)
+    done = subprocess.run([sys.executable, "-m", "lazytrain", "train", *ARGV, "--steps", "4",
+                           f"resume_from_checkpoint={checkpoint}", "--output-dir", str(checkpoint.parent)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "is not the 3 batches its step drew" in done.stderr, done.stderr
 
 
 def test_auto_never_starts_over_on_top_of_damaged_checkpoints(run, tmp_path, capsys):

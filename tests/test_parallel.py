@@ -366,10 +366,10 @@ def test_rank_shards_make_up_the_global_batch_and_resume(packing):
                 assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name))
         assert sum(p.num_tokens for p in parts) == whole.num_tokens
     resumed = RankBatches(_source(batch * world, packing), _ranks(1, world), batch)
-    resumed.load_state_dict(shards[1].state_dict())
+    resumed.load_state_dict(shards[1].state_dict(), 3)
     assert torch.equal(resumed.next().input_ids, shards[1].next().input_ids)
     with pytest.raises(LazyTrainError, match=r"3 rank\(s\) and this run has 2"):
-        RankBatches(_source(batch * 2, packing), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict())
+        RankBatches(_source(batch * 2, packing), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict(), 3)
 
 
 def test_a_world_size_that_was_not_launched_is_refused(tmp_path):

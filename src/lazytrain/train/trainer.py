@@ -600,7 +600,7 @@ class Trainer:
                                                  nvme=self.nvme)
         if self.shard is not None:  # every rank loaded its groups' states (and wrote the same weights)
             self.shard.fence("loading the checkpoint")
-        self.batches.load_state_dict(data_state)
+        self.batches.load_state_dict(data_state, self.state.step * self.job.optim.gradient_accumulation_steps)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
         self.best, self.best_checkpoint = best_of(path)
         self.resumed = True
