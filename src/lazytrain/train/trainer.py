@@ -37,7 +37,7 @@ from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
-from lazytrain.train import rundir
+from lazytrain.train import rundir, state_data
 from lazytrain.train.build import (
     build_device,
     build_executor,
@@ -128,7 +128,7 @@ def _train(job: JobConfig) -> TrainResult:
     # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
     run = resolve_job(job)
     job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
-    torch.manual_seed(job.runtime.seed)
+    state_data.seed_rngs(job.runtime.seed)
 
     with StopSignals() as signals:
         # ---- data -----------------------------------------------------------------------------------
