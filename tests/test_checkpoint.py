@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -103,6 +104,24 @@ def test_resume_continues_exactly(tmp_path, optimizer):
     assert [_losses(out)[s] for s in range(1, 7)] == pytest.approx(whole.losses, rel=0, abs=1e-6)
     for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+
+
+def test_two_identical_runs_write_identical_checkpoints(tmp_path):
+    """Every generator a checkpoint saves (Python's `random`, numpy's global one, torch's) is seeded from `seed`:
+    two runs of one job write the same tensors (weights, masters, optimizer states), data position and RNG files,
+    byte for byte. Python's and numpy's were saved but never seeded, so rng.json differed from run to run (and
+    from what the previous run in this process left behind)."""
+    seed = RNG.randrange(1000)
+    for k, name in enumerate(("a", "b")):
+        random.seed(k)  # whatever state they were in before a run (a fresh process: from os.urandom) must not show
+        np.random.seed(k)
+        _run(steps=2, dtype="bf16", seed=seed, output_dir=str(tmp_path / name))
+    a, b = tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2"
+    compared = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.suffix == ".safetensors" or p.name in (
+        "data.json", "rng.json"))
+    assert {"trainer_state/rng.json", "trainer_state/rng.safetensors", "trainer_state/data.json",
+            "trainer_state/master.safetensors"} <= set(compared) and len(compared) > 6
+    assert [n for n in compared if (a / n).read_bytes() != (b / n).read_bytes()] == []
 
 
 @pytest.mark.slow  # three runs, one a subprocess: ~20 s on 2 idle cores, ~60 s on a loaded machine

@@ -6,10 +6,13 @@ test_checkpoint.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,16 @@ def run(tmp_path_factory) -> Path:
     """A 3-step run with checkpoints at 2 and 3 (bf16 masters off: fp32, so the masters are the shards)."""
     out = tmp_path_factory.mktemp("trust") / "run"
     assert _train(out, "--steps", "3", "save_steps=2") == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory) -> Path:
+    """A 2-step run in bf16 compute: fp32 masters in trainer_state/master.safetensors, the HF folder their bf16
+    rounding."""
+    out = tmp_path_factory.mktemp("trust-bf16") / "run"
+    assert _train(out, "--steps", "2", "--dtype", "bf16") == 0
+    assert (out / "checkpoint-2" / "trainer_state" / "master.safetensors").exists()
     return out
 
 
@@ -166,6 +179,48 @@ def test_non_finite_weights_are_refused_at_resume(run, tmp_path, capsys):
     assert _files(checkpoint.parent) == before
 
 
+@pytest.mark.parametrize("where", ["master.safetensors", "an HF shard that is the masters"])
+def test_a_master_of_another_dtype_is_refused_not_cast(run, bf16_run, tmp_path, capsys, where):
+    """A master weight turned to fp16 (manifest resealed): in master.safetensors (bf16 compute) or in the HF folder
+    of an fp32 run (whose shards are the masters), refused naming the tensor and its dtype; it was cast back
+    silently."""
+    if where == "master.safetensors":
+        checkpoint, words = _copy(bf16_run, tmp_path, step=2), ("--steps", "3", "--dtype", "bf16")
+        file = checkpoint / "trainer_state" / "master.safetensors"
+    else:
+        checkpoint, words = _copy(run, tmp_path), ("--steps", "4")
+        file = next(checkpoint.glob("model-*.safetensors"))
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.float16)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    _reseal(checkpoint)
+    assert _train(checkpoint.parent, *words, f"resume_from_checkpoint={checkpoint}") == 2
+    err = _one_line(capsys)
+    assert f"{file.name}'s {name} is" in err and "torch.float16, the model's" in err and str(checkpoint) in err
+
+
+@pytest.mark.parametrize("edit", ["nan", "another finite value"])
+def test_an_hf_folder_that_is_not_the_masters_rounding_is_refused(bf16_run, tmp_path, capsys, edit):
+    """bf16 compute: the run resumes from master.safetensors, and from_pretrained loads the HF folder beside it. A
+    NaN in a shard, or a finite value that is not the master's rounding (masters untouched, manifest resealed), is
+    refused naming which file says what; resume said nothing and the exported model was not the run's."""
+    checkpoint = _copy(bf16_run, tmp_path, step=2)
+    shard = next(checkpoint.glob("model-*.safetensors"))
+    tensors = load_file(shard)
+    name = sorted(n for n in tensors if tensors[n].dim() == 2)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[3] = float("nan") if edit == "nan" else tensors[name].view(-1)[3] * 2 + 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    _reseal(checkpoint)
+    before = _files(checkpoint.parent)
+    assert _train(checkpoint.parent, "--steps", "3", "--dtype", "bf16", f"resume_from_checkpoint={checkpoint}") == 2
+    err = _one_line(capsys)
+    assert f"{shard.name}'s {name}" in err and str(checkpoint) in err
+    assert ("NaN or infinite" in err) if edit == "nan" else ("not the rounding of master.safetensors'" in err)
+    assert _files(checkpoint.parent) == before
+
+
 @pytest.mark.parametrize("edit", ["a wrong shape", "a foreign key", "a negative step", "rng garbage",
                                   "an unknown optimizer key", "json null"])
 def test_hostile_values_with_a_matching_manifest_are_one_line(run, tmp_path, capsys, edit):
@@ -199,6 +254,22 @@ def test_hostile_values_with_a_matching_manifest_are_one_line(run, tmp_path, cap
     _reseal(checkpoint)
     assert _train(checkpoint.parent, "--steps", "4", f"resume_from_checkpoint={checkpoint}") == 2
     assert f"checkpoint {checkpoint} cannot be resumed" in cli_error(capsys)
+
+
+@pytest.mark.parametrize("consumed", [10**30, 5, "6"])
+def test_a_data_position_that_does_not_fit_the_step_is_refused_not_walked_to(run, tmp_path, consumed):
+    """data.json's position (a corpus: batches drawn) edited and the manifest resealed: 10**30 made the resume draw
+    that many batches; any position but the step's batches (step 3 x 1 micro-batch) is refused in one line, exit 2,
+    within seconds (a subprocess, so that a hang fails the test instead of stalling it)."""
+    checkpoint = _copy(run, tmp_path)
+    (checkpoint / "trainer_state" / "data.json").write_text(json.dumps({"consumed": consumed}))
+    _reseal(checkpoint)
+    done = subprocess.run([sys.executable, "-m", "lazytrain", "train", *ARGV, "--steps", "4",
+                           f"resume_from_checkpoint={checkpoint}", "--output-dir", str(checkpoint.parent)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "is not the 3 batches its step drew" in done.stderr, done.stderr
 
 
 def test_auto_never_starts_over_on_top_of_damaged_checkpoints(run, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from dataclasses import fields
 
@@ -248,6 +249,31 @@ def test_every_count_is_bounded_before_anything_runs(tmp_path, text, needle):
     with pytest.raises(LazyTrainError):  # the same as a key=value word
         load_job_config(overrides=[text.replace(": ", "=").replace(".inf", "inf").replace(".nan", "nan")])
 
+
+def test_a_yaml_the_reader_refuses_is_one_line(tmp_path):
+    """PyYAML's reader refuses control characters (a NUL byte) as the loader is built, before parsing starts."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"learning_rate: 1e-5\nmax_steps: 3\x00\n")
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(path)
+    assert str(err.value).startswith(f"config file {path}: not valid YAML") and "\n" not in str(err.value)
+
+
+def test_every_rate_and_size_is_in_a_sane_range_all_refused_at_once(tmp_path):
+    """A rate so small a transfer would take longer than time.sleep accepts, one beyond any link, a size beyond any
+    machine: each refused by the schema, every one of them in the same error."""
+    path = tmp_path / "job.yaml"
+    path.write_text("h2d_gbps: 1e-300\nd2h_gbps: 1e300\nnvme_read_gbps: -1\nnvme_write_gbps: 0\n"
+                    "gpu_mem_cap_bytes: 9e18\ncpu_mem_bytes: 5000000TB\n")
+    with pytest.raises(LazyTrainError) as err:
+        load_job_config(path, overrides=["cpu_act_bytes=2000PB"])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 7, lines
+    for key in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps", "gpu_mem_cap_bytes", "cpu_mem_bytes",
+                "cpu_act_bytes"):
+        assert sum(line.startswith(key) for line in lines) == 1, (key, lines)
+    job = load_job_config(overrides=["h2d_gbps=inf", "d2h_gbps=0.001", "nvme_act_bytes=0", "cpu_mem_bytes=2TB"])
+    assert job.runtime.h2d_gbps == math.inf and job.plan.nvme_act_bytes == 0
 
 # ---- LLaMA-Factory and HF Trainer keys ---------------------------------------------------------------------
 def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):

@@ -116,15 +116,34 @@ def test_resume_from_state_dict_gives_the_same_following_batches(packing):
     examples = _examples(30, max_len=10, seed=RNG.randrange(2**30))
     kwargs = dict(batch_size=3, seq_len=16, packing=packing, pad_token_id=PAD, seed=RNG.randrange(2**30))
     uninterrupted = Loader(examples, **kwargs)
-    uninterrupted.take(RNG.randint(3, 14))  # stop mid-epoch (or in a later one)
+    drawn = RNG.randint(3, 14)
+    uninterrupted.take(drawn)  # stop mid-epoch (or in a later one)
     state = uninterrupted.state_dict()
     expected = uninterrupted.take(25)  # crosses at least one epoch boundary
     resumed = Loader(examples, **kwargs)
-    resumed.load_state_dict(dict(state))
+    resumed.load_state_dict(dict(state), drawn)
     for want, got in zip(expected, resumed.take(25), strict=True):
         assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.labels, got.labels)
         assert want.num_tokens == got.num_tokens
     assert resumed.state_dict() == uninterrupted.state_dict()
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_data_position_that_does_not_fit_the_step_is_refused(packing):
+    """The position must fit the batches the checkpoint's step drew: each takes batch_size examples, with packing at
+    most seq_len a row. An epoch of 10**30, another step's position or a value that is no integer is refused."""
+    examples = _examples(30, max_len=10, seed=RNG.randrange(2**30))
+    kwargs = dict(batch_size=3, seq_len=16, packing=packing, pad_token_id=PAD, seed=7)
+    drawn = RNG.randint(3, 14)
+    loader = Loader(examples, **kwargs)
+    loader.take(drawn)
+    state = loader.state_dict()
+    Loader(examples, **kwargs).load_state_dict(dict(state), drawn)  # its own step: fits
+    for bad, batches in (({**state, "epoch": 10**30}, drawn), (state, drawn + 40), ({**state, "position": "3"}, drawn),
+                         ({**state, "epoch": True}, drawn), ({"epoch": 0}, drawn)):
+        with pytest.raises(LazyTrainError, match="the checkpoint's data position") as err:
+            Loader(examples, **kwargs).load_state_dict(dict(bad), batches)
+        assert "\n" not in str(err.value)
 
 
 def test_step_num_tokens_is_known_before_running_the_micro_batches():
@@ -154,7 +173,7 @@ def test_bad_inputs_are_one_line_errors():
                seed=0)
     loader = Loader(examples, batch_size=1, seq_len=8, packing=True, pad_token_id=PAD, seed=0)
     with pytest.raises(LazyTrainError, match="same dataset and seed"):
-        loader.load_state_dict({"epoch": 0, "position": 1, "seed": 1, "num_examples": 5})
+        loader.load_state_dict({"epoch": 0, "position": 1, "seed": 1, "num_examples": 5}, 1)
     with pytest.raises(LazyTrainError, match="labels"):
         Example([1, 2], [1])
 

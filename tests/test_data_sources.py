@@ -221,6 +221,53 @@ def test_a_null_jsonl_through_the_cli_is_exit_2_not_a_crash(tmp_path):
                                   "object; each line must be one object of columns"
 
 
+def test_a_dataset_path_that_is_no_file_nor_folder_is_refused_before_it_is_opened(tmp_path):
+    """A FIFO (open() would wait for a writer forever), named directly, as a .txt corpus or by dataset_info.json,
+    is refused in one line; through `lazytrain train` within seconds, exit 2."""
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / "text.txt")
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"piped": {"file_name": "rows.jsonl"}}))
+    for dataset, dataset_dir in ((str(fifo), "data"), (str(tmp_path / "text.txt"), "data"), ("piped", str(tmp_path))):
+        with pytest.raises(LazyTrainError) as err:
+            check_names(dataset, None, dataset_dir)
+        assert "is not a regular file or folder (a FIFO)" in str(err.value) and "\n" not in str(err.value)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    done = subprocess.run([sys.executable, "-m", "lazytrain", "train", f"dataset={fifo}", "model=debug",
+                           f"output_dir={tmp_path / 'run'}", "progress=false"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "(a FIFO)" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_dataset_info_file_name_outside_dataset_dir_is_refused(tmp_path):
+    """file_name is relative to dataset_dir and stays in it: `..` or an absolute path is refused, even when the
+    file it names exists."""
+    data = tmp_path / "a" / "data"
+    data.mkdir(parents=True)
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "secret"}) + "\n")
+    (data / "dataset_info.json").write_text(json.dumps({"up": {"file_name": "../../x.jsonl"},
+                                                        "absolute": {"file_name": str(tmp_path / "x.jsonl")}}))
+    for name in ("up", "absolute"):
+        with pytest.raises(LazyTrainError) as err:
+            resolve((name,), str(data))
+        assert "outside" in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_line_longer_than_the_bound_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    """A jsonl line is read with a bound (rows.MAX_LINE_BYTES, lowered here): a file with no line break is refused
+    after reading the bound, not after holding the whole file (a 2 GiB one took 4.5 GiB)."""
+    from lazytrain.data import rows
+
+    monkeypatch.setattr(rows, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "one_line.jsonl"
+    path.write_text(json.dumps({"text": _words(2000)}))  # ~8 KB, no line break
+    with pytest.raises(LazyTrainError) as err:
+        rows._path_rows(path, "train")
+    assert "line 1 is longer than 1000 bytes" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": _words(100)[:900]}) + "\n")
+    assert len(rows._path_rows(path, "train")) == 2  # lines up to the bound are read
+
+
 # ---- templates ---------------------------------------------------------------------------------------------
 CONVERSATION = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi there"},
                 {"role": "assistant", "content": "Hello 12"}, {"role": "user", "content": "And 3+4?"},

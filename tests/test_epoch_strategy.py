@@ -182,8 +182,9 @@ def test_the_best_checkpoint_survives_rotation_and_a_resume(job_files, tmp_path,
 
 def test_the_best_checkpoint_read_back_at_resume_is_looked_up_in_the_run_never_followed(tmp_path):
     """trainer_state.json is data: its best_model_checkpoint is matched by name among the run's own complete
-    checkpoints (a run directory that moved keeps its best; a path elsewhere, a damaged checkpoint, a non-finite
-    metric or a step that is no count are not taken)."""
+    checkpoints (a run directory that moved keeps its best). A path elsewhere, a damaged checkpoint, one after the
+    best step, a best step after the checkpoint read, a non-finite metric or a step that is no count are not taken,
+    and the metric is forgotten with its checkpoint (a forged best_metric was kept for a checkpoint forgotten)."""
     from lazytrain.train.checkpoint import FORMAT, MANIFEST
     from lazytrain.train.trainer import best_of
 
@@ -200,11 +201,15 @@ def test_the_best_checkpoint_read_back_at_resume_is_looked_up_in_the_run_never_f
 
     assert read(str(run / "checkpoint-4")) == ((metric, 4), run / "checkpoint-4")
     assert read("/a/run/that/moved/checkpoint-4") == ((metric, 4), run / "checkpoint-4")
-    assert read(str(elsewhere / "model")) == ((metric, 4), None)
-    assert read(str(elsewhere / "model" / ".." / ".." / "run" / "checkpoint-9")) == ((metric, 4), None)
+    assert read(None, step=6) == ((metric, 6), None)  # the best step was evaluated, not saved: the HF Trainer's state
+    assert read(str(run / "checkpoint-4"), step=6) == ((metric, 6), run / "checkpoint-4")  # the best saved before it
+    assert read(str(elsewhere / "model")) == (None, None)
+    assert read(str(elsewhere / "model" / ".." / ".." / "run" / "checkpoint-9")) == (None, None)
+    assert read(str(run / "checkpoint-8"), step=4) == (None, None)  # a checkpoint after its best step
+    assert read(None, step=9) == (None, None)  # a best after the checkpoint that records it
     (run / "checkpoint-4" / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": {"model.safetensors": {
         "bytes": 10, "xxh3_128": "0" * 32}}}))  # its weights are missing
-    assert read(str(run / "checkpoint-4")) == ((metric, 4), None)
+    assert read(str(run / "checkpoint-4")) == (None, None)
     for value, step in ((float("nan"), 4), (float("inf"), 4), (True, 4), (metric, -1), (metric, 4.5)):
         assert read(str(run / "checkpoint-8"), value, step) == (None, None)
 

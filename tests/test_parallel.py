@@ -366,10 +366,10 @@ def test_rank_shards_make_up_the_global_batch_and_resume(packing):
                 assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name))
         assert sum(p.num_tokens for p in parts) == whole.num_tokens
     resumed = RankBatches(_source(batch * world, packing), _ranks(1, world), batch)
-    resumed.load_state_dict(shards[1].state_dict())
+    resumed.load_state_dict(shards[1].state_dict(), 3)
     assert torch.equal(resumed.next().input_ids, shards[1].next().input_ids)
     with pytest.raises(LazyTrainError, match=r"3 rank\(s\) and this run has 2"):
-        RankBatches(_source(batch * 2, packing), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict())
+        RankBatches(_source(batch * 2, packing), _ranks(1, 2), batch).load_state_dict(shards[1].state_dict(), 3)
 
 
 def test_a_world_size_that_was_not_launched_is_refused(tmp_path):
@@ -492,6 +492,56 @@ def test_a_rank_failing_mid_checkpoint_leaves_no_checkpoint_that_auto_would_pick
     assert not (out / "checkpoint-4").exists() and not list(out.glob(".tmp-*"))
     assert incomplete_reason(out / "checkpoint-2") is None
     assert resume_checkpoint("auto", out) == out / "checkpoint-2"
+
+
+def _queued_collectives_after_a_hang(rank: int, init: str, out: str, timeout_s: float, queued: int) -> None:
+    """Rank 1 stops itself (SIGSTOP: alive, silent) once both joined; rank 0 then makes `queued` collectives in a
+    row, as a lane's queued gradient sums do after the first fails, and writes when each one failed."""
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
+    ranks = Ranks(rank=rank, world_size=2, local_rank=rank, local_world_size=2, backend="gloo", timeout_s=timeout_s)
+    ranks.barrier("joining")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    t0, failed = time.monotonic(), []
+    for k in range(queued):
+        try:
+            ranks.all_reduce_sum([1.0], f"sum {k}")
+        except RankLost as err:
+            failed.append((time.monotonic() - t0, str(err)))
+    Path(out).write_text(json.dumps(failed))
+    os._exit(0)  # (no teardown: the stopped peer would hold it)
+
+
+def test_a_hung_rank_is_reported_after_one_timeout_whatever_is_queued_behind(tmp_path):
+    """The first collective to wait for a stopped rank fails after collective_timeout_s and a roll call; every later
+    one (the lanes' queued sums, a checkpoint's barrier) fails at once with the same line, no new wait and no new
+    roll call: the run stops after about one timeout, not one per queued collective."""
+    import multiprocessing
+    import signal
+
+    from lazytrain.distributed.ranks import ALIVE_WAIT_S
+
+    timeout_s, queued, out = 2.0, 6, tmp_path / "failed.json"
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_queued_collectives_after_a_hang,
+                             args=(r, f"file://{tmp_path / 'store'}", str(out), timeout_s, queued)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=120)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].join()
+    failed = json.loads(out.read_text())
+    assert len(failed) == queued
+    assert all(line == failed[0][1] and "rank 1 lost during sum 0" in line for _, line in failed), failed
+    # one timeout and one roll call, plus 1 s of slack for a loaded machine (each further one would add 2-3 s)
+    assert failed[-1][0] < timeout_s + ALIVE_WAIT_S + 1.0, failed
 
 
 # ---- the overlapped optimizer's fence across a node's ranks (distributed/shared.py GroupFence) ----------------

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them ("70GB", "1.5 TiB", "512MiB") and back."""
+"""Byte sizes as people write them ("70GB", "1.5 TiB", "512MiB") and back; the ranges a size and a link rate may
+take."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+# A size is at most 1 EiB: beyond any machine's memory or disk, and a sum of a few still fits an int64.
+MAX_BYTES = 2**60
+# A link rate (GB/s) is at least 1 MB/s (a GB then moves in 17 minutes; slower, an emulated transfer's sleep
+# outgrows what time.sleep accepts) and at most 1 PB/s (beyond any link); inf means unthrottled.
+MIN_GBPS, MAX_GBPS = 1e-3, 1e6
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -31,6 +37,11 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
     if not math.isfinite(value * _UNITS[unit]):
         raise LazyTrainError(f"{what}: {text!r} is not a finite size; write e.g. 70GB, 1.5TiB or 512MiB")
     return int(round(value * _UNITS[unit]))
+
+
+def rate_in_range(gbps: float) -> bool:
+    """A link rate LazyTrain plans and emulates with: MIN_GBPS..MAX_GBPS, or inf."""
+    return gbps == math.inf or MIN_GBPS <= gbps <= MAX_GBPS
 
 
 def format_bytes(num_bytes: float) -> str:

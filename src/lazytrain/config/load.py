@@ -173,15 +173,19 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], list[LazyTrainError]]:
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else "not UTF-8 text"
         raise LazyTrainError(f"config file {path}: cannot read it ({reason})") from None
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)  # (its reader already refuses control characters, a NUL byte)
         data = loader.get_single_data()
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
+        if isinstance(err, yaml.reader.ReaderError):
+            where = f" (control character #x{err.character:04x} at character {err.position})"
         raise LazyTrainError(f"config file {path}: not valid YAML{where}; fix the file") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     duplicates = [LazyTrainError(f"config file {path}: {key!r} is given twice (again at line {line}); YAML would keep "
                                  "the last silently: keep one") for key, line in loader.duplicates]
     if data is None:

@@ -3,8 +3,10 @@
 Strings from the command line and YAML 1.1 quirks (`1e-5` read as a string) become numbers, sizes such as `70GB`
 become bytes (keys ending in `_bytes`), `true`/`off` become booleans, a YAML list or `a,b` becomes a tuple. Every
 number is bounded here once: integers fit in 64 bits (a 5001-digit integer is refused, not parsed), NaN is never
-a value. The schema's `__post_init__` calls `convert` first and then `check` with its range rules; both collect
-every problem of a section, so a config with four mistakes is refused once, in four lines.
+a value. Keys carry their unit in their name, and the unit its range: a size (`_bytes`) is at most
+units.MAX_BYTES, a link rate (`_gbps`) in units.MIN_GBPS..MAX_GBPS or inf. The schema's `__post_init__` calls
+`convert` first and then `check` with its range rules; both collect every problem of a section, so a config with
+four mistakes is refused once, in four lines.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 
 from lazytrain.errors import LazyTrainError
-from lazytrain.units import parse_bytes
+from lazytrain.units import MAX_BYTES, MAX_GBPS, MIN_GBPS, parse_bytes, rate_in_range
 
 # A string key that may name several things: a YAML list (or tuple) of names is read as `a,b`.
 Names = Annotated[str, "names"]
@@ -175,6 +177,9 @@ def _as(key: str, value: Any, option: Any) -> Any:
                 return _NO
         if math.isnan(number):
             raise ConfigValueError(key, value, ": not a number; give a number")
+        if key.endswith("_gbps") and not rate_in_range(number):
+            raise ConfigValueError(key, value, f": out of range; a rate in GB/s must be in {MIN_GBPS:g}.."
+                                   f"{MAX_GBPS:g} (inf = unthrottled)")
         return number
     if option is str:
         return value if isinstance(value, str) else _NO
@@ -208,6 +213,8 @@ def _int(key: str, value: Any) -> Any:
             return _NO
     if abs(number) >= 2**INT_BITS:
         raise ConfigValueError(key, value, ": out of range; integers must be below 2**63")
+    if key.endswith("_bytes") and number > MAX_BYTES:
+        raise ConfigValueError(key, value, ": out of range; a size must be at most 1 EiB")
     return number
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lazytrain.errors import LazyTrainError
+from lazytrain.units import MAX_BYTES, MAX_GBPS, MIN_GBPS, rate_in_range
 
 GiB = 2**30
 # The machine's data links, each `<link>_gbps` here and a FIFO lane of the step program (plan/schedule.py LANES):
@@ -72,6 +73,11 @@ class HardwareSpec:
                     raise LazyTrainError(f"hardware {self.name!r}: layer_overhead_s must be >= 0, got {value!r}")
             elif value <= 0:
                 raise LazyTrainError(f"hardware {self.name!r}: {f.name} must be > 0, got {value!r}")
+            elif f.name.endswith("_gbps") and not rate_in_range(value):
+                raise LazyTrainError(f"hardware {self.name!r}: {f.name} must be a rate in {MIN_GBPS:g}..{MAX_GBPS:g} "
+                                     f"GB/s (inf = free), got {value!r}")
+            elif f.name.endswith("_bytes") and value != math.inf and value > MAX_BYTES:
+                raise LazyTrainError(f"hardware {self.name!r}: {f.name} must be at most 1 EiB, got {value!r}")
         for f in ("gpu_mem_bytes", "host_mem_bytes"):
             value = getattr(self, f)
             if value is not None and value != math.inf:

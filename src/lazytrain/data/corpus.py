@@ -24,6 +24,7 @@ import torch
 
 from lazytrain.config import CORPORA
 from lazytrain.data.loader import IGNORE_INDEX
+from lazytrain.data.sources import check_file_or_folder
 from lazytrain.errors import LazyTrainError
 
 MIN_DOCSTRING_CHARS = 80  # shorter docstrings ("Return x.") are mostly noise for a language model
@@ -89,6 +90,7 @@ def load_documents(corpus: str) -> list[str]:
     if corpus == "zen":
         return [zen_of_python()]
     path = Path(corpus)
+    check_file_or_folder(path, "corpus")
     try:
         return [path.read_text(encoding="utf-8")]
     except FileNotFoundError:

@@ -177,16 +177,29 @@ class Loader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "num_examples": len(self.examples)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, object], batches_drawn: int) -> None:
+        """Continue from the checkpoint's position, which must fit the `batches_drawn` its step took (step x
+        gradient_accumulation_steps): each batch takes batch_size examples, or with packing up to seq_len a row."""
+        keys = ("epoch", "position", "seed", "num_examples")
+        if sorted(state) != sorted(keys) or not all(isinstance(state[k], int) and not isinstance(state[k], bool)
+                                                    for k in keys):
+            raise LazyTrainError(f"the checkpoint's data position {str(state)[:120]} is not one of a dataset "
+                                 f"(integers {', '.join(keys)}); the checkpoint is damaged")
+        epoch, position = int(state["epoch"]), int(state["position"])  # type: ignore[call-overload]
         if state["seed"] != self.seed or state["num_examples"] != len(self.examples):
             raise LazyTrainError(
                 f"the checkpoint's data position is for {state['num_examples']} examples with seed {state['seed']}, "
                 f"but this run has {len(self.examples)} examples with seed {self.seed}; resume with the same "
                 "dataset and seed"
             )
-        if not 0 <= state["position"] < len(self.examples) or state["epoch"] < 0:
-            raise LazyTrainError(f"the checkpoint's data position {state} is out of range; the checkpoint is corrupt")
-        self.epoch, self.position = state["epoch"], state["position"]
+        taken = epoch * len(self.examples) + position
+        most = batches_drawn * self.batch_size * (self.seq_len if self.packing else 1)
+        if not 0 <= position < len(self.examples) or not batches_drawn * self.batch_size <= taken <= most:
+            raise LazyTrainError(f"the checkpoint's data position (epoch {epoch}, example {position}) does not fit "
+                                 f"the {batches_drawn} batches its step drew (step x gradient_accumulation_steps); "
+                                 "the checkpoint is damaged, or gradient_accumulation_steps changed: resume with "
+                                 "the checkpoint's")
+        self.epoch, self.position = epoch, position
         self._order = self._permutation(self.epoch)
 
 

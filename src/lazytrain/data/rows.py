@@ -37,6 +37,9 @@ Message = dict[str, str]
 CANONICAL = ("kind", "messages", "text", "prompt", "completion")
 ROLES = ("system", "user", "assistant")
 MAX_ERROR_VALUE = 80
+# A jsonl line is read up to this many bytes: 64 MiB of text is millions of tokens, far beyond any cutoff_len, and
+# a file without line breaks is refused after reading this much, not after holding all of it (twice, decoded).
+MAX_LINE_BYTES = 64 << 20
 
 
 # =====================================================================================================
@@ -87,7 +90,10 @@ def _jsonl_rows(path: Path) -> list[Row]:
     """One JSON object a line (a .json file whose text starts with `{` is read the same way: JSON lines)."""
     rows = []
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise LazyTrainError(f"dataset file {path} line {number} is longer than {MAX_LINE_BYTES} bytes (no "
+                                     "line break within them); each line must be one JSON object of at most that")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:

@@ -8,12 +8,15 @@ relative to `dataset_dir`) or `hf_hub_url` (a dataset id, read from the local HF
 `query`, `response`, `history`, `system`; sharegpt's `messages`, `system`), `tags` (sharegpt's role and content
 keys and the role names: `role_tag`, `content_tag`, `user_tag`, `assistant_tag`, `system_tag`, ...), `split`,
 `subset` and `num_samples` (rows drawn at random). Entries for what LazyTrain does not train on (`ranking`
-pairs, images, videos, audios, tools, `script_url`, `ms_hub_url` alone) are refused by name.
+pairs, images, videos, audios, tools, `script_url`, `ms_hub_url` alone) are refused by name. A `file_name` stays
+inside `dataset_dir` (no `..`, not absolute), and every local path is a regular file or a folder: a FIFO, socket or
+device is refused before anything opens it (a FIFO's open() waits for a writer forever).
 """
 
 from __future__ import annotations
 
 import json
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,22 @@ def check_names(dataset: str, eval_dataset: str | None, dataset_dir: str) -> Non
                                  "corpora are not mixed); list SFT datasets only")
         if not single:
             resolve(names, dataset_dir, key)
+        elif single[0].endswith(".txt"):
+            check_file_or_folder(Path(single[0]), key)
+
+
+def check_file_or_folder(path: Path, key: str = "dataset") -> None:
+    """`path`, when it exists, is a regular file or a folder (after symlinks): anything else is refused before it is
+    opened (a FIFO blocks open() until a writer comes, a device reads forever)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # missing or unreadable: the reader says so in its own words
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device" if (
+            stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else "special file"
+        raise LazyTrainError(f"{key} {path} is not a regular file or folder (a {kind}); name a dataset file or "
+                             "folder, or copy the data into one")
 
 
 def resolve(names: tuple[str, ...], dataset_dir: str, key: str = "dataset") -> list[Source]:
@@ -89,6 +108,7 @@ def resolve(names: tuple[str, ...], dataset_dir: str, key: str = "dataset") -> l
             raise LazyTrainError(f"{key} {name} is a LLaMA-Factory data folder (its dataset_info.json names "
                                  f"datasets, e.g. {listed}); set dataset_dir: {name} and {key} to names in it")
         if path.exists():
+            check_file_or_folder(path, key)
             sources.append(Source(name=name, path=path))
         elif info is not None and name in info:
             sources.append(_entry(name, info[name], Path(dataset_dir), key))
@@ -172,7 +192,12 @@ def _entry(name: str, entry: Any, dataset_dir: Path, key: str) -> Source:
                   tags={**SHAREGPT_TAGS, **tags} if formatting != "alpaca" else {},
                   split=str(entry.get("split", "train")), subset=entry.get("subset"), num_samples=num_samples)
     if "file_name" in entry:
-        path = dataset_dir / str(entry["file_name"])
+        file_name = Path(str(entry["file_name"]))
+        if file_name.is_absolute() or ".." in file_name.parts:
+            raise LazyTrainError(f"{where}: file_name {entry['file_name']} is outside {dataset_dir}; file names are "
+                                 "relative to dataset_dir and stay in it: move the file there")
+        path = dataset_dir / file_name
+        check_file_or_folder(path, f"{where}: file_name")
         if not path.exists():
             raise LazyTrainError(f"{where}: file_name {entry['file_name']} is not in {dataset_dir}; put the file "
                                  "there or fix file_name")

@@ -19,7 +19,7 @@ from lazytrain.errors import LazyTrainError
 class BatchSource(Protocol):
     def next(self) -> Batch: ...
     def state_dict(self) -> dict[str, object]: ...
-    def load_state_dict(self, state: dict[str, object]) -> None: ...
+    def load_state_dict(self, state: dict[str, object], batches_drawn: int) -> None: ...
 
 
 class RankBatches:
@@ -45,9 +45,9 @@ class RankBatches:
     def state_dict(self) -> dict[str, object]:
         return {**self.source.state_dict(), "world_size": self.ranks.world_size}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object], batches_drawn: int) -> None:
         check_world_size(state, self.ranks.world_size)
-        self.source.load_state_dict({k: v for k, v in state.items() if k != "world_size"})
+        self.source.load_state_dict({k: v for k, v in state.items() if k != "world_size"}, batches_drawn)
 
 
 def check_world_size(data_state: dict[str, object], world_size: int) -> None:

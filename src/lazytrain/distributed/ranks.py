@@ -12,7 +12,9 @@ CUDA run's sums are the ones this machine tests. The default group (nccl on CUDA
 
 Every collective goes through `Ranks._collective`: a failure (a peer that died closes its sockets at once; a
 peer that hangs trips the timeout) becomes one `RankLost` line naming the rank(s) that did not answer, found by
-asking the rendezvous store which ranks are still alive.
+asking the rendezvous store which ranks are still alive. That line is the run's end: every later collective (the
+lanes' queued gradient sums, the fence, a checkpoint's barrier) fails with it at once, never waiting nor calling
+the roll again, so a hung rank is reported after one timeout whatever was queued behind the first.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Ranks:
     node_group: dist.ProcessGroup | None = None  # gloo, this node's ranks (None: the host group)
     across_group: dist.ProcessGroup | None = None  # gloo, the same local rank on every node (None: one node)
     node_weights: NodeWeights | None = None  # the node's shared host mapping, once the model is in it (share_model)
+    lost: str | None = None  # the first failed collective's line: every later one fails with it at once
 
     @property
     def is_main(self) -> bool:
@@ -192,14 +195,23 @@ class Ranks:
 
     # ---- faults -----------------------------------------------------------------------------------
     def _collective(self, what: str, fn: Callable[[], object]) -> None:
+        self.check_lost()
         try:
             fn()
         except RuntimeError as err:  # DistBackendError, gloo's connection errors and timeouts are RuntimeErrors
-            lost = self.lost_ranks()
-            who = (f"rank {', '.join(map(str, lost))}" if lost else "a rank") + " lost"
-            first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-            raise RankLost(f"{who} during {what} (rank {self.rank} of {self.world_size} stops; "
-                           f"{first}); resume from the last checkpoint with resume_from_checkpoint=auto") from None
+            if self.lost is None:  # (another thread's collective may have failed meanwhile: its line stands)
+                lost = self.lost_ranks()
+                who = (f"rank {', '.join(map(str, lost))}" if lost else "a rank") + " lost"
+                first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+                self.lost = (f"{who} during {what} (rank {self.rank} of {self.world_size} stops; {first}); resume "
+                             "from the last checkpoint with resume_from_checkpoint=auto")
+            raise RankLost(self.lost) from None
+
+    def check_lost(self) -> None:
+        """RankLost with the first failure's line once a collective failed (what waits for the ranks calls it
+        first: a queued collective would otherwise wait out the timeout again, one after another)."""
+        if self.lost is not None:
+            raise RankLost(self.lost)
 
     def lost_ranks(self) -> list[int]:
         """The ranks that do not answer a roll call on the rendezvous store within ALIVE_WAIT_S (every survivor

@@ -211,12 +211,14 @@ class GroupFence:
             now = time.monotonic()
             if now >= check:
                 check = now + ALIVE_CHECK_S
+                r.check_lost()  # a collective already found a rank lost: that is the run's line
                 gone = not _alive(pid)
                 if gone or now - start > r.timeout_s:
                     why = "its process is gone" if gone else f"no update within {r.timeout_s:g} s"
-                    raise RankLost(f"rank {owner} lost during the update of {self.names[index]} (rank {r.rank} of "
-                                   f"{r.world_size} stops; {why}); resume from the last checkpoint with "
-                                   "resume_from_checkpoint=auto")
+                    r.lost = r.lost or (f"rank {owner} lost during the update of {self.names[index]} (rank {r.rank} "
+                                        f"of {r.world_size} stops; {why}); resume from the last checkpoint with "
+                                        "resume_from_checkpoint=auto")
+                    raise RankLost(r.lost)
             time.sleep(FENCE_POLL_S)
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -527,31 +527,48 @@ def load_checkpoint(saved: Saved, *, model: PreTrainedModel, optimizer: torch.op
 
 
 def _load_weights(path: Path, model: PreTrainedModel, skip: set[str]) -> None:
-    """The masters (or the HF folder's tensors where they are the masters) into the parameters, each checked; but
-    those in `skip` (offloaded masters: train/offload.py loads them into their files)."""
+    """The masters (or the HF folder's tensors where they are the masters) into the parameters, each checked (shape,
+    dtype: never cast; finite); but those in `skip` (offloaded masters: train/offload.py loads them into their
+    files). With master.safetensors the run resumes from it, and the HF folder beside it, which from_pretrained
+    loads, must be the masters' rounding: finite, and bit for bit what rounding them gives."""
     master = path / STATE_DIR / "master.safetensors"
-    files = [master] if master.exists() else sorted(path.glob("*.safetensors"))
+    shards = sorted(path.glob("*.safetensors"))
     params = {n: p for n, p in model.named_parameters() if n not in skip}
     loaded: set[str] = set()
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                    if name not in params:
-                        continue
-                    t = f.get_tensor(name)
-                    if t.shape != params[name].shape:
-                        raise state_data.BadState(f"{file.name}'s {name} is {tuple(t.shape)}, the model's "
-                                                   f"{tuple(params[name].shape)}")
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise state_data.BadState(f"{file.name}'s {name} holds NaN or infinite values (a diverged "
-                                                   "or damaged checkpoint)")
-                    params[name].copy_(t)
-                    loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise state_data.BadState(f"it has no weights for {missing[0]} (and {len(missing) - 1} more); it was saved "
-                                   "from another model: resume with the run's own model")
+        for file in [master] if master.exists() else shards:
+            for name, t in _tensors(file, params):
+                p = params[name]
+                if t.shape != p.shape or t.dtype != p.dtype:
+                    raise state_data.BadState(f"{file.name}'s {name} is {tuple(t.shape)} {t.dtype}, the model's "
+                                               f"{tuple(p.shape)} {p.dtype} (a damaged or edited checkpoint)")
+                p.copy_(t)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise state_data.BadState(f"it has no weights for {missing[0]} (and {len(missing) - 1} more); it was "
+                                       "saved from another model: resume with the run's own model")
+        if master.exists():
+            for file in shards:
+                for name, t in _tensors(file, params):
+                    if t.shape != params[name].shape or not torch.equal(t, params[name].to(t.dtype)):
+                        raise state_data.BadState(
+                            f"{file.name}'s {name} is not the rounding of master.safetensors' {name} to {t.dtype}: "
+                            "the HF folder (what from_pretrained loads) and the masters (what the run resumes "
+                            "from) differ; the checkpoint is damaged: resume from another one")
+
+
+def _tensors(file: Path, params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file that name a parameter in `params`, each checked finite (every tensor is
+    read: a non-finite one that is no parameter, a buffer, is refused too)."""
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+            t = f.get_tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise state_data.BadState(f"{file.name}'s {name} holds NaN or infinite values (a diverged or "
+                                           "damaged checkpoint)")
+            if name in params:
+                yield name, t
 
 
 def _unreadable(path: Path, err: BaseException) -> LazyTrainError:

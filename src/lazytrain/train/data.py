@@ -145,8 +145,15 @@ class CorpusBatches:
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        for _ in range(state["consumed"] - self.consumed):
+    def load_state_dict(self, state: dict[str, object], batches_drawn: int) -> None:
+        """Draw up to the checkpoint's position, which must be the `batches_drawn` its step took (step x
+        gradient_accumulation_steps): a position from a damaged or edited data.json is never walked to."""
+        consumed = state.get("consumed")
+        if consumed != batches_drawn or isinstance(consumed, bool) or len(state) != 1:
+            raise LazyTrainError(f"the checkpoint's data position {str(state)[:120]} is not the {batches_drawn} "
+                                 "batches its step drew (step x gradient_accumulation_steps); the checkpoint is "
+                                 "damaged, or gradient_accumulation_steps changed: resume with the checkpoint's")
+        for _ in range(batches_drawn - self.consumed):
             self.next()
 
 

@@ -186,6 +186,15 @@ def _extras(saved: dict[str, Any]) -> dict[str, Any]:
 # =====================================================================================================
 # RNG states
 # =====================================================================================================
+def seed_rngs(seed: int) -> None:
+    """Seed every generator `rng_states` saves from the run's `seed` (0..2**63-1), so that two runs of one job write
+    the same checkpoints: Python's, numpy's global one (its seed is 32-bit words: the seed's low and high halves),
+    torch's and each CUDA device's."""
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.manual_seed(seed)
+
+
 def rng_states() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(rng.json, rng.safetensors): Python's and numpy's Mersenne Twister states as JSON, torch's (and each CUDA
     device's) generator states as uint8 tensors."""

@@ -37,7 +37,7 @@ from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
-from lazytrain.train import rundir
+from lazytrain.train import rundir, state_data
 from lazytrain.train.build import (
     build_device,
     build_executor,
@@ -50,6 +50,7 @@ from lazytrain.train.build import (
 from lazytrain.train.checkpoint import (
     Saved,
     TrainerState,
+    checkpoint_step,
     checkpoints,
     incomplete_reason,
     keep_best_only,
@@ -127,7 +128,7 @@ def _train(job: JobConfig) -> TrainResult:
     # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
     run = resolve_job(job)
     job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
-    torch.manual_seed(job.runtime.seed)
+    state_data.seed_rngs(job.runtime.seed)
 
     with StopSignals() as signals:
         # ---- data -----------------------------------------------------------------------------------
@@ -600,7 +601,7 @@ class Trainer:
                                                  nvme=self.nvme)
         if self.shard is not None:  # every rank loaded its groups' states (and wrote the same weights)
             self.shard.fence("loading the checkpoint")
-        self.batches.load_state_dict(data_state)
+        self.batches.load_state_dict(data_state, self.state.step * self.job.optim.gradient_accumulation_steps)
         self.policy.consecutive, self.policy.skipped = self.state.consecutive_skips, self.state.skipped_steps
         self.best, self.best_checkpoint = best_of(path)
         self.resumed = True
@@ -646,8 +647,10 @@ class Trainer:
 def best_of(checkpoint: Path) -> tuple[tuple[float, int] | None, Path | None]:
     """The best eval_loss and its step, and the best checkpoint, a checkpoint's trainer_state.json recorded (as the
     HF Trainer resumes them). The file is data: a best checkpoint is looked up by its name among the complete
-    checkpoints beside this one (never a path the file names elsewhere; a run directory that moved keeps it), and
-    one that is gone, a non-finite metric or a step that is not a count are forgotten."""
+    checkpoints beside this one (never a path the file names elsewhere; a run directory that moved keeps it). The
+    metric and the checkpoint are forgotten together when either does not hold: a checkpoint named but gone, one
+    after the best step or after this checkpoint's step, a non-finite metric, a step that is not a count. (A metric
+    without a checkpoint is the HF Trainer's own state when the best step was evaluated but not saved.)"""
     try:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         metric, step, best = state.get("best_metric"), state.get("best_global_step"), state.get("best_model_checkpoint")
@@ -656,9 +659,15 @@ def best_of(checkpoint: Path) -> tuple[tuple[float, int] | None, Path | None]:
     if not (isinstance(metric, int | float) and not isinstance(metric, bool) and math.isfinite(metric)
             and isinstance(step, int) and not isinstance(step, bool) and step >= 0):
         return None, None
+    own = checkpoint_step(checkpoint)
+    if own is not None and step > own:  # a best evaluated after this checkpoint was written
+        return None, None
+    if best is None:
+        return (float(metric), step), None
     name = Path(best).name if isinstance(best, str) else None
-    found = [p for p in checkpoints(checkpoint.parent) if p.name == name and incomplete_reason(p) is None]
-    return (float(metric), step), (found[0] if found else None)
+    found = [p for p in checkpoints(checkpoint.parent) if p.name == name and incomplete_reason(p) is None
+             and (checkpoint_step(p) or 0) <= step]
+    return ((float(metric), step), found[0]) if found else (None, None)
 
 
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]
