@@ -17,11 +17,16 @@ optimizer state, so the host holds them once, in the dtype they stream in.
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
 from lazytrain.errors import LazyTrainError
@@ -49,8 +54,10 @@ class LoraSettings:
 class LoraLinear(nn.Module):
     """A frozen linear with a trainable low-rank update: base(x) + B(A(dropout(x))) * scaling (PEFT's order)."""
 
-    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
+    def __init__(self, base: nn.Linear, settings: LoraSettings) -> None:
         super().__init__()
+        rank, scaling, dropout = settings.rank, settings.scaling, settings.dropout
+        self.settings = settings
         self.base_layer = base
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, dtype=torch.float32)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, dtype=torch.float32)
@@ -104,7 +111,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
             if isinstance(module, nn.Linear) and name.split(".")[-1] in targets:
                 parent_name, _, child = name.rpartition(".")
                 parent = layer.get_submodule(parent_name) if parent_name else layer
-                setattr(parent, child, LoraLinear(module, settings.rank, settings.scaling, settings.dropout))
+                setattr(parent, child, LoraLinear(module, settings))
     train_modules(model, settings.additional, "additional_target")
     return targets
 
@@ -158,6 +165,72 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable tensors by their model name (adapters, additional targets): what an adapter file holds."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+# ---- PEFT's adapter folder: adapter_config.json + adapter_model.safetensors -------------------------------
+PEFT_PREFIX = "base_model.model."  # PEFT's names of the wrapped model's tensors
+
+
+def lora_settings(model: nn.Module) -> LoraSettings | None:
+    """The LoRA settings of a model `add_lora` changed (None: it has no adapters), with its targets as found."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear)]
+    if not layers:
+        return None
+    targets = tuple(sorted({name.split(".")[-1] for name, _ in layers}))
+    return replace(layers[0][1].settings, targets=targets)
+
+
+def peft_config(model: nn.Module, base_model: str | None) -> dict[str, Any]:
+    """adapter_config.json of the model's adapters, as PEFT writes it (`LoraConfig` reads it back)."""
+    s = lora_settings(model)
+    assert s is not None
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": s.rank,
+            "lora_alpha": s.alpha if s.alpha is not None else 2 * s.rank, "lora_dropout": s.dropout,
+            "target_modules": list(s.targets), "use_rslora": s.rslora, "use_dora": False, "bias": "none",
+            "modules_to_save": list(s.additional) or None, "fan_in_fan_out": False, "init_lora_weights": True,
+            "inference_mode": True}
+
+
+def peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors' tensors: every trainable one (adapters, additional targets) by PEFT's name."""
+    return {PEFT_PREFIX + name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def read_adapter(folder: Path, dropout: float) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter folder's settings and tensors (by the model's names), checked; one line when it is not
+    one LazyTrain can train on. The config is data: only its LoRA fields are read."""
+    config_path, tensors_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_path.is_file() or not tensors_path.is_file():
+        raise LazyTrainError(f"adapter_name_or_path {folder}: not a PEFT adapter folder (it needs "
+                             "adapter_config.json and adapter_model.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+        if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+            raise ValueError(f"peft_type {config.get('peft_type') if isinstance(config, dict) else None!r}, "
+                             "not LORA")
+        if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise ValueError("DoRA or per-module ranks are not supported")
+        targets = config.get("target_modules")
+        targets = tuple(targets) if isinstance(targets, list) else tuple(str(targets).split(","))
+        settings = LoraSettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=dropout,
+                                targets=targets, rslora=bool(config.get("use_rslora", False)),
+                                additional=tuple(config.get("modules_to_save") or ()))
+        tensors = {name.removeprefix(PEFT_PREFIX).replace(".default", ""): t
+                   for name, t in load_file(str(tensors_path)).items()}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
+        raise LazyTrainError(f"adapter_name_or_path {folder}: cannot be read ({err})") from None
+    return settings, tensors
+
+
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Every trainable tensor of `model` from `tensors` (shapes checked, finite), or one line naming what is off."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise LazyTrainError(f"{where} has no tensor for {missing[0]} (and {len(missing) - 1} more); it was made "
+                             "for another model or other lora_target")
+    with torch.no_grad():
+        for name, p in params.items():
+            t = tensors[name]
+            if t.shape != p.shape or not bool(torch.isfinite(t).all()):
+                raise LazyTrainError(f"{where}: {name} is {tuple(t.shape)} (the model's {tuple(p.shape)}) or not "
+                                     "finite")
+            p.copy_(t)

@@ -260,9 +260,9 @@ class Executor:
         buffer (compute dtype) or fp32 sum, no cast and no copy; empty before the group's first gradient. What the
         trainer's optimizer steps from (optim/chunked.py casts chunk by chunk)."""
         group = self.group_at(index)
-        if group is None:
-            weight = self.param_groups()[index][0]
-            return {} if self._embedding_grad is None else {weight: self._embedding_grad}
+        if group is None:  # the untied embedding (frozen: no parameter, no gradient)
+            weights = self.param_groups()[index]
+            return {} if self._embedding_grad is None or not weights else {weights[0]: self._embedding_grad}
         if group.grad is None:
             return {}
         return {p: group.grad_of(p) for p in group.trainable}

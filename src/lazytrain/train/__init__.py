@@ -9,6 +9,7 @@ The package, in the order a run uses it (torchtitan's components behind a short 
   metrics.py     report lines, metrics.jsonl, tensorboard, loss.png
   signals.py     SIGINT / SIGTERM: finish the step, save, exit 130 / 143
   trainer.py     build -> loop -> close, and `train_step`
+  export.py      `lazytrain export`: a checkpoint (LoRA merged into its base) as an HF model folder
 """
 
 from importlib import import_module
