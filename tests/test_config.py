@@ -35,7 +35,8 @@ def test_every_key_has_a_docstring_and_a_section():
     assert set(docs) == set(KEYS)
     assert all(len(text) > 15 for text in docs.values())
     assert len(KEYS) == len(set(KEYS))  # a key lives in exactly one section
-    assert set(SECTIONS) == {"model", "data", "plan", "runtime", "optim", "checkpoint", "metrics", "parallel"}
+    assert set(SECTIONS) == {"model", "finetune", "data", "plan", "runtime", "optim", "checkpoint", "metrics",
+                             "parallel"}
     assert all(alias not in KEYS and target in KEYS for alias, target in ALIASES.items())
 
 

@@ -63,6 +63,10 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
     With ranks the node holds one copy (`distributed.share_model`): local rank 0 loads it and moves it into the
     node's shared memory; the other local ranks load nothing and map it."""
     check_init(source, job.model.init)  # the weights are there: the root cause before any count of them
+    if job.finetune.finetuning_type == "lora" and not starts_from_weights(job, source):
+        raise LazyTrainError(f"finetuning_type lora adapts a model's weights, and {job.model.model} has none to "
+                             "start from (a built-in shape, a bare config.json or init random): give a model "
+                             "folder with safetensors weights, or set finetuning_type full")
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
     if ranks is not None and ranks.local_rank != 0:
