@@ -348,6 +348,14 @@ def test_foreign_values_lazytrain_does_not_act_on_are_refused_with_why(values, n
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_keys_of_another_finetuning_type_are_noted_once():
+    notes: list[str] = []
+    job = load_job_config({"model": "qwen2.5-7b", "finetuning_type": "freeze", "lora_rank": 16,
+                           "freeze_trainable_layers": 4}, notes=notes)
+    assert job.finetune.freeze_trainable_layers == 4
+    assert notes == ["finetuning_type freeze leaves lora_rank unused"]
+
+
 def test_steps_keys_an_epoch_strategy_leaves_unused_are_noted_once():
     """The HF Trainer ignores eval_steps under eval_strategy epoch silently; LazyTrain says so, once."""
     notes: list[str] = []

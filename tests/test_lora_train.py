@@ -67,8 +67,9 @@ def test_lora_run_writes_an_adapter_peft_loads_and_export_merges_it(tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_lora_resume_is_bit_for_bit(tmp_path):
-    config, _ = _job(tmp_path, max_steps=4, save_steps=2, dtype="bf16")
+@pytest.mark.parametrize("optimizer", ["adamw", "8bit"])
+def test_lora_resume_is_bit_for_bit(tmp_path, optimizer):
+    config, _ = _job(tmp_path, max_steps=4, save_steps=2, dtype="bf16", optimizer=optimizer)
     assert main(["train", str(config)]) == 0
     whole = tmp_path / "run"
     straight = (whole / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
