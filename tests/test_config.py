@@ -37,7 +37,8 @@ def test_every_key_has_a_docstring_and_a_section():
     assert set(docs) == set(KEYS)
     assert all(len(text) > 15 for text in docs.values())
     assert len(KEYS) == len(set(KEYS))  # a key lives in exactly one section
-    assert set(SECTIONS) == {"model", "data", "plan", "runtime", "optim", "checkpoint", "metrics", "parallel"}
+    assert set(SECTIONS) == {"model", "finetune", "data", "plan", "runtime", "optim", "checkpoint", "metrics",
+                             "parallel"}
     assert all(alias not in KEYS and target in KEYS for alias, target in ALIASES.items())
 
 
@@ -328,7 +329,9 @@ def test_llama_factory_and_hf_keys_map_onto_ours(tmp_path):
     ({"report_to": ["wandb", "tensorboard"]}, {"report_to": ("wandb", "tensorboard")}),
     ({"val_size": 0.0}, {"val_size": None}),
     ({"val_size": 25, "dataset": "train.jsonl"}, {"val_size": 25}),
-    ({"lora_rank": None, "use_dora": False, "hub_token": None}, {}),  # off: asks for nothing
+    ({"pissa_iter": None, "create_new_adapter": False, "hub_token": None}, {}),  # off: asks for nothing
+    ({"finetuning_type": "lora", "lora_target": ["q_proj", "v_proj"], "quantization_method": "bnb"},
+     {"finetuning_type": "lora", "lora_target": "q_proj,v_proj"}),
 ])
 def test_foreign_values(values, expected):
     if expected is None:
@@ -340,11 +343,12 @@ def test_foreign_values(values, expected):
 
 
 @pytest.mark.parametrize("values, needle", [
-    ({"finetuning_type": "lora"}, "finetuning_type = 'lora' (a LLaMA-Factory key): LazyTrain trains every parameter"),
+    ({"finetuning_type": "oft"}, "finetuning_type = 'oft': expected one of full, lora, freeze"),
+    ({"use_dora": True}, "use_dora is not implemented (LoRA trains plain low-rank adapters); remove it"),
     ({"deepspeed": "ds.json"}, "deepspeed = 'ds.json' (an HF Trainer key): LazyTrain does not run DeepSpeed"),
     ({"stage": "dpo"}, "stage = 'dpo' (a LLaMA-Factory key): LazyTrain trains with the language-model loss"),
     ({"do_train": False}, "`lazytrain train` always trains"),
-    ({"quantization_bit": 4}, "quantized (QLoRA) training is not implemented"),
+    ({"quantization_bit": 4}, "quantization_bit 4: a quantized base (QLoRA) is not implemented yet"),
     ({"flash_attn": "fa2"}, "LazyTrain runs attention through sdpa"),
     ({"fsdp": "full_shard"}, "LazyTrain does not shard with FSDP"),
     ({"save_strategy": "best"}, "save_strategy = 'best' (an HF Trainer key): LazyTrain saves every save_steps"),
@@ -359,7 +363,7 @@ def test_foreign_values(values, expected):
                                                                   "eval_strategy epoch"),
     ({"load_best_model_at_end": True, "eval_strategy": "no"}, "eval_strategy no, save_strategy steps"),
     ({"eval_strategy": "steps"}, "needs eval_steps"),
-    ({"lora_rank": 8}, "lora_rank = 8 (a LLaMA-Factory key): a LLaMA-Factory setting LazyTrain does not implement"),
+    ({"pissa_iter": 8}, "pissa_iter = 8 (a LLaMA-Factory key): a LLaMA-Factory setting LazyTrain does not implement"),
     ({"push_to_hub": True}, "nothing leaves this machine"),
     ({"optim": "sgd"}, "LazyTrain's optimizers are adamw"),
     ({"bf16": "maybe"}, "expected true or false"),
@@ -369,6 +373,14 @@ def test_foreign_values_lazytrain_does_not_act_on_are_refused_with_why(values, n
     with pytest.raises(LazyTrainError) as err:
         load_job_config(values)
     one_line(str(err.value), needle)
+
+
+def test_keys_of_another_finetuning_type_are_noted_once():
+    notes: list[str] = []
+    job = load_job_config({"model": "qwen2.5-7b", "finetuning_type": "freeze", "lora_rank": 16,
+                           "freeze_trainable_layers": 4}, notes=notes)
+    assert job.finetune.freeze_trainable_layers == 4
+    assert notes == ["finetuning_type freeze leaves lora_rank unused"]
 
 
 def test_steps_keys_an_epoch_strategy_leaves_unused_are_noted_once():

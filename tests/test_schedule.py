@@ -342,7 +342,7 @@ def test_the_head_slots_live_only_around_the_windows_that_use_them(tiers) -> Non
     weight slot from its h2d's issue in F_{L-1} to the end of the head's compute, the gradient slot from H to the
     fence of the backward's first window (B_{L-1}, or R_s when the last segment (s, L) recomputes), which waited
     for its d2h. The layer slots stay sized for layers."""
-    big = Shapes(**{**SHAPES.__dict__, "head_param_bytes": 3000})
+    big = Shapes(**{**SHAPES.__dict__, "head_param_bytes": 3000, "head_grad_bytes": 3000})
     assert (big.slots_bytes, big.head_slot_bytes, SHAPES.head_slot_bytes) == (2000, 3000, 0)
     p = build_program(tiers, big)
     runs = [k for k, a in enumerate(p.actions) if a.verb == "run"]

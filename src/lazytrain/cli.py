@@ -17,6 +17,8 @@ from lazytrain.errors import LazyTrainError
 SUBCOMMANDS = {
     "plan": ("lazytrain.job.plan_command", "solve the boundary placement for a model, hardware and workload"),
     "train": ("lazytrain.train", "train a model with a plan (default: a small model on an embedded corpus)"),
+    "export": ("lazytrain.train.export", "merge a LoRA checkpoint into its base model, or convert a checkpoint, "
+                                         "into a Hugging Face model folder"),
 }
 
 

@@ -3,8 +3,8 @@
 A LLaMA-Factory `train_full` YAML or an HF Trainer config runs as it is wherever LazyTrain does the same thing:
 `bf16: true` is `dtype: bf16`, `ddp_timeout` is `collective_timeout_s`, `resume_from_checkpoint: true` is
 `auto`, `eval_strategy: steps` evaluates every `eval_steps` and `epoch` at the end of every epoch. A key for
-something LazyTrain does not do is refused in one sentence that says what it does instead (`finetuning_type: lora`,
-`deepspeed`, `quantization_bit`); a key that only tunes how the original tool runs (`dataloader_num_workers`,
+something LazyTrain does not do is refused in one sentence that says what it does instead (`finetuning_type: oft`,
+`deepspeed`, `stage: dpo`); a key that only tunes how the original tool runs (`dataloader_num_workers`,
 `ddp_find_unused_parameters`) is accepted with a note printed at the start of the run. Every other key of either
 tool is refused unless it is off (None, false, 0): no key is silently ignored. The table below is also
 docs/config.md's "Coming from LLaMA-Factory / HF Trainer" section (docs.py).
@@ -164,15 +164,6 @@ def _stage(value: Any, given: Mapping[str, Any]) -> Translation:
                   "use LLaMA-Factory for it")
 
 
-def _finetuning_type(value: Any, given: Mapping[str, Any]) -> Translation:
-    kind = _text(value)
-    if kind == "full" or value is None:
-        return {}, None
-    raise Refused(f"LazyTrain trains every parameter (full fine-tuning, the layers streamed from host memory, so a "
-                  f"model larger than the GPU fits without adapters); {kind} is not implemented: set "
-                  "finetuning_type full, or use LLaMA-Factory for adapters")
-
-
 def _resume(value: Any, given: Mapping[str, Any]) -> Translation:
     if isinstance(value, bool) or _text(value) in _TRUE | _FALSE:
         return {"resume_from_checkpoint": "auto" if flag(value) else None}, None
@@ -213,9 +204,8 @@ TABLE: dict[str, Foreign] = {
     "flash_attn": accept(LF, {"auto": {}, "sdpa": {}},
                          "LazyTrain runs attention through sdpa (or the implementation the model's config.json "
                          "names); set flash_attn auto or sdpa", "auto, sdpa accepted (sdpa attention); fa2 refused"),
-    "quantization_bit": refuse(LF, "LazyTrain trains full-precision weights (bf16 / fp32) streamed from host memory; "
-                                   "quantized (QLoRA) training is not implemented: remove quantization_bit"),
-    "adapter_name_or_path": refuse(LF, "LazyTrain trains full models, not adapters: give the merged model as model"),
+    "quantization_method": accept(LF, {"bnb": {}, "bitsandbytes": {}}, "quantization_bit's method is bitsandbytes' "
+                                  "(bnb); remove quantization_method", "bnb accepted (with quantization_bit)"),
     "cache_dir": refuse(LF, "models and datasets are read from the HF cache; set HF_HOME (or HF_HUB_CACHE / "
                             "HF_DATASETS_CACHE) instead"),
     "use_fast_tokenizer": accept(LF, {"true": {}}, "the tokenizer is AutoTokenizer's fast one; remove "
@@ -240,8 +230,6 @@ TABLE: dict[str, Foreign] = {
                                                                 None)),
     "do_predict": refuse(BOTH, "LazyTrain does not generate predictions; evaluate the held-out loss with "
                                "eval_dataset or val_size"),
-    "finetuning_type": Foreign(LF, "full accepted; lora, freeze, oft refused (LazyTrain trains every parameter)",
-                               _finetuning_type),
     "pure_bf16": when_true(LF, {"dtype": "bf16", "master_weights": "bf16"},
                            "true: `dtype: bf16` with `master_weights: bf16` (needs optimizer 8bit or hybrid8bit)"),
     "use_galore": refuse(LF, _OPTIMIZERS), "use_apollo": refuse(LF, _OPTIMIZERS), "use_badam": refuse(LF, _OPTIMIZERS),
@@ -349,9 +337,8 @@ TABLE: dict[str, Foreign] = {
 # off (None, false, 0), with one generic sentence.
 OTHER_KEYS: dict[str, str] = dict.fromkeys((
     "buffer_size eval_num_beams data_shared_file_system preserve_thinking "
-    "freeze_trainable_layers freeze_trainable_modules freeze_extra_modules additional_target lora_alpha lora_dropout "
-    "lora_rank lora_target loraplus_lr_ratio loraplus_lr_embedding use_rslora use_dora pissa_init pissa_iter "
-    "pissa_convert create_new_adapter module_dropout oft_rank oft_block_size oft_target pref_beta pref_ftx "
+    "loraplus_lr_embedding pissa_iter pissa_convert create_new_adapter module_dropout oft_rank oft_block_size "
+    "oft_target pref_beta pref_ftx "
     "pref_bco_weight pref_loss dpo_label_smoothing kto_chosen_weight kto_rejected_weight simpo_gamma ppo_buffer_size "
     "ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards ref_model ref_model_adapters ref_model_quantization_bit "
     "reward_model reward_model_adapters reward_model_quantization_bit reward_model_type ld_alpha galore_target "
@@ -365,7 +352,7 @@ OTHER_KEYS: dict[str, str] = dict.fromkeys((
     "resize_vocab split_special_tokens add_tokens add_special_tokens new_special_tokens_config init_special_tokens "
     "model_revision shift_attn mixture_of_depths use_unsloth_gc moe_aux_loss_coef use_reentrant_gc upcast_layernorm "
     "upcast_lmhead_output infer_backend offload_folder use_kv_cache use_v1_kernels infer_dtype hf_hub_token "
-    "ms_hub_token om_hub_token print_param_status quantization_method quantization_type double_quantization "
+    "ms_hub_token om_hub_token print_param_status quantization_type double_quantization "
     "quantization_device_map image_max_pixels image_min_pixels image_do_pan_and_scan crop_to_patches "
     "video_max_pixels video_min_pixels video_fps video_maxlen use_audio_in_video audio_sampling_rate export_dir "
     "export_size export_device export_quantization_bit export_quantization_dataset export_quantization_nsamples "

@@ -246,6 +246,9 @@ def load_job_config(*sources: str | Path | Mapping[str, Any], overrides: Sequenc
     raise_all(flat.problems)
     assert job is not None
     if notes is not None:  # each once (a key given in several sources notes the same)
+        unused = job.finetune.ignored()  # another finetuning type's keys: ignored, as LLaMA-Factory does
+        if unused:
+            flat.notes.append(f"finetuning_type {job.finetune.finetuning_type} leaves {', '.join(unused)} unused")
         notes += [note for note in dict.fromkeys(flat.notes) if note not in notes]
     return job
 

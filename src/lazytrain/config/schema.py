@@ -1,6 +1,6 @@
-"""The schema of `lazytrain plan` and `lazytrain train`: one JobConfig of eight sections.
+"""The schema of `lazytrain plan` and `lazytrain train`: one JobConfig of nine sections.
 
-Eight sections of kw-only dataclasses (model, data, plan, runtime, optim, checkpoint, metrics, parallel). Each
+Nine sections of kw-only dataclasses (model, finetune, data, plan, runtime, optim, checkpoint, metrics, parallel). Each
 field is written once, here: its type (the value's check and conversion), its default (shared by both commands),
 and the docstring below it (the `--help` text and the table in docs/config.md, read from this file by
 config/docs.py). Key names follow the HF Trainer and LLaMA-Factory where one exists (`learning_rate`,
@@ -57,6 +57,78 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check(self, convert(self), (bool(self.model.strip()), "model", "a preset name or a path"))
+
+
+FinetuningType = Literal["full", "lora", "freeze"]
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_rslora", "use_dora",
+             "pissa_init", "loraplus_lr_ratio", "adapter_name_or_path", "quantization_bit")
+FREEZE_KEYS = ("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules")
+
+
+@dataclass(kw_only=True, frozen=True)
+class FinetuneConfig:
+    """Which parameters train (LLaMA-Factory's keys and meanings): every one, LoRA adapters on a frozen base, or the
+    last layers (freeze tuning). Frozen parameters stream like the others but get no gradient, no master weights
+    and no optimizer state."""
+
+    finetuning_type: FinetuningType = "full"
+    """`full`: every parameter; `lora`: low-rank adapters on the targeted linears of a frozen base (PEFT's LoRA);
+    `freeze`: the `freeze_trainable_layers` last layers' `freeze_trainable_modules` train, the rest is frozen."""
+    lora_rank: int = 8
+    """LoRA: the adapters' rank r (>= 1)."""
+    lora_alpha: float | None = None
+    """LoRA: the scale alpha, the update being B A x alpha / r (alpha / sqrt(r) with use_rslora); None = 2 x
+    lora_rank, as LLaMA-Factory."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input, in [0, 1) (the same masks in every re-forward of a layer)."""
+    lora_target: Names = "all"
+    """LoRA: the linear modules adapted, by name (`q_proj,v_proj`), or `all`: every linear of the decoder layers
+    (not the LM head; in an MoE model not the fused experts)."""
+    additional_target: Names | None = None
+    """LoRA: modules trained whole beside the adapters (`embed_tokens,lm_head`; PEFT's modules_to_save)."""
+    use_rslora: bool = False
+    """LoRA: rank-stabilized scaling alpha / sqrt(r)."""
+    use_dora: bool = False
+    """LoRA: DoRA's magnitude vectors; refused (not implemented)."""
+    pissa_init: bool = False
+    """LoRA: PiSSA's SVD initialization; refused (not implemented)."""
+    loraplus_lr_ratio: float | None = None
+    """LoRA: LoRA+'s larger learning rate of B; refused (not implemented)."""
+    adapter_name_or_path: str | None = None
+    """LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to continue training."""
+    quantization_bit: int | None = None
+    """LoRA: the frozen base quantized on the host (QLoRA); refused (not implemented: the base streams in the
+    compute dtype)."""
+    freeze_trainable_layers: int = 2
+    """freeze: the last n decoder layers train (the first -n when negative)."""
+    freeze_trainable_modules: Names = "all"
+    """freeze: the modules of those layers that train (`mlp,self_attn`), or `all`."""
+    freeze_extra_modules: Names | None = None
+    """freeze: modules outside the decoder layers that train too (`embed_tokens`, `norm`, `lm_head`)."""
+
+    def __post_init__(self) -> None:
+        problems = convert(self)
+        check(self, problems,
+              (1 <= self.lora_rank <= MAX_DIM, "lora_rank", f"an integer in 1..{MAX_DIM}"),
+              (self.lora_alpha is None or 0 < self.lora_alpha < math.inf, "lora_alpha", "a positive number"),
+              (0 <= self.lora_dropout < 1, "lora_dropout", "a number in [0, 1)"),
+              (bool(self.lora_target.strip()), "lora_target", "all or a comma-separated list of module names"),
+              (self.freeze_trainable_layers != 0, "freeze_trainable_layers", "a nonzero integer (the last n, or "
+                                                                             "the first -n layers)"))
+        for key, on in (("use_dora", self.use_dora), ("pissa_init", self.pissa_init),
+                        ("loraplus_lr_ratio", self.loraplus_lr_ratio is not None)):
+            if on:
+                raise LazyTrainError(f"{key} is not implemented (LoRA trains plain low-rank adapters); remove it")
+        if self.quantization_bit is not None:
+            raise LazyTrainError(f"quantization_bit {self.quantization_bit}: a quantized base (QLoRA) is not "
+                                 "implemented yet; the base streams in the compute dtype: remove quantization_bit")
+
+    def ignored(self) -> list[str]:
+        """The keys set away from their defaults that this finetuning_type does not use (LLaMA-Factory ignores
+        them too): noted once, not refused."""
+        default = FinetuneConfig()
+        unused = {"full": (*LORA_KEYS, *FREEZE_KEYS), "lora": FREEZE_KEYS, "freeze": LORA_KEYS}[self.finetuning_type]
+        return [k for k in unused if getattr(self, k) != getattr(default, k)]
 
 
 CORPORA = ("stdlib", "zen")  # built-in byte-level corpora (data/corpus.py); anything else .txt is a text file
@@ -437,8 +509,9 @@ class ParallelConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "plan": PlanConfig, "runtime": RuntimeConfig, "optim": OptimConfig,
-    "checkpoint": CheckpointConfig, "metrics": MetricsConfig, "parallel": ParallelConfig,
+    "model": ModelConfig, "finetune": FinetuneConfig, "data": DataConfig, "plan": PlanConfig,
+    "runtime": RuntimeConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -447,6 +520,7 @@ class JobConfig:
     """One job of `lazytrain plan` or `lazytrain train`: every section, with one set of defaults."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

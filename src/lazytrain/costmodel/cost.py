@@ -43,11 +43,13 @@ from collections.abc import Iterable, Sequence
 
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import HYBRID_TYPES, ModelSpec
+from lazytrain.costmodel.trainable import Trainable
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 
 # the host optimizers: torch AdamW (fp32 states), Hybrid8bitAdamW (the paper's 2% in 8 bits), all 8-bit states
 OPTIMIZERS = ("adamw", "hybrid8bit", "8bit")
+FULL = Trainable()  # full training: every parameter trains
 HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states are 8-bit in "hybrid8bit"
 # elements per absmax block of the 8-bit states (bitsandbytes' current block size): the optimizer's default
 # (optim/hybrid8bit.py block_size) and the cost model's bytes of its absmax
@@ -132,7 +134,7 @@ class CostModel:
     def __init__(self, spec: ModelSpec, hardware: HardwareSpec, workload: Workload, optimizer: str = "adamw",
                  *, master_weights: str = "fp32", grad_accumulation: int = 1,
                  head_chunk_tokens: int = HEAD_CHUNK_TOKENS, linear_attention_kernel: str = "auto",
-                 optimizer_offload: str = "host") -> None:
+                 optimizer_offload: str = "host", trainable: Trainable = FULL) -> None:
         if optimizer not in OPTIMIZERS:
             raise LazyTrainError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)} (--optimizer)")
         if optimizer_offload not in OPTIMIZER_OFFLOADS:
@@ -154,6 +156,12 @@ class CostModel:
         self.master_weights = master_weights
         self.grad_accumulation = grad_accumulation
         self.num_layers = L = spec.num_layers
+        # which parameters train (costmodel/trainable.py): a frozen one streams but has no gradient, master or state
+        self.trainable = trainable
+        self.adapter_params = trainable.adapter_params(spec)  # LoRA's, streamed with their layer
+        self.layer_trainable_params = trainable.layer_trainable_params(spec)
+        self.head_trainable_params = spec.head_params if trainable.head_trains() else 0
+        self.embedding_trainable_params = spec.embedding_params if trainable.embedding_trains(spec) else 0
         tokens, dtype_bytes = workload.tokens, workload.dtype_bytes
         self.dtype_bytes = dtype_bytes
         self.head_chunk_tokens = min(head_chunk_tokens, tokens)
@@ -166,7 +174,9 @@ class CostModel:
             f / rate + self._elementwise_bytes(j) / mem_rate + hardware.layer_overhead_s
             for j, f in enumerate(self.forward_flops)
         ]
-        self.backward_s = [3.0 * t for t in self.forward_s]  # autograd re-forward (1x) + backward (2x)
+        # autograd re-forward (1x) + the input gradient's GEMMs (1x) + the weight gradient's (1x, in proportion to
+        # the layer's weights that train: none for a frozen base, its adapters' share with LoRA)
+        self.backward_s = [(2.0 + self._trained_share(j)) * t for j, t in enumerate(self.forward_s)]
         head_matmul = spec.vocab_size * spec.hidden_size
         self.head_flops = 3 * 2 * head_matmul * tokens
         # cross-entropy over fp32 logits: write, softmax read/write, grad write, ~4 passes of 4 bytes
@@ -176,11 +186,14 @@ class CostModel:
         # ---- bytes ------------------------------------------------------------------------------
         act = tokens * spec.hidden_size * dtype_bytes
         self.boundary_bytes = [act] * (L + 1)  # A_i
-        self.param_bytes = [p * dtype_bytes for p in spec.layer_params]  # every expert streams
-        self.grad_bytes = list(self.param_bytes)
+        # every expert streams, and LoRA's adapters with their layer
+        self.param_bytes = [(p + a) * dtype_bytes for p, a in zip(spec.layer_params, self.adapter_params, strict=True)]
+        self.grad_bytes = [p * dtype_bytes for p in self.layer_trainable_params]  # a frozen layer's: 0
         self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
-        self.head_grad_bytes = self.head_param_bytes  # tied heads still send the full LM-head gradient
-        self.embedding_grad_bytes = spec.embedding_params * dtype_bytes  # landed on the host (op "embedding")
+        # tied heads still send the full LM-head gradient
+        self.head_grad_bytes = self.head_param_bytes if self.head_trainable_params else 0
+        # landed on the host (op "embedding")
+        self.embedding_grad_bytes = self.embedding_trainable_params * dtype_bytes
         self.working_bytes = [self._layer_working_bytes(j) for j in range(L)]
         # a kept layer's graph (Plan.kept_layers): the saved tensors its forward with autograd leaves, less its
         # output -- the working set of the MLP's backward without the largest weight gradient and the backward's
@@ -201,9 +214,9 @@ class CostModel:
         self.head_working_bytes = self.head_chunk_tokens * row + 16 + 8 * tokens
 
         # ---- optimizer time ---------------------------------------------------------------------
-        self.optimizer_s = [self._optimizer_seconds(p) for p in spec.layer_params]
-        self.head_optimizer_s = self._optimizer_seconds(spec.head_params, "head")
-        self.embedding_optimizer_s = self._optimizer_seconds(spec.embedding_params, "embedding")
+        self.optimizer_s = [self._optimizer_seconds(p) for p in self.layer_trainable_params]
+        self.head_optimizer_s = self._optimizer_seconds(self.head_trainable_params, "head")
+        self.embedding_optimizer_s = self._optimizer_seconds(self.embedding_trainable_params, "embedding")
 
         # host: adding each landed gradient (compute dtype) into the fp32 .grad, on the optimizer stream
         acc_rate = _rate(hardware.grad_accumulate_gbps)
@@ -440,15 +453,19 @@ class CostModel:
         refresh = 6 if streamed and c == 2 and m == 4 else 0
         return gradient + masters + kernel + refresh
 
+    def _trained_share(self, j: int) -> float:
+        """The share of layer j's streamed weights that get a gradient (1 in full training)."""
+        streamed = self.spec.layer_params[j] + self.adapter_params[j]
+        return self.layer_trainable_params[j] / streamed if streamed else 0.0
+
     def _optimizer_seconds(self, params: int, group: str = "layer") -> float:
         return params * self.update_bytes_per_param(group) / _rate(self.hardware.host_mem_gbps)
 
     def update_bytes(self) -> float:
         """Bytes one whole optimizer update moves through host memory (every group; `update_bytes_per_param`)."""
-        spec = self.spec
-        return (sum(spec.layer_params) * self.update_bytes_per_param("layer")
-                + spec.head_params * self.update_bytes_per_param("head")
-                + spec.embedding_params * self.update_bytes_per_param("embedding"))
+        return (sum(self.layer_trainable_params) * self.update_bytes_per_param("layer")
+                + self.head_trainable_params * self.update_bytes_per_param("head")
+                + self.embedding_trainable_params * self.update_bytes_per_param("embedding"))
 
     # ---- static memory ------------------------------------------------------------------------------
     @property
@@ -475,9 +492,14 @@ class CostModel:
         share = {"adamw": 0.0, "hybrid8bit": HYBRID_8BIT_FRACTION, "8bit": 1.0}[self.optimizer]
         return (1 - share) * 8.0 + share * eight_bit
 
+    @property
+    def trainable_params(self) -> int:
+        """The parameters that get gradients, masters and optimizer state (every one in full training)."""
+        return sum(self.layer_trainable_params) + self.head_trainable_params + self.embedding_trainable_params
+
     def optimizer_state_bytes(self) -> int:
-        """Adam's two moments of every parameter (`state_bytes_per_param`)."""
-        return int(round(self.spec.num_params * self.state_bytes_per_param))
+        """Adam's two moments of every trainable parameter (`state_bytes_per_param`)."""
+        return int(round(self.trainable_params * self.state_bytes_per_param))
 
     @property
     def masters_offloaded(self) -> bool:
@@ -520,7 +542,9 @@ class CostModel:
 
         weights          the masters: fp32 (4 B/param), or bf16 (2) that are the streamed buffers themselves;
                          with optimizer_offload nvme and `masters_offloaded` only the embedding matrix's (the
-                         forward gathers from it), the rest in the state files
+                         forward gathers from it), the rest in the state files; frozen parameters (LoRA's base,
+                         freeze tuning) once, in the compute dtype
+        (grads, grad_sum, update_scratch, optimizer_states and staging count the trainable parameters alone)
         streamed_copy    bf16 compute with fp32 masters: the packed bf16 copy each step streams (2 B/param)
         grads            where each streamed group's gradient lands (compute dtype) and stays; an untied
                          embedding's gradient in its masters' dtype
@@ -536,9 +560,13 @@ class CostModel:
         """
         spec, c = self.spec, self.dtype_bytes
         m = 2 if self.master_weights == "bf16" else 4
-        n = spec.num_params
-        embedding = 0 if spec.tie_word_embeddings else spec.embedding_params  # stays on the host, unpacked
-        streamed_groups = spec.streamed_group_params
+        n = self.trainable_params
+        frozen = spec.num_params + sum(self.adapter_params) - n  # held once, in the compute dtype
+        tied = spec.tie_word_embeddings
+        embedding = 0 if tied else self.embedding_trainable_params  # stays on the host, unpacked
+        # what trains of each streamed group: layers 0..L-1, the head (with a tied embedding)
+        streamed_groups = [*self.layer_trainable_params,
+                           self.head_trainable_params + (self.embedding_trainable_params if tied else 0)]
         streamed = sum(streamed_groups)
         accumulating = self.grad_accumulation > 1
         summed = streamed if accumulating else (streamed_groups[-1] if spec.tie_word_embeddings and c < 4 else 0)
@@ -553,7 +581,7 @@ class CostModel:
         per_element = 4 * grad_chunks + (4 + 2 * bool(fp32_sum_groups) if m == 2 else 0)
         offload = self.optimizer_offload == "nvme"
         return {
-            "weights": m * (spec.embedding_params if self.masters_offloaded else n),
+            "weights": m * (self.embedding_trainable_params if self.masters_offloaded else n) + c * frozen,
             "streamed_copy": streamed * c if c != m else 0,
             "grads": streamed * c + embedding * m,
             "grad_sum": 4 * summed,
@@ -570,7 +598,7 @@ class CostModel:
     def device_breakdown(self) -> dict[str, int]:
         return {
             "weight_slots": 2 * self.layer_slot_bytes,
-            "grad_slots": 2 * self.layer_slot_bytes,
+            "grad_slots": 2 * max(*self.grad_bytes, 0 if self.head_slot_bytes else self.head_grad_bytes),
             "working_set": max(max(self.working_bytes), self.head_working_bytes),
             "boundary_grads": 2 * max(self.boundary_bytes),
             "constants": self.constant_device_bytes,

@@ -25,6 +25,7 @@ from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import EMULATED_LINK_GBPS, HardwareSpec, resolve_dtype
 from lazytrain.costmodel.model import BUILT_IN_SHAPES, ModelSpec, built_in_config, preset_names
 from lazytrain.costmodel.topology import Topology
+from lazytrain.costmodel.trainable import Trainable
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.planner import admitted, default_budgets
@@ -122,7 +123,22 @@ def cost_model(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, batch_si
     return CostModel(spec, hardware, workload_of(job, batch_size, dtype), job.optim.optimizer,
                      master_weights=job.runtime.master_weights,
                      grad_accumulation=job.optim.gradient_accumulation_steps,
-                     optimizer_offload=job.runtime.optimizer_offload)
+                     optimizer_offload=job.runtime.optimizer_offload, trainable=trainable_of(job))
+
+
+def trainable_of(job: JobConfig) -> Trainable:
+    """The job's finetuning_type as the cost model prices it (which parameters train)."""
+    f = job.finetune
+    if f.finetuning_type == "lora":
+        return Trainable("lora", rank=f.lora_rank, targets=names(f.lora_target), extra=names(f.additional_target))
+    if f.finetuning_type == "freeze":
+        return Trainable("freeze", layers=f.freeze_trainable_layers, extra=names(f.freeze_extra_modules))
+    return Trainable()
+
+
+def names(text: str | None) -> tuple[str, ...]:
+    """A comma list of names (lora_target, additional_target, freeze_*_modules) as a tuple."""
+    return tuple(n.strip() for n in (text or "").split(",") if n.strip())
 
 
 def topology_of(job: JobConfig) -> Topology:

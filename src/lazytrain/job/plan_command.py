@@ -228,6 +228,23 @@ def _prediction_rows(job: JobConfig, cost: CostModel, plan: Plan, topology: Topo
     return rows, own
 
 
+def _print_trainable(cost: CostModel, host_bytes: int) -> None:
+    """What a frozen base changes: the trainable share, the host bytes per base parameter, and the backward without
+    the base's weight gradients (no GEMMs for them, no d2h, no host update)."""
+    spec, t = cost.spec, cost.trainable
+    what = f"LoRA rank {t.rank} on {','.join(t.targets)}" if t.kind == "lora" else f"freeze ({t.layers} layers)"
+    adapters = sum(cost.adapter_params)
+    base = spec.num_params
+    sent = sum(cost.grad_bytes) + cost.head_grad_bytes + cost.embedding_grad_bytes
+    full_sent = sum(cost.param_bytes) + cost.head_param_bytes + spec.embedding_params * cost.dtype_bytes
+    print(f"trainable: {what}: {cost.trainable_params / 1e6:.1f} M of {(base + adapters) / 1e9:.2f} B params "
+          f"({cost.trainable_params / (base + adapters):.2%}); host {host_bytes / base:.2f} B per base parameter "
+          f"(frozen: {cost.dtype_bytes} B, no master, gradient or state)")
+    print(f"  backward: {sum(cost.backward_s) / sum(cost.forward_s):.2f} x forward (full training 3.00: no weight "
+          f"gradient of a frozen weight); gradients d2h {format_bytes(sent)} per step (full "
+          f"{format_bytes(full_sent)}); host update {cost.total_optimizer_s:.3f} s")
+
+
 def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan, topology: Topology
                 ) -> tuple[SimResult, float | None]:
     spec, hw, wl = cost.spec, cost.hardware, cost.workload
@@ -238,6 +255,8 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     limit = admission.host_limit_bytes
     print(f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
           + (f"fits {format_bytes(limit)}" if limit is not None else "not checked (no --cpu-mem)"))
+    if not cost.trainable.full:
+        _print_trainable(cost, need)
     cpu_act = plan.budgets_bytes.get("cpu_act_bytes", admission.cpu_act_bytes)  # a plan's staging takes its share
     cpu = "unlimited" if cpu_act is None else format_bytes(cpu_act)
     nvme = "unlimited" if admission.nvme_act_bytes is None else format_bytes(admission.nvme_act_bytes)

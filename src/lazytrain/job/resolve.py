@@ -108,6 +108,10 @@ def check_job(job: JobConfig) -> None:
                              f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
+    kind = job.finetune.finetuning_type
+    if kind != "full" and (launched > 1 or job.runtime.optimizer_offload == "nvme"):
+        raise LazyTrainError(f"finetuning_type {kind} runs in one process with the optimizer's state in RAM (its "
+                             "state is small); launch one rank and set optimizer_offload host")
 
 
 def with_dtype(job: JobConfig) -> JobConfig:

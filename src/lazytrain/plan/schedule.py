@@ -72,6 +72,11 @@ class Shapes:
     # optimizer_offload nvme: each group's state file bytes (what a state_read / state_write moves) at index
     # target + 1 as sim.update_seconds: the untied embedding (0 when tied), layers 0..L-1, the head; () = in RAM
     state_bytes: tuple[int, ...] = ()
+    # frozen parameters (LoRA's base, freeze tuning) have no gradient: the bytes of layer j's gradient (its
+    # trainable parameters'; 0 = a frozen layer, which sends nothing back), () = param_bytes (full training)
+    grad_bytes: tuple[int, ...] = ()
+    head_grad_bytes: int = -1  # the head's; -1 = head_param_bytes
+    embedding_grad: bool = True  # the embedding trains: boundary 0's gradient goes to the host for it
 
     def __post_init__(self) -> None:
         L = len(self.param_bytes)
@@ -88,6 +93,12 @@ class Shapes:
                 object.__setattr__(self, name, (0,) * L)
             elif len(getattr(self, name)) != L:
                 raise LazyTrainError(f"step shapes: {name} needs {L} entries, got {len(getattr(self, name))}")
+        if not self.grad_bytes:
+            object.__setattr__(self, "grad_bytes", self.param_bytes)
+        elif len(self.grad_bytes) != L:
+            raise LazyTrainError(f"step shapes: grad_bytes needs {L} entries, got {len(self.grad_bytes)}")
+        if self.head_grad_bytes < 0:
+            object.__setattr__(self, "head_grad_bytes", self.head_param_bytes)
         if self.state_bytes and len(self.state_bytes) != L + 2:
             raise LazyTrainError(f"step shapes: state_bytes needs {L + 2} entries (embedding, layers, head), got "
                                  f"{len(self.state_bytes)}")
@@ -109,6 +120,16 @@ class Shapes:
         return self.head_param_bytes if self.head_param_bytes > max(self.param_bytes) else 0
 
     @property
+    def grad_slots_bytes(self) -> int:
+        """The two gradient slots: of the largest layer gradient, or the head's when it has no own slot."""
+        return 2 * max(*self.grad_bytes, 0 if self.head_slot_bytes else self.head_grad_bytes)
+
+    @property
+    def head_grad_slot_bytes(self) -> int:
+        """The loss head's own gradient slot (with its own weight slot), else 0."""
+        return self.head_grad_bytes if self.head_slot_bytes else 0
+
+    @property
     def staging_slot_bytes(self) -> int:
         """One staging slot: the largest group's state file (0 with the states in RAM)."""
         return max(self.state_bytes, default=0)
@@ -128,7 +149,9 @@ class Shapes:
                    tied_head=bool(cost.spec.tie_word_embeddings),
                    dtype_bytes=int(cost.dtype_bytes),
                    graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2],
-                   state_bytes=cost.state_group_bytes() if cost.optimizer_offload == "nvme" else ())
+                   state_bytes=cost.state_group_bytes() if cost.optimizer_offload == "nvme" else (),
+                   grad_bytes=tuple(int(g) for g in cost.grad_bytes[:L]), head_grad_bytes=int(cost.head_grad_bytes),
+                   embedding_grad=bool(cost.embedding_grad_bytes))
 
     def reduce_bytes(self, grad_bytes: int) -> int:
         """Bytes the ranks sum for a gradient of `grad_bytes` in the compute dtype (fp32: costmodel/topology.py)."""
@@ -486,10 +509,10 @@ class _StepBuilder(_Program):
         nvme read staged for B_{L-1}, the reload of the last segment's start; the loss head forward + backward,
         which writes the gradient of boundary L and the head's weight gradients (sent in the next window)."""
         tiers, shapes, L = self.tiers, self.shapes, self.L
-        A, HS = shapes.boundary_bytes, shapes.head_slot_bytes
-        self.alloc("grad_slots", -1, shapes.slots_bytes)
-        if HS:
-            self.alloc("head_grads", L, HS)
+        A, HS, HG = shapes.boundary_bytes, shapes.head_slot_bytes, shapes.head_grad_slot_bytes
+        self.alloc("grad_slots", -1, shapes.grad_slots_bytes)
+        if HG:
+            self.alloc("head_grads", L, HG)
         last_start = self.start_of[L]
         reloads = last_start > 0 and tiers[last_start] in OFFLOADED
         if reloads:
@@ -508,7 +531,7 @@ class _StepBuilder(_Program):
         if HS:
             self.free("head_weights", L, HS)
         self.fence()
-        self.grads.append((L, shapes.head_param_bytes))
+        self.grads.append((L, shapes.head_grad_bytes))
 
     def recompute(self, j: int) -> None:
         """R_j: the next use's weights, the d2h of the previous window's weight gradients; layer j's forward
@@ -552,7 +575,7 @@ class _StepBuilder(_Program):
         self.free("boundary", j + 1, A[j + 1])
         self.free("grad", j + 1, A[j + 1])
         self.fence()
-        self.grads.append((j, shapes.param_bytes[j]))
+        self.grads.append((j, shapes.grad_bytes[j]))
 
     def end(self) -> None:
         """The last gradients' d2h, the gradient of boundary 0's d2h and the embedding backward on the optimizer
@@ -560,18 +583,19 @@ class _StepBuilder(_Program):
         step's buffers go."""
         shapes, A = self.shapes, self.shapes.boundary_bytes
         self._send_grads()
-        grad0 = self.issue("d2h", "grad0", 0, A[0])
-        if self.topology.parallel:  # every rank's boundary-0 gradient rows to the embedding's owners
-            grad0 = self.enqueue("optimizer", "gather", 0, A[0], after=(grad0,))
-            self.landing.append(grad0)
-        self.landing.append(self.enqueue("optimizer", "embedding", 0, after=(grad0,)))
+        if shapes.embedding_grad:  # (a frozen embedding needs no boundary-0 gradient on the host)
+            grad0 = self.issue("d2h", "grad0", 0, A[0])
+            if self.topology.parallel:  # every rank's boundary-0 gradient rows to the embedding's owners
+                grad0 = self.enqueue("optimizer", "gather", 0, A[0], after=(grad0,))
+                self.landing.append(grad0)
+            self.landing.append(self.enqueue("optimizer", "embedding", 0, after=(grad0,)))
         self.fence()
         for op in self.landing:
             self.wait(op)
         self.free("grad", 0, A[0])
         self.free("boundary", 0, A[0])
         self.free("constants", -1, shapes.constant_bytes)
-        self.free("grad_slots", -1, shapes.slots_bytes)
+        self.free("grad_slots", -1, shapes.grad_slots_bytes)
         self.free("weight_slots", -1, shapes.slots_bytes)
 
     def optimizer_step(self) -> None:
@@ -680,10 +704,12 @@ class _StepBuilder(_Program):
         if not self.grads:
             return
         j, num_bytes = self.grads.pop()
+        if not num_bytes:  # a frozen group: nothing to send or land
+            return
         landed = self.issue("d2h", "grads", j, num_bytes)
-        if j == self.L and self.shapes.head_slot_bytes:
+        if j == self.L and self.shapes.head_grad_slot_bytes:
             # its own gradient slot, once this window's fence saw the d2h
-            self.released.append(("head_grads", self.L, self.shapes.head_slot_bytes))
+            self.released.append(("head_grads", self.L, self.shapes.head_grad_slot_bytes))
         if self.topology.parallel:  # summed into the group's owners once the whole gradient is on the host
             landed = self.enqueue("optimizer", "reduce", j, self.shapes.reduce_bytes(num_bytes), after=(landed,))
             self.landing.append(landed)

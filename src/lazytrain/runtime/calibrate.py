@@ -183,7 +183,7 @@ def rebuilt(cost: CostModel, hardware: HardwareSpec) -> CostModel:
     """The same CostModel on other hardware (keeps the host layout, head chunk and device constants)."""
     out = CostModel(cost.spec, hardware, cost.workload, cost.optimizer, master_weights=cost.master_weights,
                     grad_accumulation=cost.grad_accumulation, head_chunk_tokens=cost.head_chunk_tokens,
-                    optimizer_offload=cost.optimizer_offload)
+                    optimizer_offload=cost.optimizer_offload, trainable=cost.trainable)
     return out.with_device_constants(cost.constant_device_bytes)
 
 

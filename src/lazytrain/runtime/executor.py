@@ -99,6 +99,14 @@ class Executor:
         self.head_group = WeightGroup("head", head_named_params(self.parts), compute_dtype, host_empty)
         self.slot_numel = max(g.numel for g in self.layer_groups)  # layer slots are sized for layers
         self.head_slot_numel = self.head_group.numel if self.head_group.numel > self.slot_numel else 0
+        # gradient slots hold the trainable parameters' gradients alone (the head's too when it has no own slot)
+        self.grad_slot_numel = max(*(g.grad_numel for g in self.layer_groups),
+                                   0 if self.head_slot_numel else self.head_group.grad_numel)
+        self.head_grad_slot_numel = self.head_group.grad_numel if self.head_slot_numel else 0
+        self.embedding_trainable = self.parts.embedding.weight.requires_grad
+        # LoRA dropout: the step replays each layer's draws in its re-forwards (`Step._same_draws`)
+        self.random_layers = model.training and any(
+            isinstance(m, nn.Dropout) and m.p > 0 for layer in self.parts.layers for m in layer.modules())
         self._embedding_grad: torch.Tensor | None = None  # an untied embedding's gradient, in its dtype
         self._cast: torch.Tensor | None = None  # `WeightGroup.expose`'s transient: the largest group, one dtype
         self._accumulating = False  # the last micro-batch was not its step's last: the next one adds to it
@@ -184,10 +192,12 @@ class Executor:
     def param_groups(self) -> list[list[nn.Parameter]]:
         """Parameters by group, in hook order: [embedding (untied only)], layer 0..L-1, head.
 
-        Use as `torch.optim.AdamW([{"params": g} for g in ex.param_groups()], fused=True)`.
+        Use as `torch.optim.AdamW([{"params": g} for g in ex.param_groups() if g], fused=True)`. Only trainable
+        parameters (`requires_grad`): a frozen group is an empty list, so the indices stay those of the groups.
         """
-        groups = [] if self.parts.tied else [[self.parts.embedding.weight]]
-        return groups + [list(g.params) for g in self.layer_groups] + [list(self.head_group.params)]
+        weight = self.parts.embedding.weight
+        groups = [] if self.parts.tied else [[weight] if weight.requires_grad else []]
+        return groups + [list(g.trainable) for g in self.layer_groups] + [list(self.head_group.trainable)]
 
     def group_names(self) -> list[str]:
         names = [] if self.parts.tied else ["embedding"]
@@ -217,12 +227,12 @@ class Executor:
                    if i not in owned and self.group_at(i) is not None]
         if not foreign:
             return
-        largest = max(self.slot_numel, self.head_group.numel)
+        largest = max(self.grad_slot_numel, self.head_group.grad_numel)
         pool = [aligned_empty(largest, self.compute_dtype, self.device.host_empty) for _ in range(2)]
         for k, index in enumerate(foreign):
             group = self.group_at(index)
             assert group is not None
-            group.landing, group.accum, group.grad = pool[k % 2][:group.numel], None, None
+            group.landing, group.accum, group.grad = pool[k % 2][:group.grad_numel], None, None
 
     def embedding_grad(self, fresh: bool) -> torch.Tensor:
         """The gradient the embedding backward scatters into: the tied weight's view of the head group's gradient,
@@ -250,12 +260,12 @@ class Executor:
         buffer (compute dtype) or fp32 sum, no cast and no copy; empty before the group's first gradient. What the
         trainer's optimizer steps from (optim/chunked.py casts chunk by chunk)."""
         group = self.group_at(index)
-        if group is None:
-            weight = self.param_groups()[index][0]
-            return {} if self._embedding_grad is None else {weight: self._embedding_grad}
+        if group is None:  # the untied embedding (frozen: no parameter, no gradient)
+            weights = self.param_groups()[index]
+            return {} if self._embedding_grad is None or not weights else {weights[0]: self._embedding_grad}
         if group.grad is None:
             return {}
-        return {p: group.grad_of(p) for p in group.params}
+        return {p: group.grad_of(p) for p in group.trainable}
 
     @contextmanager
     def group_grads(self, index: int) -> Iterator[list[nn.Parameter]]:
@@ -267,7 +277,8 @@ class Executor:
         group = self.group_at(index)
         params = self.param_groups()[index]
         if group is None:
-            params[0].grad = self._embedding_grad
+            for p in params:  # (none when the embedding is frozen)
+                p.grad = self._embedding_grad
             yield params
             return
         group.expose(self._transient)
@@ -279,7 +290,7 @@ class Executor:
     def _transient(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.empty((), dtype=dtype).element_size()
         if self._cast is None:
-            largest = max(self.slot_numel, self.head_group.numel)
+            largest = max(self.grad_slot_numel, self.head_group.grad_numel)
             self._cast = aligned_empty(largest * size, torch.uint8, self.device.host_empty)
         return self._cast[:numel * size].view(dtype)
 

@@ -10,6 +10,7 @@ result with the model's `forward` + `backward`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -226,9 +227,11 @@ def _head_chunk(norm: nn.Module, weights: dict[str, torch.Tensor], grad_weights:
     """One chunk of `head_forward_backward` (its tensors go when it returns): writes grad_x, adds the weight
     gradients, returns the chunk's loss."""
     lm_head = weights["lm_head.weight"]  # (V, H)
-    leaves = {n: weights["norm." + n].detach().requires_grad_() for n in norm_names}
+    leaves = {n: weights["norm." + n].detach().requires_grad_("norm." + n in grad_weights) for n in norm_names}
+    trained = [leaf for n, leaf in leaves.items() if leaf.requires_grad]  # (frozen ones get no gradient)
     for n, leaf in leaves.items():
-        leaf.grad = grad_weights["norm." + n]  # autograd adds into the slot
+        if leaf.requires_grad:
+            leaf.grad = grad_weights["norm." + n]  # autograd adds into the slot
     x = x.detach().requires_grad_()
     with torch.enable_grad():
         normed = functional_call(norm, leaves, (x,))  # (t, H)
@@ -237,10 +240,11 @@ def _head_chunk(norm: nn.Module, weights: dict[str, torch.Tensor], grad_weights:
         chunk_loss = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum") / divisor
         (grad_logits,) = torch.autograd.grad(chunk_loss * loss_scale, [logits])
     del logits
-    grad_weights["lm_head.weight"].addmm_(grad_logits.t(), normed.detach())  # dL/dW += dlogits^T normed, (V, H)
+    if "lm_head.weight" in grad_weights:  # dL/dW += dlogits^T normed, (V, H)
+        grad_weights["lm_head.weight"].addmm_(grad_logits.t(), normed.detach())
     grad_normed = grad_logits @ lm_head  # dL/dnormed, (t, H)
     del grad_logits
-    torch.autograd.backward(normed, grad_normed, inputs=[x, *leaves.values()])
+    torch.autograd.backward(normed, grad_normed, inputs=[x, *trained])
     grad_x.copy_(x.grad)
     return chunk_loss.detach()
 
@@ -273,9 +277,10 @@ class LayerGraph:
 
 
 def layer_graph_forward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
-                        consts: StepConstants, mask_kind: str) -> LayerGraph:
-    """Layer j with autograd from boundary j (a graph of its own: its input is a fresh leaf)."""
-    leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+                        consts: StepConstants, mask_kind: str, trainable: Collection[str]) -> LayerGraph:
+    """Layer j with autograd from boundary j (a graph of its own: its input is a fresh leaf); only the weights
+    named in `trainable` are leaves that want a gradient (a frozen one's weight-gradient GEMMs never run)."""
+    leaves = {n: w.detach().requires_grad_(n in trainable) for n, w in weights.items()}
     x = hidden.detach().requires_grad_()
     with torch.enable_grad():
         out = layer_forward(layer, leaves, x, consts, mask_kind)
@@ -289,15 +294,19 @@ def graph_backward(graph: LayerGraph, grad_out: torch.Tensor, grad_weights: dict
     overwritten): each leaf's `.grad` is its view, zeroed, so autograd adds every gradient into the slot as it is
     made (0 + g = g) and frees it -- no layer's worth of gradients exists beside the slot. The graph is released.
     """
+    trained = [leaf for leaf in graph.leaves.values() if leaf.requires_grad]
     for n, leaf in graph.leaves.items():
-        leaf.grad = grad_weights[n].zero_()  # an unused parameter keeps its zeros, as autograd's allow_unused
+        if leaf.requires_grad:
+            leaf.grad = grad_weights[n].zero_()  # an unused parameter keeps its zeros, as autograd's allow_unused
     with torch.enable_grad():
-        torch.autograd.backward(graph.out, grad_out, inputs=[graph.hidden, *graph.leaves.values()])
+        torch.autograd.backward(graph.out, grad_out, inputs=[graph.hidden, *trained])
     return graph.hidden.grad
 
 
 def layer_backward(layer: nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
                    grad_out: torch.Tensor, consts: StepConstants, mask_kind: str,
                    grad_weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Re-run layer j with autograd from boundary j and backpropagate d(boundary j+1) (`graph_backward`)."""
-    return graph_backward(layer_graph_forward(layer, weights, hidden, consts, mask_kind), grad_out, grad_weights)
+    """Re-run layer j with autograd from boundary j and backpropagate d(boundary j+1) (`graph_backward`); the
+    weights in `grad_weights` (the trainable ones) get gradients."""
+    return graph_backward(layer_graph_forward(layer, weights, hidden, consts, mask_kind, grad_weights), grad_out,
+                          grad_weights)

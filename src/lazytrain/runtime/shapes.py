@@ -94,6 +94,9 @@ class StepShapes:
             graph_bytes=graphs[0], graph_forward_bytes=graphs[1], graph_backward_bytes=graphs[2],
             forward_working_bytes=forward_working,
             state_bytes=self.state_bytes,
+            grad_bytes=tuple(g.grad_bytes for g in self.layer_groups),
+            head_grad_bytes=self.head_group.grad_bytes,
+            embedding_grad=self.parts.embedding.weight.requires_grad,
         )
 
     def measured_working_bytes(self, batch: int, seq_len: int, *, masked: bool = False) -> tuple[tuple[int, ...], int]:
@@ -125,16 +128,18 @@ class StepShapes:
         by_shape: dict[tuple[str, tuple], tuple[int, int, int, int]] = {}
         sizes = []  # per layer: (working set, graph, graph forward peak, graph backward beyond, forward working)
         for j, (layer, group) in enumerate(zip(self.parts.layers, self.layer_groups, strict=True)):
-            shape_key = (self.parts.mask_kinds[j], tuple((s.name, s.shape) for s in group.slots))
+            shape_key = (self.parts.mask_kinds[j], tuple((s.name, s.shape) for s in group.slots),
+                         group.trainable_names)
             if shape_key not in by_shape:
                 slot = torch.empty(group.numel, dtype=dtype, device=torch_device)
                 weights = {n: t.to(device=torch_device, dtype=dtype) for n, t in group.views(group.buffer).items()}
                 live = LiveBytes()
                 with live:  # layer_backward, in its two halves
-                    graph = layer_graph_forward(layer, weights, hidden, consts, self.parts.mask_kinds[j])
+                    graph = layer_graph_forward(layer, weights, hidden, consts, self.parts.mask_kinds[j],
+                                                group.trainable_names)
                     forward_peak, graph_bytes = live.peak_bytes, live.used_bytes - boundary_bytes
                     live.reset_peak()
-                    graph_backward(graph, grad_out, group.views(slot))
+                    graph_backward(graph, grad_out, group.grad_views(slot))
                     del graph
                 backward_peak = live.peak_bytes
                 live = LiveBytes()
@@ -149,7 +154,7 @@ class StepShapes:
         self._measured_graphs[key] = tuple(tuple(column) for column in list(zip(*sizes, strict=True))[1:])
         head = self.head_group
         weights = {n: t.to(device=torch_device, dtype=dtype) for n, t in head.views(head.buffer).items()}
-        grads = head.views(torch.zeros(head.numel, dtype=dtype, device=torch_device))
+        grads = head.grad_views(torch.zeros(head.grad_numel, dtype=dtype, device=torch_device))
         labels = torch.randint(0, config.vocab_size, (batch, seq_len), generator=gen)
         grad_hidden = torch.empty_like(hidden)
         live = LiveBytes()

@@ -16,9 +16,10 @@ step's end (`Device.synchronize`), the loss read back, and the waits for in-flig
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -107,6 +108,10 @@ class StepOwner(Protocol):
     head_group: WeightGroup
     slot_numel: int  # elements of a layer slot (the largest layer group)
     head_slot_numel: int  # the loss head's own slot (0: it streams through the layer slots)
+    grad_slot_numel: int  # elements of a gradient slot (the largest trainable part of a group)
+    random_layers: bool  # the layers draw random numbers (dropout in training mode): re-forwards replay them
+    head_grad_slot_numel: int  # the loss head's own gradient slot (0: none)
+    embedding_trainable: bool
     head_chunk_tokens: int
     rotary: Rotary
     store: ActivationStore
@@ -173,6 +178,18 @@ def sq_norm(grads: dict[nn.Parameter, torch.Tensor]) -> float:
                for p, g in grads.items())
 
 
+@contextlib.contextmanager
+def _replay(state: torch.Tensor, device: torch.device) -> Iterator[None]:
+    """Run with the device's generator at `state`, and put it back as it was after."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+        if cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
 class Step:
     """One forward_backward (or evaluation forward) of `ex`'s plan: runs `program`'s actions in order.
 
@@ -219,6 +236,7 @@ class Step:
         self.head_slots: dict[str, torch.Tensor] = {}  # head_weights / head_grads: the head's own, while live
         self.kept_slots: dict[int, torch.Tensor] = {}  # kept layer -> its weights' own slot
         self.graphs: dict[int, LayerGraph] = {}  # kept layer -> its graph, from its forward to its backward
+        self.rng: dict[int, torch.Tensor] = {}  # layer -> the generator's state at its first forward (`_same_draws`)
         self.grad_slots: list[torch.Tensor] = []
         self.grad_uses = 0
         self.arrivals: dict[int, int] = defaultdict(int)  # group index -> gradient parts landed
@@ -309,26 +327,27 @@ class Step:
         weights = self._group_of(op).views(self._weight_slot(op))
         if op.kind == "keep":  # a kept layer: with autograd, its graph (and weights) kept until its backward
             self.graphs[j] = layer_graph_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
-                                                 ex.parts.mask_kinds[j])
+                                                 ex.parts.mask_kinds[j], ex.layer_groups[j].trainable_names)
             self.out = self.graphs[j].out.detach()
         elif op.kind == "backprop":  # through the kept graph: no re-forward, weights never streamed again
-            grads = ex.layer_groups[j].views(self._grad_slot(j))
+            grads = ex.layer_groups[j].grad_views(self._grad_slot(j))
             self.out = graph_backward(self.graphs.pop(j), self.grads[j + 1], grads)
         elif op.kind in ("forward", "recompute"):
-            with torch.no_grad():
+            with torch.no_grad(), self._same_draws(op):
                 self.out = layer_forward(ex.parts.layers[j], weights, self.on_device[j], self.consts,
                                          ex.parts.mask_kinds[j])
         elif op.kind == "backward":  # weight gradients straight into the next gradient slot (sent next window)
-            grads = ex.layer_groups[j].views(self._grad_slot(j))
-            self.out = layer_backward(ex.parts.layers[j], weights, self.on_device[j], self.grads[j + 1], self.consts,
-                                      ex.parts.mask_kinds[j], grads)
+            grads = ex.layer_groups[j].grad_views(self._grad_slot(j))
+            with self._same_draws(op):
+                self.out = layer_backward(ex.parts.layers[j], weights, self.on_device[j], self.grads[j + 1],
+                                          self.consts, ex.parts.mask_kinds[j], grads)
         elif op.kind == "loss":  # forward only: the chunked head sums the token losses
             targets = shift_labels(self.labels).to(self.dev.torch_device)  # h2d on the compute stream (in order)
             loss_sum, count = head_loss_sum(ex.parts.norm, weights, self.on_device[self.L], targets,
                                             ex.head_chunk_tokens)
             self.loss_sum = (float(loss_sum), count)  # host sync (CUDA): evaluation reads the loss at once
         else:  # the loss head writes its weight gradients straight into the next gradient slot
-            head_grads = ex.head_group.views(self._grad_slot(self.L))
+            head_grads = ex.head_group.grad_views(self._grad_slot(self.L))
             for g in head_grads.values():
                 g.zero_()
             targets = shift_labels(self.labels).to(self.dev.torch_device)  # h2d on the compute stream (in order)
@@ -336,6 +355,20 @@ class Step:
                                               self.grads[self.L], head_grads, ex.head_chunk_tokens, self.loss_scale,
                                               self.consts.loss, self.num_tokens)
         self.marks.append((op, t0, self.dev.mark()))
+
+    def _same_draws(self, op: Op) -> contextlib.AbstractContextManager[object]:
+        """A layer with random draws (LoRA dropout in training mode) draws the same masks in its re-forwards as in its
+        first forward: the first forward notes the generator's state, each recompute or backward re-forward runs
+        from it on a forked generator (as torch.utils.checkpoint's preserve_rng_state), so the step draws exactly
+        what the model's own forward draws, in the same order."""
+        if not self.ex.random_layers:
+            return contextlib.nullcontext()
+        dev = self.dev.torch_device
+        cuda = dev.type == "cuda"
+        if op.kind == "forward":
+            self.rng[op.target] = torch.cuda.get_rng_state(dev) if cuda else torch.get_rng_state()
+            return contextlib.nullcontext()
+        return _replay(self.rng[op.target], dev)
 
     def _time_compute(self) -> None:
         """Each compute op's seconds from its device marks (CUDA events on CUDA, the wall clock on the emulated
@@ -423,7 +456,7 @@ class Step:
         if op.kind == "land":
             group = self.ex.head_group if i == self.L else self.ex.layer_groups[i]
             index = self._group_index("head" if i == self.L else f"layer.{i}")
-            parts = 1 + self.ex.parts.tied if i == self.L else 1
+            parts = 1 + (self.ex.parts.tied and self.ex.embedding_trainable) if i == self.L else 1
             sum_fp32 = parts > 1 and self.ex.compute_dtype != torch.float32  # a tied head: exact in fp32
 
             def land() -> None:  # data parallel: the sum over the ranks (on its owners; elsewhere nothing)
@@ -476,7 +509,7 @@ class Step:
         self.grad_uses += 1
         free = self.landing_free.get(group.landing.data_ptr())  # a pooled buffer: after its last land
         # stream wait: the d2h waits for the backward that wrote the slot (and a pooled buffer's last land)
-        return self.dev.copy("d2h", group.landing, grad_slot[:group.numel],
+        return self.dev.copy("d2h", group.landing, grad_slot[:group.grad_numel],
                              after=[self.dev.record_compute(), *([free] if free is not None else [])])
 
     def _embedding_backward(self, host_grad: torch.Tensor, index: int) -> None:
@@ -524,7 +557,8 @@ class Step:
         ex, dtype = self.ex, self.ex.compute_dtype
         shape = (self.batch, self.seq_len, ex.model.config.hidden_size)
         if kind in ("weight_slots", "grad_slots"):
-            slots = [self._alloc((ex.slot_numel,), dtype, kind.replace("_", " ")) for _ in range(2)]
+            numel = ex.slot_numel if kind == "weight_slots" else ex.grad_slot_numel
+            slots = [self._alloc((numel,), dtype, kind.replace("_", " ")) for _ in range(2)]
             if kind == "weight_slots":
                 self.slots = slots
             else:
@@ -532,7 +566,8 @@ class Step:
         elif kind == "kept_weights":
             self.kept_slots[i] = self._alloc((ex.layer_groups[i].numel,), dtype, f"kept weights {i}")
         elif kind in ("head_weights", "head_grads"):
-            self.head_slots[kind] = self._alloc((ex.head_slot_numel,), dtype, kind.replace("_", " "))
+            numel = ex.head_slot_numel if kind == "head_weights" else ex.head_grad_slot_numel
+            self.head_slots[kind] = self._alloc((numel,), dtype, kind.replace("_", " "))
         elif kind in ("working", "graph", "constants"):
             if kind == "constants":
                 with self.dev.measuring():

@@ -16,6 +16,10 @@
   of the gradient where the dtypes agree; elsewhere `expose` casts the group into a transient buffer for the
   optimizer, one group at a time. Every buffer comes from one allocator (`host_empty`), so a group's weights
   and gradients could live in pinned or shared memory.
+  Frozen parameters (`requires_grad` False: a LoRA base, the frozen layers of freeze tuning) stream like the
+  others but have no gradient: the gradient buffers hold the trainable parameters alone, packed in their own
+  order (`grad_slots`), so a frozen layer sends nothing back. Parameters in the compute dtype are views of the
+  buffer one by one, so a bf16 frozen base is never copied while fp32 adapters beside it are re-packed.
 - `ActivationStore`: host buffers for `cpu` boundaries and files for `nvme` boundaries, with a CRC32
   checked on read and every file closed when the step ends. Spill files have no name (O_TMPFILE, or
   unlinked right after creation): SIGKILL, SIGTERM or a crash leave nothing behind, and nobody can
@@ -69,8 +73,17 @@ class WeightGroup:
             offset += p.numel()
         self.slots = slots
         self.numel = offset
+        grad_slots, offset = [], 0
+        for s, p in zip(slots, self.params, strict=True):  # the trainable parameters alone, in the same order
+            if p.requires_grad:
+                grad_slots.append(Slot(s.name, offset, s.numel, s.shape))
+                offset += s.numel
+        self.grad_slots = grad_slots
+        self.grad_numel = offset  # 0: a frozen group, which has no gradient
+        self._trainable = [p for p in self.params if p.requires_grad]
         self._host_empty = host_empty
-        self.aliased = all(p.dtype == dtype for p in self.params)
+        self._viewed = [p.dtype == dtype for p in self.params]  # a view of the buffer (else a copy, re-packed)
+        self.aliased = all(self._viewed)
         # a compute-dtype copy that only the group's update refreshes (`pack(force=True)` after it): a node's shared
         # copy, refreshed by its owner rank (`adopt`), or the copy of masters that live on NVMe (train/offload.py)
         self.packed_by_update = False
@@ -80,9 +93,9 @@ class WeightGroup:
             self.buffer = in_place
             self._ptrs = [p.data_ptr() for p in self.params]
         else:
-            self.buffer = aligned_empty(offset, dtype, host_empty)
+            self.buffer = aligned_empty(self.numel, dtype, host_empty)
             self.pack(force=True)
-        self.landing = aligned_empty(offset, dtype, host_empty)  # where the d2h writes the gradients
+        self.landing = aligned_empty(self.grad_numel, dtype, host_empty)  # where the d2h writes the gradients
         self.accum: torch.Tensor | None = None  # fp32 sum over micro-batches, made on first use
         self.grad: torch.Tensor | None = None  # the group's gradient: `landing` or `accum`; None = none yet
 
@@ -90,29 +103,55 @@ class WeightGroup:
     def num_bytes(self) -> int:
         return self.numel * self.buffer.element_size()
 
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the group's gradient as it crosses the link (compute dtype; 0 for a frozen group)."""
+        return self.grad_numel * self.buffer.element_size()
+
+    @property
+    def trainable_names(self) -> frozenset[str]:
+        return frozenset(s.name for s in self.grad_slots)
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters that get gradients, in `grad_slots` order."""
+        return self._trainable
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """`flat` (a device slot or this buffer) cut into the named parameter tensors."""
         return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
 
+    def grad_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`flat` (a gradient slot or buffer) cut into the trainable parameters' gradients, by name."""
+        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.grad_slots}
+
+    def _views_moved(self) -> bool:
+        """Someone replaced the `.data` of a parameter that is a view of the buffer."""
+        return [p.data_ptr() for p, v in zip(self.params, self._viewed, strict=True) if v] != self._ptrs
+
     def _stale(self) -> bool:
         if self.aliased:  # parameters are views of the buffer unless someone replaced p.data
-            return [p.data_ptr() for p in self.params] != self._ptrs
+            return self._views_moved()
         # a compute-dtype copy of the fp32 masters: always refresh (see the module docstring), unless its update
         # does: the node's ranks share it (another rank's write would race the h2d of the ranks streaming it), or
         # the masters are on NVMe between updates
         return not self.packed_by_update
 
     def pack(self, force: bool = False) -> bool:
-        """Bring the buffer up to date with the parameters; returns whether it copied anything."""
+        """Bring the buffer up to date with the parameters; returns whether it copied anything. Views of the buffer
+        are copied only when forced or moved; copies of other dtypes every time (see the module docstring)."""
         if not force and not self._stale():
             return False
+        every = force or self._views_moved()
         with torch.no_grad():
-            for s, p in zip(self.slots, self.params, strict=True):
+            for s, p, viewed in zip(self.slots, self.params, self._viewed, strict=True):
+                if viewed and not every:
+                    continue
                 view = self.buffer[s.offset:s.offset + s.numel].view(s.shape)
                 view.copy_(p.detach())
-                if self.aliased:
+                if viewed:
                     p.data = view  # the parameter *is* the streamed buffer
-        self._ptrs = [p.data_ptr() for p in self.params]
+        self._ptrs = [p.data_ptr() for p, v in zip(self.params, self._viewed, strict=True) if v]
         return True
 
     def adopt(self, buffer: torch.Tensor) -> None:
@@ -125,10 +164,10 @@ class WeightGroup:
                                  f"{self.numel} {self.dtype} elements")
         self.buffer = buffer
         self.packed_by_update = not self.aliased
-        if self.aliased:
-            for s, p in zip(self.slots, self.params, strict=True):
+        for s, p, viewed in zip(self.slots, self.params, self._viewed, strict=True):
+            if viewed:
                 p.data = buffer[s.offset:s.offset + s.numel].view(s.shape)
-        self._ptrs = [p.data_ptr() for p in self.params]
+        self._ptrs = [p.data_ptr() for p, v in zip(self.params, self._viewed, strict=True) if v]
 
     # ---- gradients ----------------------------------------------------------------------------------
     def land(self, *, first: bool, last: bool, sum_fp32: bool = False, source: torch.Tensor | None = None) -> None:
@@ -143,7 +182,7 @@ class WeightGroup:
             self.grad = self.landing
         else:
             if self.accum is None:
-                self.accum = aligned_empty(self.numel, torch.float32, self._host_empty)
+                self.accum = aligned_empty(self.grad_numel, torch.float32, self._host_empty)
             if first:
                 self.accum.copy_(source)
             else:
@@ -154,13 +193,13 @@ class WeightGroup:
     def _link(self) -> None:
         """`p.grad` = a view of the gradient where its dtype is p's (no copy), else None (see `expose`)."""
         assert self.grad is not None
-        for s, p in zip(self.slots, self.params, strict=True):
+        for s, p in zip(self.grad_slots, self._trainable, strict=True):
             p.grad = self.grad[s.offset:s.offset + s.numel].view(s.shape) if self.grad.dtype == p.dtype else None
 
     def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The view of p's gradient in the group's gradient buffer (any dtype)."""
+        """The view of p's gradient in the group's gradient buffer (any dtype); p is trainable."""
         assert self.grad is not None
-        s = self.slots[next(i for i, q in enumerate(self.params) if q is p)]
+        s = self.grad_slots[next(i for i, q in enumerate(self._trainable) if q is p)]
         return self.grad[s.offset:s.offset + s.numel].view(s.shape)
 
     def expose(self, transient: Callable[[int, torch.dtype], torch.Tensor]) -> None:
@@ -170,10 +209,10 @@ class WeightGroup:
         if self.grad is None:
             return
         self._link()
-        cast = [(s, p) for s, p in zip(self.slots, self.params, strict=True) if p.grad is None]
+        cast = [(s, p) for s, p in zip(self.grad_slots, self._trainable, strict=True) if p.grad is None]
         if not cast:
             return
-        flat = transient(self.numel, cast[0][1].dtype)
+        flat = transient(self.grad_numel, cast[0][1].dtype)
         for s, p in cast:
             p.grad = flat[s.offset:s.offset + s.numel].view(s.shape).copy_(self.grad_of(p))
 

@@ -14,6 +14,7 @@ The package, in the order a run uses it (torchtitan's components behind a short 
   hf_state.py    trainer_state.json as the HF Trainer writes it
   metrics.py     report lines, metrics.jsonl, trackers, loss.png
   signals.py     SIGINT / SIGTERM: finish the step, save, exit 130 / 143
+  export.py      `lazytrain export`: a checkpoint (LoRA merged into its base) as an HF model folder
 """
 
 from importlib import import_module

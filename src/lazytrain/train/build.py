@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,9 +13,10 @@ from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import BUILT_IN_SHAPES, ModelSpec, built_in_config
 from lazytrain.distributed.shared import share_model
 from lazytrain.errors import LazyTrainError
-from lazytrain.job.inputs import cost_model
+from lazytrain.job.inputs import cost_model, names
 from lazytrain.plan.admission import check_host_memory
 from lazytrain.plan.plan import Plan
+from lazytrain.runtime.adapters import LoraSettings, add_lora, cast_frozen, freeze, load_adapter, read_adapter
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
@@ -61,6 +63,10 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
     With ranks the node holds one copy (`distributed.share_model`): local rank 0 loads it and moves it into the
     node's shared memory; the other local ranks load nothing and map it."""
     check_init(source, job.model.init)  # the weights are there: the root cause before any count of them
+    if job.finetune.finetuning_type == "lora" and not starts_from_weights(job, source):
+        raise LazyTrainError(f"finetuning_type lora adapts a model's weights, and {job.model.model} has none to "
+                             "start from (a built-in shape, a bare config.json or init random): give a model "
+                             "folder with safetensors weights, or set finetuning_type full")
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
     if ranks is not None and ranks.local_rank != 0:
@@ -69,11 +75,37 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
         model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
     if job.runtime.master_weights == "bf16":  # tensor by tensor: the streamed bf16 weights become the masters
         model.to(torch.bfloat16)
+    choose_trainable(job, model, source)
     if ranks is not None:
         ranks.node_weights = share_model(ranks, model, compute_dtype(job))
         model.config.use_cache = False
         model.train()
     return model
+
+
+def choose_trainable(job: JobConfig, model: PreTrainedModel, source: ModelSource) -> None:
+    """finetuning_type: LoRA adapters on the frozen model (from adapter_name_or_path when given) or freeze tuning's
+    trainable layers; the frozen parameters then live in the compute dtype alone (no masters)."""
+    f = job.finetune
+    if f.finetuning_type == "full":
+        return
+    if f.finetuning_type == "lora":
+        if source.directory is not None:  # the adapter folder's base_model_name_or_path
+            model.config._name_or_path = str(Path(source.directory).resolve())
+        settings = LoraSettings(rank=f.lora_rank, alpha=f.lora_alpha, dropout=f.lora_dropout,
+                                targets=names(f.lora_target), rslora=f.use_rslora,
+                                additional=names(f.additional_target))
+        tensors = None
+        if f.adapter_name_or_path is not None:  # its own rank, alpha and targets, as PEFT resumes an adapter
+            settings, tensors = read_adapter(Path(f.adapter_name_or_path), f.lora_dropout)
+        add_lora(model, settings)
+        if tensors is not None:
+            load_adapter(model, tensors, f"adapter_name_or_path {f.adapter_name_or_path}")
+    else:
+        freeze(model, f.freeze_trainable_layers, names(f.freeze_trainable_modules), names(f.freeze_extra_modules))
+    if job.runtime.master_weights == "bf16":
+        model.to(torch.bfloat16)  # the adapters too: bf16 masters are the streamed buffers
+    cast_frozen(model, compute_dtype(job))
 
 
 def compute_dtype(job: JobConfig) -> torch.dtype:

@@ -59,6 +59,7 @@ from lazytrain.distributed.batches import check_world_size
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
+from lazytrain.runtime.adapters import lora_settings, peft_config, peft_tensors
 from lazytrain.train import rundir, state_data
 from lazytrain.train.metrics import say
 from lazytrain.train.rundir import PREFIX, RUN_FILES  # noqa: F401  (the output directory's names, re-exported)
@@ -269,8 +270,11 @@ def save_checkpoint(out: Path, state: TrainerState, *, model: PreTrainedModel, c
             scalars = ranks.gather_to_main(scalars, f"writing checkpoint {state.step} (the optimizer scalars)")
         try:
             if main and error is None:
-                with nvme.streamed_weights() if nvme is not None else nullcontext():
-                    _write_model(tmp, model, compute_dtype)
+                if lora_settings(model) is not None:  # the adapters alone: the base is the model's own folder
+                    _write_adapter(tmp, model, compute_dtype)
+                else:
+                    with nvme.streamed_weights() if nvme is not None else nullcontext():
+                        _write_model(tmp, model, compute_dtype)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
                 _write_trainer_state(tmp, state, model=model, compute_dtype=compute_dtype, data_state=data_state,
@@ -420,6 +424,15 @@ def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _write_adapter(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in the compute dtype) that
+    `PeftModel.from_pretrained(base, path)` loads; its base is the model's own folder (base_model_name_or_path)."""
+    tensors = {k: _unshared(v.to(compute_dtype)) for k, v in peft_tensors(model).items()}
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = peft_config(model, getattr(model.config, "_name_or_path", None) or None)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedModel, compute_dtype: torch.dtype,
                          data_state: dict[str, object], plan: Plan, optimizer_doc: dict[str, Any],
                          hf_state: Mapping[str, object] | None, nvme: NvmeStates | None = None) -> None:
@@ -427,9 +440,10 @@ def _write_trainer_state(path: Path, state: TrainerState, *, model: PreTrainedMo
     state_dir = path / STATE_DIR
     if nvme is not None and nvme.offloaded_masters:  # the masters in the state files: copied from there
         nvme.save_masters(state_dir / "master.safetensors", model)
-    elif any(p.dtype != compute_dtype for p in model.parameters()):  # the HF folder holds rounded copies: keep the
-        # fp32 masters (bf16 master weights are the HF folder's tensors themselves)
-        save_file({k: _unshared(v) for k, v in dict(model.named_parameters()).items()},
+    elif any(p.dtype != compute_dtype or not p.requires_grad for p in model.parameters()):
+        # the HF folder holds rounded copies (or a LoRA checkpoint only the adapters): keep the masters of what
+        # trains (bf16 master weights of a full run are the HF folder's tensors themselves; frozen ones never change)
+        save_file({k: _unshared(v) for k, v in dict(model.named_parameters()).items() if v.requires_grad},
                   str(state_dir / "master.safetensors"))
     rng_doc, rng_tensors = state_data.rng_states()
     save_file(rng_tensors, str(state_dir / "rng.safetensors"))
@@ -533,7 +547,8 @@ def _load_weights(path: Path, model: PreTrainedModel, skip: set[str]) -> None:
     loads, must be the masters' rounding: finite, and bit for bit what rounding them gives."""
     master = path / STATE_DIR / "master.safetensors"
     shards = sorted(path.glob("*.safetensors"))
-    params = {n: p for n, p in model.named_parameters() if n not in skip}
+    # frozen parameters are the model's own (they never change): only what trains is in a checkpoint
+    params = {n: p for n, p in model.named_parameters() if n not in skip and p.requires_grad}
     loaded: set[str] = set()
     with torch.no_grad():
         for file in [master] if master.exists() else shards:

@@ -35,8 +35,10 @@ from lazytrain.distributed import (
 )
 from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
 from lazytrain.plan.plan import Plan
+from lazytrain.runtime.adapters import add_lora, load_adapter, read_adapter
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
+from lazytrain.runtime.weights import ModelSource
 from lazytrain.train import rundir, state_data
 from lazytrain.train.build import (
     build_device,
@@ -214,7 +216,7 @@ def _train(job: JobConfig) -> TrainResult:
     exact_after = None
     if decode:  # greedy decoding of the exported checkpoint, loaded as any HF model is
         hf_logging.disable_progress_bar()  # its loading bar is noise under the report
-        exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+        exported = trained_model(final, source)
         exact_after = exact_match(exported, AutoTokenizer.from_pretrained(final), data.math_eval)
     summary = trainer.summary(num_params=num_params, eval_before=eval_before, eval_after=eval_after,
                               total_run_s=time.perf_counter() - t_start)
@@ -668,6 +670,17 @@ def best_of(checkpoint: Path) -> tuple[tuple[float, int] | None, Path | None]:
     found = [p for p in checkpoints(checkpoint.parent) if p.name == name and incomplete_reason(p) is None
              and (checkpoint_step(p) or 0) <= step]
     return ((float(metric), step), found[0]) if found else (None, None)
+
+
+def trained_model(checkpoint: Path, source: ModelSource) -> PreTrainedModel:
+    """A checkpoint loaded as any HF model is (fp32); a LoRA one as its base with the adapter on it."""
+    if not (checkpoint / "adapter_config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    settings, tensors = read_adapter(checkpoint, 0.0)
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
+    add_lora(model, settings)
+    load_adapter(model, tensors, str(checkpoint))
+    return model
 
 
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]

@@ -4,7 +4,7 @@ The formulation -- index sets, parameters, variables and each constraint family'
 docs/planner.md; the code keeps its symbols:
     j layers 0..L-1, i boundaries 0..L, (s, e) candidate segments (e - s <= K), windows F_j, H, R_j, B_j
     x[s,e] segment, z[i] materialized, g[i] / c[i] / n[i] its home, y[j] layer kept, v[s,e] / vn[s,e] reloads,
-    T[w] window seconds, Q[k] end of B_k, S the step; A[i], p[j] bytes, rho[j], beta[j] seconds, a_X = 1 / B_X
+    T[w] window seconds, Q[k] end of B_k, S the step; A[i], p[j], g[j] bytes, rho[j], beta[j] seconds, a_X = 1 / B_X
 
 Modules: instance (the numbers), model (solver-neutral rows and columns), formulation (model units, the columns
 by symbol), families (the build order of variables, path, placement, kept, capacity, gpu_memory, reloads, windows,

@@ -26,7 +26,7 @@ def scaled(inst: PlanningInstance, unit: float) -> PlanningInstance:
     changes: dict[str, Any] = {k: getattr(inst, k) / unit for k in byte_fields}
     for k in ("state_read_bytes_per_s", "state_write_bytes_per_s"):
         changes[k] = None if getattr(inst, k) is None else getattr(inst, k) / unit
-    for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes", "state_bytes"):
+    for name in ("boundary_bytes", "working_bytes", "param_bytes", "graph_bytes", "state_bytes", "grad_bytes"):
         changes[name] = tuple(b / unit for b in getattr(inst, name))
     return replace(inst, **changes)
 
@@ -61,12 +61,12 @@ class Formulation:
         self.fixed = tuple(fixed_tiers) if fixed_tiers is not None else None
         self.fixed_kept = fixed_kept
         self.build_s: dict[str, float] = {}
-        # a_X: seconds per model unit on link X; p[L] the loss head's bytes; d[k] = a_D p[k], group k's gradient d2h
+        # a_X: seconds per model unit on link X; p[L] the loss head's bytes; d[k] = a_D g[k], group k's gradient d2h
         self.aH, self.aD = _inverse(inst.h2d_bytes_per_s), _inverse(inst.d2h_bytes_per_s)
         self.aW, self.aR = _inverse(inst.nvme_write_bytes_per_s), _inverse(inst.nvme_read_bytes_per_s)
         self.sR, self.sW = (_inverse(rate) for rate in inst.state_rates)  # s_X: a state file's seconds per unit
         self.p = [*inst.param_bytes, inst.head_param_bytes]
-        self.send = [self.aD * p for p in self.p]
+        self.send = [self.aD * g for g in (inst.grad_bytes or self.p)]  # d[k] = a_D g[k]
         # optimizer_offload nvme: where the state ops go (plan/schedule.py), and the seconds of the state read each
         # backward window B_j prefetches for the next update (B_{L-1-k}, group k < D)
         self.state: StateSchedule | None = \

@@ -40,6 +40,9 @@ class PlanningInstance:
     gpu_act_bytes: float  # M_G: device bytes left for boundary activations after static memory
     head_s: float = 0.0  # rho[L]: loss head forward+backward
     head_param_bytes: float = 0.0  # p[L]
+    # g[j]: the gradient bytes group j sends back (its trainable parameters'; frozen: 0), g[L] the head's; () = p
+    grad_bytes: tuple[float, ...] = ()
+    embedding_grad: bool = True  # the boundary-0 gradient goes to the host for the embedding's gradient
     cpu_act_bytes: float = INF  # M_C
     nvme_act_bytes: float = 0.0  # M_N; 0 disables the nvme tier
     h2d_bytes_per_s: float = INF  # B_H
@@ -250,6 +253,8 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
         param_bytes=tuple(cost.param_bytes[:L]),
         head_s=float(cost.head_s),
         head_param_bytes=float(cost.head_param_bytes),
+        grad_bytes=(*(float(g) for g in cost.grad_bytes[:L]), float(cost.head_grad_bytes)),
+        embedding_grad=bool(cost.embedding_grad_bytes),
         gpu_act_bytes=max(0.0, float(gpu_cap) - static),
         cpu_act_bytes=INF if cpu_act is None else float(cpu_act),
         nvme_act_bytes=INF if nvme_act is None else float(nvme_act),
@@ -276,7 +281,7 @@ def instance_from_cost(cost: CostModel, budgets: Budgets | None = None, *, optim
     )
     if topology.parallel:  # the program's bytes (Shapes.from_cost), timed as the simulator times them
         shapes = Shapes.from_cost(cost)
-        groups = (*shapes.param_bytes, shapes.head_param_bytes)
+        groups = (*shapes.grad_bytes, shapes.head_grad_bytes)
         fields.update(topology=topology,
                       reduce_s=tuple(topology.collective_s(shapes.reduce_bytes(b), cost.hardware) for b in groups),
                       gather_s=topology.collective_s(shapes.boundary_bytes[0], cost.hardware, "gather"))

@@ -25,7 +25,7 @@ def add_step(form: Formulation) -> None:
     land = inst.land_seconds()
     if inst.topology.parallel:  # each group's sum over the ranks, queued before its land
         land = tuple(a + r for a, r in zip(land, inst.reduce_s, strict=True))
-    grad0 = form.aD * (form.p[0] + A[0])
+    grad0 = form.send[0] + form.aD * A[0] * inst.embedding_grad
     Q = [m.var(f"Q[{k}]") for k in range(L + 1)]
     start = {form.T0: -1.0} if form.T0 is not None else {}  # the start window: a column, or a constant
     m.row(f"Q[{L}]", {Q[L]: 1.0, form.H: -1.0, **{T: -1.0 for T in F}, **start}, form.start_s, form.start_s)

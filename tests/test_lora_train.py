@@ -1,0 +1,107 @@
+"""`lazytrain train` with LoRA and freeze tuning on a tiny HF model folder: the checkpoint is a PEFT adapter folder
+that `PeftModel.from_pretrained` loads, a resumed run continues bit for bit, `adapter_name_or_path` starts from an
+adapter, and `lazytrain export` merges it into an HF folder whose logits are PEFT's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from test_finetune import _model_dir, _rows, _write_jsonl
+
+from lazytrain.cli import main
+from lazytrain.train.metrics import read_rows
+
+peft = pytest.importorskip("peft")
+JOB = dict(max_steps=3, per_device_train_batch_size=2, cutoff_len=48, dtype="fp32", planner="megatrain",
+           learning_rate=1e-2, warmup_steps=0, progress=False, eval_batches=0, finetuning_type="lora", lora_rank=4,
+           lora_target="all")
+
+
+def _job(tmp_path: Path, family: str = "llama", **keys: object) -> tuple[Path, Path]:
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():
+        _model_dir(model_dir, family)
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        _write_jsonl(data, _rows("alpaca", 24))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**JOB, "model": str(model_dir), "dataset": str(data),
+                                    "output_dir": str(tmp_path / "run"), **keys}))
+    return path, model_dir
+
+
+def _peft_logits(model_dir: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(adapter))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_lora_run_writes_an_adapter_peft_loads_and_export_merges_it(tmp_path):
+    config, model_dir = _job(tmp_path)
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    final = max(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in final.iterdir()}
+    assert not list(final.glob("model*.safetensors"))  # the base is not copied
+    losses = [r["loss"] for r in read_rows(run / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0]  # the adapters learned something
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(3))
+    with_adapter = _peft_logits(model_dir, final, ids)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.allclose(base(input_ids=ids).logits, with_adapter)  # B moved off zero: the adapter acts
+    assert main(["export", str(final), str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        logits = merged(input_ids=ids).logits
+    # fp32: W + s B A merged vs computed apart differ by a few ulps per product; 1e-4 relative is far above them
+    assert float((logits - with_adapter).norm() / with_adapter.norm()) < 1e-4
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert main(["export", str(final), str(tmp_path / "bf16")]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "8bit"])
+def test_lora_resume_is_bit_for_bit(tmp_path, optimizer):
+    config, _ = _job(tmp_path, max_steps=4, save_steps=2, dtype="bf16", optimizer=optimizer)
+    assert main(["train", str(config)]) == 0
+    whole = tmp_path / "run"
+    straight = (whole / "checkpoint-4" / "adapter_model.safetensors").read_bytes()
+    masters = (whole / "checkpoint-4" / "trainer_state" / "master.safetensors").read_bytes()
+    (whole / "checkpoint-4").rename(tmp_path / "first-4")
+    assert main(["train", str(config), "resume_from_checkpoint=auto"]) == 0
+    assert (whole / "checkpoint-4" / "adapter_model.safetensors").read_bytes() == straight
+    assert (whole / "checkpoint-4" / "trainer_state" / "master.safetensors").read_bytes() == masters
+
+
+def test_adapter_name_or_path_starts_from_an_adapter(tmp_path, capsys):
+    config, model_dir = _job(tmp_path, max_steps=1)
+    assert main(["train", str(config)]) == 0
+    adapter = tmp_path / "run" / "checkpoint-1"
+    config2, _ = _job(tmp_path, max_steps=1, learning_rate=1e-12, output_dir=str(tmp_path / "again"),
+                      adapter_name_or_path=str(adapter), lora_rank=2)  # its own rank (4) wins, as PEFT's
+    assert main(["train", str(config2)]) == 0
+    again = tmp_path / "again" / "checkpoint-1"
+    ids = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(5))
+    # Adam moves each weight by ~lr = 1e-12, far below an fp32 ulp of weights ~0.1 (6e-9): the adapter comes back
+    # as it went in, to rounding; a fresh one (B = 0) would give the base's logits, not these
+    start, after = _peft_logits(model_dir, adapter, ids), _peft_logits(model_dir, again, ids)
+    assert float((after - start).norm() / start.norm()) < 1e-6
+    assert main(["train", str(config2), "adapter_name_or_path=" + str(tmp_path), "overwrite_output_dir=true"]) == 2
+    assert "not a PEFT adapter folder" in capsys.readouterr().err
+
+
+def test_freeze_tuning_trains_the_last_layer_only(tmp_path):
+    config, model_dir = _job(tmp_path, finetuning_type="freeze", freeze_trainable_layers=1)
+    assert main(["train", str(config)]) == 0
+    final = max((tmp_path / "run").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    before = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    after = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.layers.1.") for k in changed)

@@ -1,0 +1,73 @@
+"""Planning LoRA and freeze tuning: the cost model of a frozen base (no weight-gradient GEMMs, gradient d2h or host
+update for it; the host holds it once in the compute dtype) and `lazytrain plan` on it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lazytrain.cli import main
+from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.model import ModelSpec
+from lazytrain.costmodel.trainable import Trainable
+from lazytrain.costmodel.workload import Workload
+from lazytrain.plan.schedule import Shapes, build_program
+
+JOB_70B = ["plan", "model=llama-3.1-70b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4",
+           "gpu_mem_cap=22GB", "cpu_mem=192GiB"]
+LORA = ["finetuning_type=lora", "lora_rank=16", "lora_target=all"]
+
+
+def cost(trainable: Trainable, model: str = "qwen2.5-14b") -> CostModel:
+    return CostModel(ModelSpec.load(model), HardwareSpec.load("rtx3090"), Workload(4, 1024, "bf16"),
+                     trainable=trainable)
+
+
+def test_a_frozen_base_has_no_gradient_state_or_update() -> None:
+    full, lora = cost(Trainable()), cost(Trainable("lora", rank=16))
+    spec = full.spec
+    # llama-style layer, rank 16: q, o (h -> h), k, v (h -> kv), gate, up (h -> I), down (I -> h)
+    h, kv, inter = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.intermediate_size
+    assert lora.adapter_params[0] == 16 * (2 * 2 * h + 2 * (h + kv) + 3 * (h + inter))
+    assert lora.grad_bytes == [a * 2 for a in lora.adapter_params] and lora.head_grad_bytes == 0
+    assert lora.param_bytes[0] == full.param_bytes[0] + 2 * lora.adapter_params[0]  # adapters stream too
+    assert [b / f for b, f in zip(lora.backward_s, lora.forward_s, strict=True)] == pytest.approx(
+        [2.0 + a / (p + a) for a, p in zip(lora.adapter_params, spec.layer_params, strict=True)])
+    host = lora.host_breakdown()
+    base = spec.num_params
+    # frozen: 2 B (bf16) per base parameter; the adapters: fp32 masters, bf16 copy and gradient, Adam's 8 B
+    assert host["weights"] == 2 * base + 4 * lora.trainable_params
+    assert host["optimizer_states"] == 8 * lora.trainable_params and host["grads"] == 2 * lora.trainable_params
+    freeze = cost(Trainable("freeze", layers=2))
+    assert freeze.grad_bytes[:-2] == [0] * (spec.num_layers - 2) and freeze.grad_bytes[-2:] == full.grad_bytes[-2:]
+    program = build_program(["gpu"] * (spec.num_layers + 1), Shapes.from_cost(freeze))
+    assert {op.target for op in program.ops if op.kind in ("grads", "land")} == {spec.num_layers - 2,
+                                                                                 spec.num_layers - 1}
+    assert not [op for op in program.ops if op.kind in ("grad0", "embedding")]
+
+
+def _step_s(out: str) -> float:
+    return float(re.search(r"step: MILP ([\d.]+) s", out).group(1))
+
+
+def test_70b_lora_fits_one_3090_where_full_training_does_not(capsys) -> None:
+    assert main([*JOB_70B, *LORA]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"host: .* fits 192 GiB", out) and "trainable: LoRA rank 16 on all" in out
+    assert "backward: 2.00 x forward (full training 3.00" in out
+    assert main([*JOB_70B[:-1], "cpu_mem=64GiB", *LORA]) == 2  # the bf16 base alone is 131 GiB
+    assert "host memory: needs" in capsys.readouterr().err
+    assert main(JOB_70B) == 2
+    assert "host memory: needs 1.03 TiB" in capsys.readouterr().err
+
+
+def test_14b_lora_step_is_at_most_0_8_of_full(capsys) -> None:
+    job = ["plan", "model=qwen2.5-14b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4"]
+    assert main(job) == 0
+    full = _step_s(capsys.readouterr().out)
+    assert main([*job, *LORA]) == 0
+    out = capsys.readouterr().out
+    assert _step_s(out) <= 0.8 * full, (_step_s(out), full)
+    assert "gradients d2h" in out and "host update" in out  # the reason, in plan's breakdown
