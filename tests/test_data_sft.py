@@ -59,22 +59,24 @@ def test_named_templates_label_exactly_the_assistant_spans(tokenizer_factory):
     tok = tokenizer_factory()
     tok.chat_template = None
     [alpaca] = tokenize_rows([{"messages": CONVERSATION}], tok, template="alpaca", cutoff_len=512).examples
-    assert _runs(tok, alpaca) == [
-        ("### Instruction:\nHi there\n\n### Response:\n", False),
+    assert _runs(tok, alpaca) == [  # LLaMA-Factory's: its default system prompt, EOS and a blank line trained
+        ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+         "request.\n\n### Instruction:\nHi there\n\n### Response:\n", False),
         ("Hello! 12<|im_end|>\n\n", True),
         ("### Instruction:\nAnd 3+4?\n\n### Response:\n", False),
-        ("7<|im_end|>", True),
+        ("7<|im_end|>\n\n", True),
     ]
     tok.chat_template = None
     [llama3] = tokenize_rows([{"messages": CONVERSATION}], tok, template="llama3", cutoff_len=512).examples
-    assert _runs(tok, llama3) == [  # the turn ends in <|eot_id|>, not this tokenizer's EOS: EOS is appended
+    assert _runs(tok, llama3) == [  # <|eot_id|> replaces the tokenizer's EOS (LF's replace_eos): no second one
         ("<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>assistant"
          "<|end_header_id|>\n\n", False),
         ("Hello! 12<|eot_id|>", True),
         ("<|start_header_id|>user<|end_header_id|>\n\nAnd 3+4?<|eot_id|><|start_header_id|>assistant"
          "<|end_header_id|>\n\n", False),
-        ("7<|eot_id|><|im_end|>", True),
+        ("7<|eot_id|>", True),
     ]
+    assert tok.eos_token == "<|eot_id|>"
 
 
 def test_train_on_prompt_trains_every_token(tokenizer_factory):
@@ -193,10 +195,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
             call()
         assert "\n" not in str(err.value)
     tok.chat_template = None
-    with pytest.raises(LazyTrainError, match="no chat template; set template to one of chatml"):
+    with pytest.raises(LazyTrainError, match="no chat template; set template to the model's LLaMA-Factory"):
         tokenize_rows([{"messages": CONVERSATION}], tok, cutoff_len=64)
-    with pytest.raises(LazyTrainError, match="unknown template 'vicuna' and the tokenizer has no chat template"):
-        tokenize_rows([{"messages": CONVERSATION}], tok, template="vicuna", cutoff_len=64)
+    with pytest.raises(LazyTrainError, match="template 'qwen4' is not one of LLaMA-Factory's templates"):
+        tokenize_rows([{"messages": CONVERSATION}], tok, template="qwen4", cutoff_len=64)
     # plain text needs no template
     assert tokenize_rows([{"text": "Hi there"}], tok, cutoff_len=64).examples
 

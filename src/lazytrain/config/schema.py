@@ -80,9 +80,9 @@ class DataConfig:
     """How rows of an SFT file are read: auto (detected from the columns), alpaca, sharegpt, messages,
     prompt_completion or text (a dataset_info.json entry's `formatting` wins for its dataset)."""
     template: str | None = None
-    """Chat template: None = the tokenizer's own; a LLaMA-Factory name (qwen, llama3, mistral, gemma, chatml,
-    alpaca, default, empty, ...) = the tokenizer's own chat template when it has one, else ours of that name;
-    which one was used is printed."""
+    """Chat template: None = the tokenizer's own; a LLaMA-Factory name (qwen, qwen3, llama3, mistral, gemma, chatml,
+    alpaca, default, empty, ...) = that template of LLaMA-Factory, rendered as it renders it (its default system
+    prompt, stop words and EOS), whatever chat template the tokenizer has."""
     train_on_prompt: bool = False
     """Compute the loss on prompt tokens too (default: only on the assistant's response tokens)."""
     cutoff_len: int = 256

@@ -8,10 +8,11 @@ the same data and tokenizer read the tokens back instead of tokenizing again (`o
 cache folder is written under a name of its own (`.<key>.tmp-<pid>`) and renamed when complete; one a killed
 process left behind is removed by the next run.
 
-A conversation is rendered with the tokenizer's chat template (`apply_chat_template`), or ours of the named
-`template` when the tokenizer has none (templates.py). The assistant spans come from rendering prefixes: the text
-up to an assistant turn (with the generation prompt) and the text through it; each piece is tokenized on its own,
-as at inference time the prompt is. Labels are -100 everywhere but in assistant spans (their content and the
+A conversation is encoded with LLaMA-Factory's template when `template` names one, into LF's own ids and labels,
+its cutoff shared between prompt and response turn by turn (templates.py); without `template`, it is rendered with
+the tokenizer's chat template (`apply_chat_template`). There the assistant spans come from rendering prefixes: the
+text up to an assistant turn (with the generation prompt) and the text through it; each piece is tokenized on its
+own, as at inference time the prompt is. Labels are -100 everywhere but in assistant spans (their content and the
 template's end-of-turn marker), unless `train_on_prompt`. EOS ends every example: an assistant turn that already
 ends with the tokenizer's EOS keeps it (trailing whitespace after it is dropped), otherwise EOS is appended.
 Examples longer than `cutoff_len` are truncated (counted); rows with no assistant turn, and examples left with no
@@ -36,7 +37,7 @@ from lazytrain.config.schema import names_in
 from lazytrain.data.loader import IGNORE_INDEX, Example
 from lazytrain.data.rows import CANONICAL, FORMATS, Message, Row, canonical_rows, read_rows
 from lazytrain.data.sources import Source, resolve
-from lazytrain.data.templates import TEMPLATES, choose_template
+from lazytrain.data.templates import Template, lf_template
 from lazytrain.errors import LazyTrainError
 from lazytrain.writes import alive
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "Row", "SftData", "load_rows", "load_sft", "split_off", "tokenize_rows"]
 
-CACHE_VERSION = 1  # bump when the tokenization below changes what it writes
+CACHE_VERSION = 2  # bump when the tokenization below changes what it writes
 FEATURES = datasets.Features({
     "kind": datasets.Value("string"),
     "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
@@ -76,7 +77,8 @@ def conversation_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Messa
         if not (prompt.startswith(done) and through.startswith(prompt)):
             raise LazyTrainError(
                 "the chat template renders a conversation's beginning differently once it goes on (it is not "
-                f"prefix-stable), so the assistant spans cannot be found; set template to one of {', '.join(TEMPLATES)}"
+                "prefix-stable), so the assistant spans cannot be found; set template to the model's LLaMA-Factory "
+                "template name (qwen, llama3, mistral, gemma, ...)"
             )
         pieces += [(prompt[len(done):], False), (through[len(prompt):], True)]
         done = through
@@ -149,16 +151,24 @@ def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout]
 
 
 def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool,
-                   cutoff_len: int) -> dict[str, list[Any]]:
+                   cutoff_len: int, template: str | None = None) -> dict[str, list[Any]]:
     """datasets.map's function: a batch of canonical rows -> input_ids, labels (at most cutoff_len tokens),
-    truncated, skipped (no assistant turn, or no loss-carrying token left; its ids empty)."""
+    truncated, skipped (no assistant turn, or no loss-carrying token left; its ids empty). `template`: LF's
+    template that encodes the conversations (None: the tokenizer's chat template)."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-    layouts = [layout_row(tokenizer, row, train_on_prompt=train_on_prompt) for row in rows]
+    lf = lf_template(template) if template is not None else None
+    by_lf = [lf is not None and row["kind"] == "chat" for row in rows]
+    layouts = [None if lf_row else layout_row(tokenizer, row, train_on_prompt=train_on_prompt)
+               for row, lf_row in zip(rows, by_lf, strict=True)]
     encoded = iter(encode_layouts(tokenizer, [lay for lay in layouts if lay is not None]))
     out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "truncated": [], "skipped": []}
-    for lay in layouts:
-        example = next(encoded) if lay is not None else None
-        truncated = example is not None and len(example.input_ids) > cutoff_len
+    for row, lay, lf_row in zip(rows, layouts, by_lf, strict=True):
+        if lf_row:
+            assert lf is not None
+            example, truncated = _lf_example(lf, tokenizer, row, cutoff_len, train_on_prompt)
+        else:
+            example = next(encoded) if lay is not None else None
+            truncated = example is not None and len(example.input_ids) > cutoff_len
         if example is not None:
             example = Example(example.input_ids[:cutoff_len], example.labels[:cutoff_len])
         skipped = example is None or all(label == IGNORE_INDEX for label in example.labels[1:])
@@ -167,6 +177,15 @@ def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenize
         out["truncated"].append(truncated)
         out["skipped"].append(skipped)
     return out
+
+
+def _lf_example(lf: Template, tokenizer: PreTrainedTokenizerBase, row: Row, cutoff_len: int,
+                train_on_prompt: bool) -> tuple[Example | None, bool]:
+    encoded = lf.encode(tokenizer, row["messages"], cutoff_len=cutoff_len, train_on_prompt=train_on_prompt)
+    if encoded is None:
+        return None, False
+    input_ids, labels, truncated = encoded
+    return Example(input_ids=input_ids, labels=labels), truncated
 
 
 # =====================================================================================================
@@ -286,7 +305,8 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
               key: dict[str, Any] | None) -> SftData:
     """Tokenize `table` (through the cache when `how.cache_dir` is set and `key` names the rows) into SftData."""
     note = _use_template(tokenizer, how.template, table)
-    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt, cutoff_len=how.cutoff_len)
+    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt, cutoff_len=how.cutoff_len,
+                  template=how.template)
     datasets.disable_progress_bars()
     cached = False
     if how.cache_dir is None or key is None:
@@ -311,15 +331,17 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
 
 
 def _use_template(tokenizer: PreTrainedTokenizerBase, template: str | None, table: datasets.Dataset) -> str:
-    """Give the tokenizer the chat template its conversations need (saved with every checkpoint); what was used
-    ("" when no row is a conversation)."""
-    kinds = set(table.unique("kind"))
-    if "chat" not in kinds:
+    """Fix the tokenizer as LF's template `template` wants it (saved with every checkpoint); what renders the
+    conversations ("" when no row is a conversation)."""
+    if "chat" not in set(table.unique("kind")):
         return ""
-    ours, note = choose_template(template, has_own=bool(tokenizer.chat_template))
-    if ours is not None:
-        tokenizer.chat_template = ours
-    return note
+    if template is not None:
+        lf_template(template).fix_tokenizer(tokenizer)
+        return f"LLaMA-Factory's {template} template"
+    if not tokenizer.chat_template:
+        raise LazyTrainError("the tokenizer has no chat template; set template to the model's LLaMA-Factory template "
+                             "name (qwen, llama3, mistral, gemma, chatml, alpaca, default, empty, ...)")
+    return "the tokenizer's own chat template"
 
 
 def _fingerprint(key: dict[str, Any], tokenizer: PreTrainedTokenizerBase, how: Tokenization) -> str:
@@ -330,7 +352,7 @@ def _fingerprint(key: dict[str, Any], tokenizer: PreTrainedTokenizerBase, how: T
     described = {**key, "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
                  "specials": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token],
                  "chat_template": tokenizer.chat_template, "cutoff_len": how.cutoff_len,
-                 "train_on_prompt": how.train_on_prompt, "version": CACHE_VERSION}
+                 "train_on_prompt": how.train_on_prompt, "template": how.template, "version": CACHE_VERSION}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
