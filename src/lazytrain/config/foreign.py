@@ -170,8 +170,9 @@ def _stage(value: Any, given: Mapping[str, Any]) -> Translation:
     stage = _text(value)
     if stage == "sft" or value is None:
         return {}, None
-    if stage == "pt":
-        return ({} if "dataset_format" in given else {"dataset_format": "text"}), None
+    if stage == "pt":  # LF packs pretraining text unless told not to
+        return {**({} if "dataset_format" in given else {"dataset_format": "text"}),
+                **({} if "packing" in given or "neat_packing" in given else {"packing": True})}, None
     raise Refused(f"LazyTrain trains with the language-model loss (stage sft or pt); {stage} is not implemented: "
                   "use LLaMA-Factory for it", method=_STAGES.get(stage, f"stage {stage}"))
 

@@ -88,9 +88,10 @@ class DataConfig:
     cutoff_len: int = 256
     """Tokens per sequence (>= 2): examples are truncated to it and every batch row is exactly this long,
     since the plan and the device arena are sized for it."""
-    packing: bool = True
+    packing: bool = False
     """Pack several short examples into one row (positions restart per example, no attention across them, as
-    LLaMA-Factory's neat_packing); false = one example per row, right-padded with an attention mask."""
+    LLaMA-Factory's neat_packing); false = one example per row, right-padded with an attention mask. Off by
+    default as in LLaMA-Factory's sft (its stage pt turns it on; the default job packs)."""
     max_samples: int | None = None
     """Rows read from each dataset at most (>= 1; the first rows of its file); None = all."""
     mix_strategy: MixStrategy = "concat"
@@ -242,8 +243,9 @@ class RuntimeConfig:
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files and, with optimizer_offload nvme, the optimizer's state files (both
     nameless: nothing is left there after the run); None = a temporary directory removed at the end."""
-    seed: int = 0
-    """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1)."""
+    seed: int = 42
+    """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1; 42 as the HF
+    Trainer's; the default job's 0)."""
     data_seed: int | None = None
     """Seeds the batch order and the held-out split alone (None = seed), as the HF Trainer's data_seed."""
     progress: bool = True
