@@ -133,3 +133,9 @@ def test_every_first_pass_problem_at_once(repo):
     done = subprocess.run([sys.executable, "-m", "lazytrain", "train", "bad.yaml"], capture_output=True, text=True,
                           env=env, timeout=120, cwd=repo)
     assert done.returncode == 2 and "dataset is math (the default when dataset is not set" in done.stderr
+    path.write_text(yaml.safe_dump({"model_name_or_path": "models/qwen-tiny", "dataset": "someone/not-downloaded",
+                                    "output_dir": "saves/bad"}))
+    done = subprocess.run([sys.executable, "-m", "lazytrain", "train", "bad.yaml"], capture_output=True, text=True,
+                          env={**env, "HF_HOME": str(repo / "empty-hf-home")}, timeout=120, cwd=repo)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "dataset someone/not-downloaded is not in the local HF datasets cache" in done.stderr

@@ -71,7 +71,7 @@ class _Flat:
         self.problems: list[LazyTrainError] = []
         self.notes: list[str] = []
         self.refusals: list[LazyTrainError] = []  # foreign keys refused (a subset of problems)
-        self.methods: dict[str, LazyTrainError] = {}  # a training method LazyTrain does not do -> its one line
+        self.methods: dict[str, LazyTrainError] = {}  # a method LazyTrain does not do (or "stage") -> its line
         self.origin: dict[str, str] = {}  # our key -> the foreign key whose translation set it
 
     def add(self, values: Mapping[str, Any], source: str, *, flags: bool = False) -> None:
@@ -125,7 +125,7 @@ class _Flat:
                                                                                        "a LLaMA-Factory and HF Trainer")
             problem = LazyTrainError(f"{source}: {bare} = {value!r} ({origin} key): {err}")
             if err.method is not None:
-                self.methods.setdefault(err.method, LazyTrainError(
+                self.methods.setdefault("stage" if bare == "stage" else err.method, LazyTrainError(
                     f"{source}: {bare} = {value!r} asks for {err.method}, which LazyTrain does not do: {err}"))
             self.problems.append(problem)
             self.refusals.append(problem)
@@ -142,12 +142,13 @@ class _Flat:
             return []
 
     def method_problems(self) -> list[LazyTrainError]:
-        """When the config asks for a training method LazyTrain does not do, that one line (per method) and the
-        problems that are no foreign key's: the method's own settings, and what they make of the rest, would only
-        bury it."""
+        """When the config asks for a training method LazyTrain does not do, that one line (the stage's first: a
+        DPO run on images is refused as DPO) and the problems that are no foreign key's: the method's own
+        settings, and what they make of the rest, would only bury it."""
         if not self.methods:
             return []
-        return [*self.methods.values(), *(p for p in self.problems if p not in self.refusals)]
+        first = self.methods.get("stage") or next(iter(self.methods.values()))
+        return [first, *(p for p in self.problems if p not in self.refusals)]
 
 
 # =====================================================================================================

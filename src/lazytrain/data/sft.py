@@ -331,12 +331,13 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
 
 
 def _use_template(tokenizer: PreTrainedTokenizerBase, template: str | None, table: datasets.Dataset) -> str:
-    """Fix the tokenizer as LF's template `template` wants it (saved with every checkpoint); what renders the
-    conversations ("" when no row is a conversation)."""
+    """Fix the tokenizer as LF's template `template` wants it (saved with every checkpoint; LF does so for plain
+    text too: its EOS ends each document); what renders the conversations ("" when no row is a conversation)."""
+    if template is not None:
+        lf_template(template).fix_tokenizer(tokenizer)
     if "chat" not in set(table.unique("kind")):
         return ""
     if template is not None:
-        lf_template(template).fix_tokenizer(tokenizer)
         return f"LLaMA-Factory's {template} template"
     if not tokenizer.chat_template:
         raise LazyTrainError("the tokenizer has no chat template; set template to the model's LLaMA-Factory template "
