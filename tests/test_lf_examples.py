@@ -9,6 +9,7 @@ examples/...` (the `deepspeed:` path is relative to it). What LazyTrain does not
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import yaml
 from lazytrain.config import load_job_config
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
+from lazytrain.train.metrics import plot_losses
 
 SRC = str(Path(__file__).parent.parent / "src")
 LF_REPO = Path(__file__).parent / "data" / "lf_repo"
@@ -76,7 +78,17 @@ def test_train_full_qwen3_runs_as_shipped(repo):
     final = repo / "saves" / "examples_train_full_qwen3_full_sft.yaml" / "checkpoint-2"
     tokenizer = transformers.AutoTokenizer.from_pretrained(final)
     assert tokenizer.eos_token == "<|im_end|>"  # replace_eos, saved with the model
-    assert (final.parent / "loss.png").exists()  # plot_loss: true
+    # plot_loss: true (with the viz extra; without it one line says how to get the plot)
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (final.parent / "loss.png").exists() == has_matplotlib
+    assert ("plot_loss: no loss.png, matplotlib is not installed" in out) != has_matplotlib
+
+
+def test_plot_loss_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    assert not plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert "pip install 'lazytrain[viz]'" in capsys.readouterr().out and not (tmp_path / "loss.png").exists()
 
 
 def test_pretraining_on_lfs_c4_demo(repo):

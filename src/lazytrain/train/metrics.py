@@ -234,13 +234,16 @@ def read_rows(path: Path) -> list[dict[str, Json]]:
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> bool:
-    """`loss.png`: train loss (and eval loss when there is one) against step; False when matplotlib is absent."""
+    """`loss.png`: train loss (and eval loss when there is one) against step; False, with a line saying how to get
+    it, when matplotlib is absent."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # matplotlib is optional
+        say("note     plot_loss: no loss.png, matplotlib is not installed; pip install 'lazytrain[viz]' (or "
+            "matplotlib) to get it, or set plot_loss false")
         return False
     rows = read_rows(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
