@@ -12,6 +12,7 @@ import pytest
 from lazytrain.data.corpus import zen_of_python
 from lazytrain.data.loader import IGNORE_INDEX, Example
 from lazytrain.data.sft import load_rows, load_sft, split_off, tokenize_rows
+from lazytrain.data.templates import infer_seqlen
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
 
@@ -150,8 +151,17 @@ def test_truncation_and_skips_are_counted(tokenizer_factory):
     first_response = next(i for i, label in enumerate(full.labels) if label != IGNORE_INDEX)
     cutoff = first_response + 2  # inside the first response
     data = tokenize_rows(rows, tok, cutoff_len=cutoff)
-    assert data.num_truncated == 2 and data.num_skipped == 2  # the long prompt leaves no response token
-    assert data.examples == [Example(full.input_ids[:cutoff], full.labels[:cutoff])]
+    assert data.num_truncated == 2 and data.num_skipped == 1
+    # LLaMA-Factory's cut (infer_seqlen): the first pair shares the cutoff between its prompt and its response
+    response_end = next(i for i in range(first_response, len(full.labels)) if full.labels[i] == IGNORE_INDEX)
+    keep_prompt, keep_response = infer_seqlen(first_response, response_end - first_response, cutoff)
+    kept = list(range(keep_prompt)) + list(range(first_response, first_response + keep_response))
+    assert data.examples[0] == Example([full.input_ids[i] for i in kept], [full.labels[i] for i in kept])
+    # a prompt longer than the cutoff is cut from its end and the short response ("7" and EOS) kept whole
+    long = tokenize_rows(rows[2:], tok, cutoff_len=512).examples[0]
+    assert data.examples[1] == Example(long.input_ids[:cutoff - 2] + long.input_ids[-2:],
+                                       long.labels[:cutoff - 2] + long.labels[-2:])
+    assert tok.decode(long.input_ids[-2:]) == "7<|im_end|>" and long.labels[-2:] == long.input_ids[-2:]
 
 
 def test_val_split_by_fraction_or_count_is_disjoint_and_seeded():

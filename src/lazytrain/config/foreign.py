@@ -273,6 +273,8 @@ _RECOMPUTE = ("the plan decides which layers to recompute (planner auto: only wh
               "recompute-all recomputes every layer)")
 _KERNELS = ("LazyTrain runs transformers' own layers, streamed (fused kernels compute the same loss, faster; "
             "none is swapped in)")
+_RAY = ("LLaMA-Factory uses Ray only under USE_RAY=1; LazyTrain runs data-parallel ranks under torchrun "
+        "(torchrun --nproc_per_node N -m lazytrain train ...)")
 _NO_UPLOAD = ("nothing leaves this machine during a run; upload the checkpoint folder afterwards (e.g. hf upload)")
 
 TABLE: dict[str, Foreign] = {
@@ -338,8 +340,9 @@ TABLE: dict[str, Foreign] = {
                                                      "across examples)"),
     "mask_history": refuse(LF, "the loss covers every assistant turn; mask_history is not implemented"),
     "streaming": refuse(LF, "datasets are read, tokenized and cached whole before training; remove streaming"),
-    "tokenized_path": refuse(LF, "the tokenized dataset is kept in the HF datasets cache (overwrite_cache "
-                                 "re-tokenizes); remove tokenized_path"),
+    "tokenized_path": refuse(LF, "LazyTrain tokenizes into its own cache, which the next run with the same data and "
+                                 "tokenizer reads back (overwrite_cache re-tokenizes); remove tokenized_path",
+                             "a preprocessing run (tokenized_path)"),
     "default_system": refuse(LF, "give the system prompt in the data (a system column or message)"),
     "enable_thinking": accept(LF, {"true": {}}, "templates render as the tokenizer's chat template does; remove "
                               "enable_thinking", "true accepted (the chat template as it is)"),
@@ -416,6 +419,7 @@ TABLE: dict[str, Foreign] = {
     "ddp_find_unused_parameters": note(HF, _DDP), "ddp_bucket_cap_mb": note(HF, _DDP),
     "ddp_broadcast_buffers": note(HF, _DDP), "ddp_static_graph": note(HF, _DDP),
     "local_rank": note(HF, "torchrun's LOCAL_RANK is read from the environment"),
+    "ray_num_workers": note(LF, _RAY), "ray_init_kwargs": note(LF, _RAY),
     "dataloader_num_workers": note(HF, _LOADER), "dataloader_pin_memory": note(HF, _LOADER),
     "dataloader_persistent_workers": note(HF, _LOADER), "dataloader_prefetch_factor": note(HF, _LOADER),
     "dataloader_drop_last": note(HF, _LOADER + "; the loader streams epochs without a last partial batch"),
@@ -452,7 +456,7 @@ OTHER_KEYS: dict[str, str] = dict.fromkeys((
     "vllm_enforce_eager vllm_max_lora_rank vllm_config sglang_maxlen sglang_mem_fraction sglang_tp_size "
     "sglang_config sglang_lora_backend use_kt kt_cpu_activation kt_weight_path kt_non_expert_weight_path "
     "kt_expert_checkpoint_path kt_use_lora_experts kt_lora_expert_num kt_lora_expert_intermediate_size "
-    "compute_dtype device_map model_max_length block_diag_attn ray_num_workers ray_init_kwargs master_addr "
+    "compute_dtype device_map model_max_length block_diag_attn master_addr "
     "master_port enable_torch_profiler profiler_output_dir profiler_wait_steps profiler_warmup_steps "
     "profiler_active_steps profiler_repeat profiler_record_shapes profiler_profile_memory profiler_with_stack "
     "profile_modules fp8_backend fp8_enable_fsdp_float8_all_gather"

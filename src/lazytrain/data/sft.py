@@ -15,8 +15,9 @@ text up to an assistant turn (with the generation prompt) and the text through i
 own, as at inference time the prompt is. Labels are -100 everywhere but in assistant spans (their content and the
 template's end-of-turn marker), unless `train_on_prompt`. EOS ends every example: an assistant turn that already
 ends with the tokenizer's EOS keeps it (trailing whitespace after it is dropped), otherwise EOS is appended.
-Examples longer than `cutoff_len` are truncated (counted); rows with no assistant turn, and examples left with no
-loss-carrying token, are skipped (counted).
+Examples longer than `cutoff_len` are cut as LLaMA-Factory cuts them, (prompt, response) pair by pair with its
+`infer_seqlen` (counted); rows with no assistant turn, and examples left with no loss-carrying token, are skipped
+(counted).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lazytrain.config.schema import names_in
 from lazytrain.data.loader import IGNORE_INDEX, Example
 from lazytrain.data.rows import CANONICAL, FORMATS, Message, Row, canonical_rows, read_rows
 from lazytrain.data.sources import Source, resolve
-from lazytrain.data.templates import Template, lf_template
+from lazytrain.data.templates import Template, infer_seqlen, lf_template
 from lazytrain.errors import LazyTrainError
 from lazytrain.writes import alive
 
@@ -94,6 +95,7 @@ class Layout:
 
     texts: list[str]
     trained: list[bool]  # per piece: its tokens carry loss
+    responses: list[bool]  # per piece: an assistant turn or a completion (what the cutoff shares with its prompt)
     templated: bool  # the chat template wrote the specials (BOS) itself; else the tokenizer adds them
     append_eos: bool  # the last piece does not already end with EOS
 
@@ -118,16 +120,20 @@ def layout_row(tokenizer: PreTrainedTokenizerBase, row: Row, *, train_on_prompt:
         return None
     last = max(i for i, (_, trained) in enumerate(pieces) if trained)
     texts = [text for text, _ in pieces[: last + 1]]
-    trained = [trained or train_on_prompt for _, trained in pieces[: last + 1]]
+    responses = [response for _, response in pieces[: last + 1]]
+    trained = [response or train_on_prompt for response in responses]
     eos = tokenizer.eos_token
     ends_with_eos = bool(eos) and texts[-1].rstrip().endswith(eos)
     if ends_with_eos:
         texts[-1] = texts[-1].rstrip()
-    return Layout(texts=texts, trained=trained, templated=templated, append_eos=not ends_with_eos)
+    return Layout(texts=texts, trained=trained, responses=responses, templated=templated,
+                  append_eos=not ends_with_eos)
 
 
-def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout]) -> list[Example]:
-    """Tokenize every piece of every layout (two batched calls: with and without the tokenizer's specials)."""
+def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout], cutoff_len: int | None = None
+                   ) -> list[tuple[Example, bool]]:
+    """Tokenize every piece of every layout (two batched calls: with and without the tokenizer's specials); with
+    `cutoff_len`, an example longer than it is cut as LLaMA-Factory cuts one (`cut_pairs`; True: it was)."""
     with_specials = [(r, 0) for r, lay in enumerate(layouts) if not lay.templated]
     plain = [(r, i) for r, lay in enumerate(layouts) for i in range(len(lay.texts))
              if lay.templated or i > 0]
@@ -138,16 +144,38 @@ def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout]
             ids.update(zip(keys, encoded["input_ids"], strict=True))
     examples = []
     for r, lay in enumerate(layouts):
-        input_ids: list[int] = []
-        labels: list[int] = []
-        for i, trained in enumerate(lay.trained):
-            input_ids += ids[r, i]
-            labels += ids[r, i] if trained else [IGNORE_INDEX] * len(ids[r, i])
-        if lay.append_eos:
-            input_ids.append(tokenizer.eos_token_id)
-            labels.append(tokenizer.eos_token_id)
-        examples.append(Example(input_ids=input_ids, labels=labels))
+        pieces = [(ids[r, i], trained, response) for i, (trained, response)
+                  in enumerate(zip(lay.trained, lay.responses, strict=True))]
+        if lay.append_eos:  # EOS ends the last response
+            last_ids, trained, response = pieces[-1]
+            pieces[-1] = ([*last_ids, tokenizer.eos_token_id], trained, response)
+        examples.append(cut_pairs(pieces, cutoff_len))
     return examples
+
+
+def cut_pairs(pieces: Sequence[tuple[list[int], bool, bool]], cutoff_len: int | None) -> tuple[Example, bool]:
+    """One example from its pieces (ids, trained, is a response); longer than `cutoff_len`, each (prompt, response)
+    pair in turn gets what LF's `infer_seqlen` gives it of the budget left (a short response is kept and its prompt
+    cut from the end; a short prompt kept and its response cut; else both in proportion), until none is left."""
+    pairs: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = [([], [])]
+    for piece_ids, trained, response in pieces:
+        tokens = [(t, t if trained else IGNORE_INDEX) for t in piece_ids]
+        if response:
+            pairs[-1][1].extend(tokens)
+            pairs.append(([], []))
+        else:
+            pairs[-1][0].extend(tokens)
+    kept: list[tuple[int, int]] = []
+    total = sum(len(p) + len(r) for p, r in pairs)
+    for prompt, response in pairs:
+        if cutoff_len is not None and total > cutoff_len:
+            if len(kept) >= cutoff_len:
+                break
+            prompt_len, response_len = infer_seqlen(len(prompt), len(response), cutoff_len - len(kept))
+            prompt, response = prompt[:prompt_len], response[:response_len]
+        kept += prompt + response
+    example = Example(input_ids=[t for t, _ in kept], labels=[label for _, label in kept])
+    return example, cutoff_len is not None and total > cutoff_len
 
 
 def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool,
@@ -160,15 +188,14 @@ def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenize
     by_lf = [lf is not None and row["kind"] == "chat" for row in rows]
     layouts = [None if lf_row else layout_row(tokenizer, row, train_on_prompt=train_on_prompt)
                for row, lf_row in zip(rows, by_lf, strict=True)]
-    encoded = iter(encode_layouts(tokenizer, [lay for lay in layouts if lay is not None]))
+    encoded = iter(encode_layouts(tokenizer, [lay for lay in layouts if lay is not None], cutoff_len))
     out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "truncated": [], "skipped": []}
     for row, lay, lf_row in zip(rows, layouts, by_lf, strict=True):
         if lf_row:
             assert lf is not None
             example, truncated = _lf_example(lf, tokenizer, row, cutoff_len, train_on_prompt)
         else:
-            example = next(encoded) if lay is not None else None
-            truncated = example is not None and len(example.input_ids) > cutoff_len
+            example, truncated = next(encoded) if lay is not None else (None, False)
         if example is not None:
             example = Example(example.input_ids[:cutoff_len], example.labels[:cutoff_len])
         skipped = example is None or all(label == IGNORE_INDEX for label in example.labels[1:])
