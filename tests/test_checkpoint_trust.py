@@ -196,7 +196,7 @@ def test_a_master_of_another_dtype_is_refused_not_cast(run, bf16_run, tmp_path, 
     save_file(tensors, str(file), metadata={"format": "pt"})
     _reseal(checkpoint)
     assert _train(checkpoint.parent, *words, f"resume_from_checkpoint={checkpoint}") == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert f"{file.name}'s {name} is" in err and "torch.float16, the model's" in err and str(checkpoint) in err
 
 
@@ -215,7 +215,7 @@ def test_an_hf_folder_that_is_not_the_masters_rounding_is_refused(bf16_run, tmp_
     _reseal(checkpoint)
     before = _files(checkpoint.parent)
     assert _train(checkpoint.parent, "--steps", "3", "--dtype", "bf16", f"resume_from_checkpoint={checkpoint}") == 2
-    err = _one_line(capsys)
+    err = cli_error(capsys)
     assert f"{shard.name}'s {name}" in err and str(checkpoint) in err
     assert ("NaN or infinite" in err) if edit == "nan" else ("not the rounding of master.safetensors'" in err)
     assert _files(checkpoint.parent) == before

@@ -345,11 +345,12 @@ def test_foreign_values(values, expected):
 @pytest.mark.parametrize("values, needle", [
     ({"finetuning_type": "oft"}, "finetuning_type = 'oft': expected one of full, lora, freeze"),
     ({"use_dora": True}, "use_dora is not implemented (LoRA trains plain low-rank adapters); remove it"),
-    ({"deepspeed": "ds.json"}, "deepspeed = 'ds.json' (an HF Trainer key): LazyTrain does not run DeepSpeed"),
-    ({"stage": "dpo"}, "stage = 'dpo' (a LLaMA-Factory key): LazyTrain trains with the language-model loss"),
     ({"do_train": False}, "`lazytrain train` always trains"),
     ({"quantization_bit": 4}, "quantization_bit 4: a quantized base (QLoRA) is not implemented yet"),
-    ({"flash_attn": "fa2"}, "LazyTrain runs attention through sdpa"),
+    ({"deepspeed": "ds.json"}, "deepspeed = 'ds.json' (an HF Trainer key): no such file ds.json"),
+    ({"flash_attn": "fa4"}, "flash_attn is auto, sdpa, fa2, fa3 or disabled; LazyTrain runs sdpa"),
+    ({"stage": "dpo"}, "stage = 'dpo' asks for DPO, which LazyTrain does not do: LazyTrain trains with the "
+                       "language-model loss"),
     ({"fsdp": "full_shard"}, "LazyTrain does not shard with FSDP"),
     ({"save_strategy": "best"}, "save_strategy = 'best' (an HF Trainer key): LazyTrain saves every save_steps"),
     ({"logging_strategy": "no"}, "at the end of every epoch (epoch); set one of them"),

@@ -13,6 +13,7 @@ from checks import one_line
 from lazytrain.data.corpus import zen_of_python
 from lazytrain.data.loader import IGNORE_INDEX, Example
 from lazytrain.data.sft import load_rows, load_sft, split_off, tokenize_rows
+from lazytrain.data.templates import infer_seqlen
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
 
@@ -60,22 +61,24 @@ def test_named_templates_label_exactly_the_assistant_spans(tokenizer_factory):
     tok = tokenizer_factory()
     tok.chat_template = None
     [alpaca] = tokenize_rows([{"messages": CONVERSATION}], tok, template="alpaca", cutoff_len=512).examples
-    assert _runs(tok, alpaca) == [
-        ("### Instruction:\nHi there\n\n### Response:\n", False),
+    assert _runs(tok, alpaca) == [  # LLaMA-Factory's: its default system prompt, EOS and a blank line trained
+        ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+         "request.\n\n### Instruction:\nHi there\n\n### Response:\n", False),
         ("Hello! 12<|im_end|>\n\n", True),
         ("### Instruction:\nAnd 3+4?\n\n### Response:\n", False),
-        ("7<|im_end|>", True),
+        ("7<|im_end|>\n\n", True),
     ]
     tok.chat_template = None
     [llama3] = tokenize_rows([{"messages": CONVERSATION}], tok, template="llama3", cutoff_len=512).examples
-    assert _runs(tok, llama3) == [  # the turn ends in <|eot_id|>, not this tokenizer's EOS: EOS is appended
+    assert _runs(tok, llama3) == [  # <|eot_id|> replaces the tokenizer's EOS (LF's replace_eos): no second one
         ("<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>assistant"
          "<|end_header_id|>\n\n", False),
         ("Hello! 12<|eot_id|>", True),
         ("<|start_header_id|>user<|end_header_id|>\n\nAnd 3+4?<|eot_id|><|start_header_id|>assistant"
          "<|end_header_id|>\n\n", False),
-        ("7<|eot_id|><|im_end|>", True),
+        ("7<|eot_id|>", True),
     ]
+    assert tok.eos_token == "<|eot_id|>"
 
 
 def test_train_on_prompt_trains_every_token(tokenizer_factory):
@@ -149,8 +152,17 @@ def test_truncation_and_skips_are_counted(tokenizer_factory):
     first_response = next(i for i, label in enumerate(full.labels) if label != IGNORE_INDEX)
     cutoff = first_response + 2  # inside the first response
     data = tokenize_rows(rows, tok, cutoff_len=cutoff)
-    assert data.num_truncated == 2 and data.num_skipped == 2  # the long prompt leaves no response token
-    assert data.examples == [Example(full.input_ids[:cutoff], full.labels[:cutoff])]
+    assert data.num_truncated == 2 and data.num_skipped == 1
+    # LLaMA-Factory's cut (infer_seqlen): the first pair shares the cutoff between its prompt and its response
+    response_end = next(i for i in range(first_response, len(full.labels)) if full.labels[i] == IGNORE_INDEX)
+    keep_prompt, keep_response = infer_seqlen(first_response, response_end - first_response, cutoff)
+    kept = list(range(keep_prompt)) + list(range(first_response, first_response + keep_response))
+    assert data.examples[0] == Example([full.input_ids[i] for i in kept], [full.labels[i] for i in kept])
+    # a prompt longer than the cutoff is cut from its end and the short response ("7" and EOS) kept whole
+    long = tokenize_rows(rows[2:], tok, cutoff_len=512).examples[0]
+    assert data.examples[1] == Example(long.input_ids[:cutoff - 2] + long.input_ids[-2:],
+                                       long.labels[:cutoff - 2] + long.labels[-2:])
+    assert tok.decode(long.input_ids[-2:]) == "7<|im_end|>" and long.labels[-2:] == long.input_ids[-2:]
 
 
 def test_val_split_by_fraction_or_count_is_disjoint_and_seeded():
@@ -194,10 +206,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tokenizer_factory):
             call()
         one_line(str(err.value))
     tok.chat_template = None
-    with pytest.raises(LazyTrainError, match="no chat template; set template to one of chatml"):
+    with pytest.raises(LazyTrainError, match="no chat template; set template to the model's LLaMA-Factory"):
         tokenize_rows([{"messages": CONVERSATION}], tok, cutoff_len=64)
-    with pytest.raises(LazyTrainError, match="unknown template 'vicuna' and the tokenizer has no chat template"):
-        tokenize_rows([{"messages": CONVERSATION}], tok, template="vicuna", cutoff_len=64)
+    with pytest.raises(LazyTrainError, match="template 'qwen4' is not one of LLaMA-Factory's templates"):
+        tokenize_rows([{"messages": CONVERSATION}], tok, template="qwen4", cutoff_len=64)
     # plain text needs no template
     assert tokenize_rows([{"text": "Hi there"}], tok, cutoff_len=64).examples
 

@@ -23,7 +23,7 @@ from lazytrain.data.corpus import zen_of_python
 from lazytrain.data.loader import IGNORE_INDEX
 from lazytrain.data.sft import Tokenization, load_sft, tokenize_rows
 from lazytrain.data.sources import check_names, resolve
-from lazytrain.data.templates import FAMILIES, TEMPLATES
+from lazytrain.data.templates import names
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
 
@@ -274,12 +274,12 @@ CONVERSATION = [{"role": "system", "content": "Be brief"}, {"role": "user", "con
                 {"role": "assistant", "content": "7"}]
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) | set(TEMPLATES)))
+@pytest.mark.parametrize("name", sorted(set(names()) - {"empty", "fewshot"}))  # these two write no turn markers
 def test_every_template_name_trains_exactly_the_assistant_turns(tokenizer_factory, name):
     tok = tokenizer_factory()
-    tok.chat_template = None  # the tokenizer has none: ours of the name's family
+    tok.chat_template = None
     data = tokenize_rows([{"messages": CONVERSATION}], tok, template=name, cutoff_len=512)
-    assert data.template.startswith(f"LazyTrain's {FAMILIES.get(name, name)} template")
+    assert data.template == f"LLaMA-Factory's {name} template"
     [example] = data.examples
     trained = tok.decode([t for t, label in zip(example.input_ids, example.labels, strict=True)
                           if label != IGNORE_INDEX])
@@ -287,10 +287,12 @@ def test_every_template_name_trains_exactly_the_assistant_turns(tokenizer_factor
     assert "Hi there" not in trained and "And 3+4?" not in trained and "Be brief" not in trained
 
 
-def test_a_named_template_uses_the_tokenizers_own_when_it_has_one(tokenizer_factory):
-    tok = tokenizer_factory()  # ChatML of its own
+def test_a_named_template_wins_over_the_tokenizers_own(tokenizer_factory):
+    tok = tokenizer_factory()  # ChatML of its own, kept (LF installs llama3's only where there is none)
     own = tok.chat_template
     data = tokenize_rows([{"messages": CONVERSATION[1:3]}], tok, template="llama3", cutoff_len=512)
-    assert data.template == "the tokenizer's own chat template (template llama3)" and tok.chat_template == own
+    assert data.template == "LLaMA-Factory's llama3 template" and tok.chat_template == own
+    [example] = data.examples
+    assert "<|start_header_id|>user<|end_header_id|>" in tok.decode(example.input_ids)
     with pytest.raises(LazyTrainError, match="template qwen2_vl is a vision / audio template"):
         tokenize_rows([{"messages": CONVERSATION[1:3]}], tok, template="qwen2_vl", cutoff_len=512)

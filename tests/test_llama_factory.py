@@ -80,7 +80,7 @@ def test_a_llama_factory_train_full_yaml_runs_as_is(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     printed = done.stdout
     assert "note     trust_remote_code:" in printed
-    assert "template: the tokenizer's own chat template (template qwen)" in printed
+    assert "template: LLaMA-Factory's qwen template" in printed
     # max_steps wins over num_train_epochs, as in the HF Trainer; steps count from 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 3, 4, 6] and "epochs   " not in printed

@@ -268,9 +268,10 @@ def test_plan_prints_the_notes_train_prints_for_the_same_file_once(tmp_path, cap
     """Keys with no effect on planning (training keys, LLaMA-Factory / HF keys accepted with a note): `lazytrain plan`
     prints the same note lines `lazytrain train` prints for the same files, each once."""
     path = tmp_path / "job.yaml"
+    (tmp_path / "data.jsonl").write_text('{"text": "a document"}\n')
     path.write_text("model: qwen2.5-3b\nhardware: h800\nper_device_train_batch_size: 4\ncutoff_len: 256\n"
                     "learning_rate: 1e-5\nsave_steps: 100\ntrust_remote_code: true\nlogging_nan_inf_filter: true\n"
-                    "dataloader_num_workers: 4\nplanner: megatrain\n")
+                    f"dataloader_num_workers: 4\nplanner: megatrain\ndataset: {tmp_path / 'data.jsonl'}\n")
     again = tmp_path / "more.yaml"
     again.write_text("dataloader_num_workers: 4\n")
     assert main(["plan", str(path), str(again)]) == 0

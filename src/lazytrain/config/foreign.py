@@ -12,8 +12,10 @@ docs/config.md's "Coming from LLaMA-Factory / HF Trainer" section (docs.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lazytrain.errors import LazyTrainError
@@ -32,7 +34,14 @@ class Foreign:
 
 
 class Refused(LazyTrainError):
-    """A foreign key's value LazyTrain does not act on (the loader adds the key and where it came from)."""
+    """A foreign key's value LazyTrain does not act on (the loader adds the key and where it came from).
+
+    `method`: the training method the key switches on (GaLore, DPO, ...) when it is one LazyTrain does not do; a
+    config that asks for one is refused in that one line, without the lines of the method's own settings."""
+
+    def __init__(self, why: str, method: str | None = None) -> None:
+        super().__init__(why)
+        self.method = method
 
 
 _TRUE = {"true", "yes", "on", "1"}
@@ -79,12 +88,12 @@ def note(source: str, does: str) -> Foreign:
     return Foreign(source, f"accepted, no effect: {does}", lambda value, _: ({}, None if is_off(value) else does))
 
 
-def refuse(source: str, why: str) -> Foreign:
-    """Refused unless off."""
+def refuse(source: str, why: str, method: str | None = None) -> Foreign:
+    """Refused unless off; `method`: the training method it switches on (Refused.method)."""
     def translate(value: Any, _: Mapping[str, Any]) -> Translation:
         if is_off(value):
             return {}, None
-        raise Refused(why)
+        raise Refused(why, method)
 
     return Foreign(source, f"refused: {why}", translate)
 
@@ -154,14 +163,71 @@ def _logging_strategy(value: Any, given: Mapping[str, Any]) -> Translation:
                   "every epoch (epoch); set one of them")
 
 
+_STAGES = {"rm": "reward modelling", "ppo": "PPO", "dpo": "DPO", "kto": "KTO"}
+
+
 def _stage(value: Any, given: Mapping[str, Any]) -> Translation:
     stage = _text(value)
     if stage == "sft" or value is None:
         return {}, None
-    if stage == "pt":
-        return ({} if "dataset_format" in given else {"dataset_format": "text"}), None
+    if stage == "pt":  # LF packs pretraining text unless told not to
+        return {**({} if "dataset_format" in given else {"dataset_format": "text"}),
+                **({} if "packing" in given or "neat_packing" in given else {"packing": True})}, None
     raise Refused(f"LazyTrain trains with the language-model loss (stage sft or pt); {stage} is not implemented: "
-                  "use LLaMA-Factory for it")
+                  "use LLaMA-Factory for it", method=_STAGES.get(stage, f"stage {stage}"))
+
+
+def _deepspeed(value: Any, given: Mapping[str, Any]) -> Translation:
+    """A DeepSpeed JSON: its ZeRO stage needs nothing (LazyTrain streams the layers itself); an optimizer offloaded
+    to NVMe is `optimizer_offload: nvme` in its nvme_path. The path is read as the HF Trainer reads it: relative to
+    the directory the command runs in."""
+    if is_off(value):
+        return {}, None
+    if isinstance(value, Mapping):
+        config: Any = value
+    else:
+        path = Path(str(value)).expanduser()
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise Refused(f"no such file {path} (relative to the directory the command runs in: {Path.cwd()}); fix "
+                          "the path, or remove deepspeed (LazyTrain streams the layers itself)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise Refused(f"{path} cannot be read as JSON ({reason}); fix the file, or remove deepspeed") from None
+    if not isinstance(config, Mapping):
+        raise Refused("a DeepSpeed config is a JSON object; fix the file, or remove deepspeed")
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else None
+    if stage not in (0, 1, 2, 3):
+        raise Refused(f"zero_optimization.stage {stage!r}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3; fix the file")
+    ours: dict[str, Any] = {}
+    said = [f"ZeRO stage {stage} needs nothing here: LazyTrain streams the layers between host and GPU itself "
+            "(one copy of the weights and optimizer state in host memory, shared by the ranks of a node)"]
+    offload = zero.get("offload_optimizer") or {}
+    device = _text(offload.get("device", "none")) if isinstance(offload, Mapping) else "none"
+    if device == "nvme":
+        if not offload.get("nvme_path"):
+            raise Refused("offload_optimizer device nvme needs its nvme_path; set it, or set nvme_dir")
+        ours = {"optimizer_offload": "nvme", "nvme_dir": str(offload["nvme_path"])}
+        said.append(f"offload_optimizer nvme = optimizer_offload nvme in {offload['nvme_path']}")
+    elif device == "cpu":
+        said.append("offload_optimizer cpu is what LazyTrain does by default (optimizer state in host memory)")
+    param = zero.get("offload_param") or {}
+    if isinstance(param, Mapping) and _text(param.get("device", "none")) not in ("none", ""):
+        said.append(f"offload_param {_text(param['device'])}: the weights live in host memory and are streamed "
+                    "to the GPU layer by layer in any case")
+    return ours, "; ".join(said)
+
+
+def _flash_attn(value: Any, given: Mapping[str, Any]) -> Translation:
+    kind = _text(value)
+    if value is None or kind in ("auto", "sdpa"):
+        return {}, None
+    if kind in ("fa2", "fa3", "disabled", "eager"):
+        return {}, (f"{kind}: LazyTrain runs attention through sdpa (or the implementation the model's config.json "
+                    "names); the same attention, the same result up to rounding")
+    raise Refused("flash_attn is auto, sdpa, fa2, fa3 or disabled; LazyTrain runs sdpa")
 
 
 def _resume(value: Any, given: Mapping[str, Any]) -> Translation:
@@ -192,8 +258,14 @@ _DDP = ("LazyTrain sums gradients itself, layer group by layer group, under torc
 _LOADER = ("batches are laid out in the training process from the tokenized examples in memory (no DataLoader "
            "workers)")
 _OPTIMIZERS = "LazyTrain's optimizers are adamw, hybrid8bit and 8bit (`optimizer`)"
+_LOSS = "LazyTrain trains the plain cross-entropy of the response tokens"
+_MEDIA = "LazyTrain trains text models (no images, videos or audio)"
 _RECOMPUTE = ("the plan decides which layers to recompute (planner auto: only where memory needs it; planner "
               "recompute-all recomputes every layer)")
+_KERNELS = ("LazyTrain runs transformers' own layers, streamed (fused kernels compute the same loss, faster; "
+            "none is swapped in)")
+_RAY = ("LLaMA-Factory uses Ray only under USE_RAY=1; LazyTrain runs data-parallel ranks under torchrun "
+        "(torchrun --nproc_per_node N -m lazytrain train ...)")
 _NO_UPLOAD = ("nothing leaves this machine during a run; upload the checkpoint folder afterwards (e.g. hf upload)")
 
 TABLE: dict[str, Foreign] = {
@@ -201,9 +273,8 @@ TABLE: dict[str, Foreign] = {
     "model_name_or_path": rename(BOTH, "model"),
     "trust_remote_code": note(LF, "LazyTrain loads only the model classes transformers ships and never runs a "
                                   "model's own code; a model that needs it is refused when loaded"),
-    "flash_attn": accept(LF, {"auto": {}, "sdpa": {}},
-                         "LazyTrain runs attention through sdpa (or the implementation the model's config.json "
-                         "names); set flash_attn auto or sdpa", "auto, sdpa accepted (sdpa attention); fa2 refused"),
+    "flash_attn": Foreign(LF, "auto, sdpa accepted (sdpa attention); fa2, fa3, disabled accepted with a note (the "
+                              "same attention, sdpa's rounding)", _flash_attn),
     "quantization_method": accept(LF, {"bnb": {}, "bitsandbytes": {}}, "quantization_bit's method is bitsandbytes' "
                                   "(bnb); remove quantization_method", "bnb accepted (with quantization_bit)"),
     "cache_dir": refuse(LF, "models and datasets are read from the HF cache; set HF_HOME (or HF_HUB_CACHE / "
@@ -218,8 +289,9 @@ TABLE: dict[str, Foreign] = {
     "low_cpu_mem_usage": note(LF, "weights are loaded shard by shard into host memory in any case"),
     "rope_scaling": refuse(LF, "set rope_scaling in the model's config.json"),
     "use_unsloth": refuse(LF, "LazyTrain runs transformers' own layers, streamed; remove use_unsloth"),
-    "enable_liger_kernel": refuse(LF, "LazyTrain runs transformers' own layers, streamed; remove enable_liger_kernel"),
-    "use_liger_kernel": refuse(HF, "LazyTrain runs transformers' own layers, streamed; remove use_liger_kernel"),
+    "enable_liger_kernel": note(LF, _KERNELS), "use_liger_kernel": note(HF, _KERNELS),
+    "use_v1_kernels": note(LF, _KERNELS),
+    "use_unsloth_gc": note(LF, _RECOMPUTE), "use_reentrant_gc": note(LF, _RECOMPUTE),
     # ---- method ----
     "stage": Foreign(LF, "sft accepted; pt = `dataset_format: text` (loss on every token); rm, ppo, dpo, kto "
                          "refused", _stage),
@@ -229,20 +301,26 @@ TABLE: dict[str, Foreign] = {
                              "`eval_batches: 0`", lambda v, _: ({} if flag(v) is not False else {"eval_batches": 0},
                                                                 None)),
     "do_predict": refuse(BOTH, "LazyTrain does not generate predictions; evaluate the held-out loss with "
-                               "eval_dataset or val_size"),
+                               "eval_dataset or val_size", "prediction"),
     "pure_bf16": when_true(LF, {"dtype": "bf16", "master_weights": "bf16"},
                            "true: `dtype: bf16` with `master_weights: bf16` (needs optimizer 8bit or hybrid8bit)"),
-    "use_galore": refuse(LF, _OPTIMIZERS), "use_apollo": refuse(LF, _OPTIMIZERS), "use_badam": refuse(LF, _OPTIMIZERS),
-    "use_adam_mini": refuse(LF, _OPTIMIZERS), "use_muon": refuse(LF, _OPTIMIZERS),
-    "use_llama_pro": refuse(LF, "LazyTrain trains every parameter of the model as it is; remove use_llama_pro"),
+    "use_galore": refuse(LF, _OPTIMIZERS, "GaLore"), "use_apollo": refuse(LF, _OPTIMIZERS, "APOLLO"),
+    "use_badam": refuse(LF, _OPTIMIZERS, "BAdam"), "use_adam_mini": refuse(LF, _OPTIMIZERS, "Adam-mini"),
+    "use_muon": refuse(LF, _OPTIMIZERS, "Muon"),
+    "use_llama_pro": refuse(LF, "LazyTrain trains every parameter of the model as it is; remove use_llama_pro",
+                            "LLaMA Pro"),
+    "use_dft_loss": refuse(LF, _LOSS, "the DFT loss"), "use_asft_loss": refuse(LF, _LOSS, "the ASFT loss"),
+    "use_eaft_loss": refuse(LF, _LOSS, "the EAFT loss"),
+    "mixture_of_depths": refuse(LF, "LazyTrain trains the model's own layers; mixture of depths is not implemented",
+                                "mixture of depths"),
     "use_swanlab": refuse(LF, "trackers are report_to wandb, mlflow or tensorboard; SwanLab is not integrated"),
-    "deepspeed": refuse(HF, "LazyTrain does not run DeepSpeed: its executor streams the layers between host and GPU "
-                            "itself (what ZeRO-3 offload does, planned per activation boundary); remove deepspeed, "
-                            "and for several GPUs launch with torchrun --nproc_per_node N"),
+    "deepspeed": Foreign(HF, "a DeepSpeed JSON is read: ZeRO stage 0-3 accepted with a note (LazyTrain streams the "
+                             "layers itself); offload_optimizer nvme = `optimizer_offload: nvme` in its nvme_path; "
+                             "deepspeed=null on the command line drops a YAML's", _deepspeed),
     "fsdp": refuse(HF, "LazyTrain does not shard with FSDP: each rank streams the whole model from host memory shared "
-                       "per node; remove fsdp and launch with torchrun --nproc_per_node N"),
+                       "per node; remove fsdp and launch with torchrun --nproc_per_node N", "FSDP"),
     "fsdp_config": refuse(HF, "LazyTrain does not shard with FSDP; remove fsdp_config"),
-    "fp8": refuse(LF, "LazyTrain computes in bf16 or fp32 (`dtype`); remove fp8"),
+    "fp8": refuse(LF, "LazyTrain computes in bf16 or fp32 (`dtype`); remove fp8", "FP8 training"),
     "torch_compile": refuse(HF, "LazyTrain's executor runs the model's layers eagerly, one streamed layer at a time; "
                                 "remove torch_compile"),
     # ---- dataset ----
@@ -250,13 +328,18 @@ TABLE: dict[str, Foreign] = {
                                                      "across examples)"),
     "mask_history": refuse(LF, "the loss covers every assistant turn; mask_history is not implemented"),
     "streaming": refuse(LF, "datasets are read, tokenized and cached whole before training; remove streaming"),
-    "tokenized_path": refuse(LF, "the tokenized dataset is kept in the HF datasets cache (overwrite_cache "
-                                 "re-tokenizes); remove tokenized_path"),
+    "tokenized_path": refuse(LF, "LazyTrain tokenizes into its own cache, which the next run with the same data and "
+                                 "tokenizer reads back (overwrite_cache re-tokenizes); remove tokenized_path",
+                             "a preprocessing run (tokenized_path)"),
     "default_system": refuse(LF, "give the system prompt in the data (a system column or message)"),
     "enable_thinking": accept(LF, {"true": {}}, "templates render as the tokenizer's chat template does; remove "
                               "enable_thinking", "true accepted (the chat template as it is)"),
     "tool_format": refuse(LF, "tool calls are not formatted by LazyTrain; remove tool_format"),
-    "media_dir": refuse(LF, "LazyTrain trains text models; remove media_dir"),
+    "media_dir": refuse(LF, _MEDIA, "multimodal training"),
+    **{key: refuse(LF, _MEDIA, "multimodal training") for key in (
+        "image_max_pixels image_min_pixels image_do_pan_and_scan crop_to_patches video_max_pixels video_min_pixels "
+        "video_fps video_maxlen use_audio_in_video audio_sampling_rate freeze_vision_tower "
+        "freeze_multi_modal_projector freeze_language_model").split()},
     "ignore_pad_token_for_loss": accept(LF, {"true": {}}, "padding never carries loss", "true accepted"),
     "eval_on_each_dataset": refuse(LF, "the held-out loss is one figure over all eval datasets"),
     # ---- output, logging, saving ----
@@ -272,8 +355,8 @@ TABLE: dict[str, Foreign] = {
     "save_strategy": Foreign(HF, "steps = every `save_steps`; epoch = at the end of every epoch "
                                  "(`save_strategy: epoch`); no = `save_steps: 0` (the final checkpoint only); best "
                                  "refused", _save_strategy),
-    "save_only_model": accept(HF, {"false": {}}, "a checkpoint always holds the exact trainer state beside the model "
-                              "(its HF model folder is the model alone); remove save_only_model", "false accepted"),
+    "save_only_model": note(HF, "a checkpoint always holds the exact trainer state beside the model, so a run "
+                                "resumes from any of them (its HF model folder is the model alone)"),
     "save_safetensors": accept(HF, {"true": {}}, "checkpoints are safetensors; remove save_safetensors",
                                "true accepted"),
     "save_on_each_node": accept(HF, {"false": {}}, "rank 0 writes each checkpoint", "false accepted"),
@@ -324,6 +407,7 @@ TABLE: dict[str, Foreign] = {
     "ddp_find_unused_parameters": note(HF, _DDP), "ddp_bucket_cap_mb": note(HF, _DDP),
     "ddp_broadcast_buffers": note(HF, _DDP), "ddp_static_graph": note(HF, _DDP),
     "local_rank": note(HF, "torchrun's LOCAL_RANK is read from the environment"),
+    "ray_num_workers": note(LF, _RAY), "ray_init_kwargs": note(LF, _RAY),
     "dataloader_num_workers": note(HF, _LOADER), "dataloader_pin_memory": note(HF, _LOADER),
     "dataloader_persistent_workers": note(HF, _LOADER), "dataloader_prefetch_factor": note(HF, _LOADER),
     "dataloader_drop_last": note(HF, _LOADER + "; the loader streams epochs without a last partial batch"),
@@ -347,20 +431,19 @@ OTHER_KEYS: dict[str, str] = dict.fromkeys((
     "apollo_scale_front badam_mode badam_start_block badam_switch_mode badam_switch_interval badam_update_ratio "
     "badam_mask_mode badam_verbose swanlab_project swanlab_workspace swanlab_run_name swanlab_mode swanlab_api_key "
     "swanlab_logdir swanlab_lark_webhook_url swanlab_lark_secret use_mca use_megatron_bridge megatron_bridge_args "
-    "use_hyper_parallel hyper_parallel_args hyper_parallel_cp_size use_dft_loss use_asft_loss asft_alpha "
-    "use_eaft_loss eaft_alpha freeze_vision_tower freeze_multi_modal_projector freeze_language_model adapter_folder "
+    "use_hyper_parallel hyper_parallel_args hyper_parallel_cp_size asft_alpha "
+    "eaft_alpha adapter_folder "
     "resize_vocab split_special_tokens add_tokens add_special_tokens new_special_tokens_config init_special_tokens "
-    "model_revision shift_attn mixture_of_depths use_unsloth_gc moe_aux_loss_coef use_reentrant_gc upcast_layernorm "
-    "upcast_lmhead_output infer_backend offload_folder use_kv_cache use_v1_kernels infer_dtype hf_hub_token "
+    "model_revision shift_attn moe_aux_loss_coef upcast_layernorm "
+    "upcast_lmhead_output infer_backend offload_folder use_kv_cache infer_dtype hf_hub_token "
     "ms_hub_token om_hub_token print_param_status quantization_type double_quantization "
-    "quantization_device_map image_max_pixels image_min_pixels image_do_pan_and_scan crop_to_patches "
-    "video_max_pixels video_min_pixels video_fps video_maxlen use_audio_in_video audio_sampling_rate export_dir "
+    "quantization_device_map export_dir "
     "export_size export_device export_quantization_bit export_quantization_dataset export_quantization_nsamples "
     "export_quantization_maxlen export_legacy_format export_hub_model_id vllm_maxlen vllm_gpu_util "
     "vllm_enforce_eager vllm_max_lora_rank vllm_config sglang_maxlen sglang_mem_fraction sglang_tp_size "
     "sglang_config sglang_lora_backend use_kt kt_cpu_activation kt_weight_path kt_non_expert_weight_path "
     "kt_expert_checkpoint_path kt_use_lora_experts kt_lora_expert_num kt_lora_expert_intermediate_size "
-    "compute_dtype device_map model_max_length block_diag_attn ray_num_workers ray_init_kwargs master_addr "
+    "compute_dtype device_map model_max_length block_diag_attn master_addr "
     "master_port enable_torch_profiler profiler_output_dir profiler_wait_steps profiler_warmup_steps "
     "profiler_active_steps profiler_repeat profiler_record_shapes profiler_profile_memory profiler_with_stack "
     "profile_modules fp8_backend fp8_enable_fsdp_float8_all_gather"
@@ -370,7 +453,9 @@ OTHER_KEYS: dict[str, str] = dict.fromkeys((
     "eval_do_concat_batches eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
     "enable_jit_checkpoint hub_token hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision "
     "restore_callback_states_from_checkpoint accelerator_config parallelism_config dataloader_multiprocessing_context "
-    "dataloader_in_order train_sampling_strategy length_column_name debug logging_dir group_by_length"
+    "dataloader_in_order train_sampling_strategy length_column_name debug logging_dir group_by_length "
+    "fsdp_transformer_layer_cls_to_wrap fsdp_min_num_params predict_with_generate generation_max_length "
+    "generation_num_beams"
 ).split(), HF)
 
 

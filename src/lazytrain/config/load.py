@@ -70,6 +70,9 @@ class _Flat:
         self.spellings: dict[str, str] = {}
         self.problems: list[LazyTrainError] = []
         self.notes: list[str] = []
+        self.refusals: list[LazyTrainError] = []  # foreign keys refused (a subset of problems)
+        self.methods: dict[str, LazyTrainError] = {}  # a method LazyTrain does not do (or "stage") -> its line
+        self.origin: dict[str, str] = {}  # our key -> the foreign key whose translation set it
 
     def add(self, values: Mapping[str, Any], source: str, *, flags: bool = False) -> None:
         """A flat or nested mapping of one source (a later source wins key by key); a key given twice within one
@@ -88,22 +91,31 @@ class _Flat:
         given = {**self.values, **{k.rpartition(".")[2].replace("-", "_"): v for k, v in items}}
         mine: dict[str, Any] = {}
         for key, value in items:
-            for name, converted, spelled in self._canonical(key, value, source, given, flags):
+            for name, converted, spelled, origin in self._canonical(key, value, source, given, flags):
                 if name in mine:
                     self.problems.append(LazyTrainError(f"{source}: {name} is given twice ({spelled!r} and an "
                                                         "earlier spelling); keep one"))
                     continue
                 mine[name] = converted
                 self.spellings[name] = spelled
+                if origin:
+                    self.origin[name] = origin
         for name, value in foreign.precision(given).items():
             mine.setdefault(name, value)
+        # a foreign key given again (`deepspeed=null` on the command line) replaces what it set before
+        again = {key.rpartition(".")[2].replace("-", "_") for key, _ in items}
+        for name in [n for n, origin in self.origin.items() if origin in again and n not in mine]:
+            self.values.pop(name, None)
+            del self.origin[name]
         self.values.update(mine)
 
     def _canonical(self, key: str, value: Any, source: str, given: Mapping[str, Any], flags: bool
-                   ) -> list[tuple[str, Any, str]]:
-        """[(our key, value, as spelled)] for one key as written: ours, an alias, or a foreign key's translation."""
+                   ) -> list[tuple[str, Any, str, str | None]]:
+        """[(our key, value, as spelled, the foreign key it came from or None)] for one key as written: ours, an
+        alias, or a foreign key's translation."""
         bare = key.strip().replace("-", "_").rpartition(".")[2]
         spelled = key if not flags else f"--{key.replace('_', '-')}"
+        self.notes = [n for n in self.notes if not n.startswith(f"{bare}: ")]  # given again: its new value speaks
         try:
             translated = foreign.translate(bare, value, given) if bare not in SECTION_OF or bare in foreign.TABLE \
                 else None
@@ -111,18 +123,32 @@ class _Flat:
             origin = foreign.TABLE[bare].source if bare in foreign.TABLE else foreign.OTHER_KEYS[bare]
             origin = {foreign.LF: "a LLaMA-Factory", foreign.HF: "an HF Trainer"}.get(origin,
                                                                                        "a LLaMA-Factory and HF Trainer")
-            self.problems.append(LazyTrainError(f"{source}: {bare} = {value!r} ({origin} key): {err}"))
+            problem = LazyTrainError(f"{source}: {bare} = {value!r} ({origin} key): {err}")
+            if err.method is not None:
+                self.methods.setdefault("stage" if bare == "stage" else err.method, LazyTrainError(
+                    f"{source}: {bare} = {value!r} asks for {err.method}, which LazyTrain does not do: {err}"))
+            self.problems.append(problem)
+            self.refusals.append(problem)
             return []
         if translated is not None:
             ours, note = translated
             if note:
                 self.notes.append(f"{bare}: {note}")
-            return [(name, v, spelled) for name, v in ours.items()]
+            return [(name, v, spelled, bare) for name, v in ours.items()]
         try:
-            return [(canonical_key(key, source), value, spelled)]
+            return [(canonical_key(key, source), value, spelled, None)]
         except LazyTrainError as err:
             self.problems.append(err)
             return []
+
+    def method_problems(self) -> list[LazyTrainError]:
+        """When the config asks for a training method LazyTrain does not do, that one line (the stage's first: a
+        DPO run on images is refused as DPO) and the problems that are no foreign key's: the method's own
+        settings, and what they make of the rest, would only bury it."""
+        if not self.methods:
+            return []
+        first = self.methods.get("stage") or next(iter(self.methods.values()))
+        return [first, *(p for p in self.problems if p not in self.refusals)]
 
 
 # =====================================================================================================
@@ -234,6 +260,7 @@ def load_job_config(*sources: str | Path | Mapping[str, Any], overrides: Sequenc
     flat.add(words, "override")
     flat.add({flag.removeprefix("--").replace("-", "_"): v for flag, v in (flags or {}).items()}, "flags",
              flags=True)
+    raise_all(flat.method_problems())
     values = with_default_job(flat.values)
     try:
         job = JobConfig.build(values)

@@ -152,17 +152,18 @@ class DataConfig:
     """How rows of an SFT file are read: auto (detected from the columns), alpaca, sharegpt, messages,
     prompt_completion or text (a dataset_info.json entry's `formatting` wins for its dataset)."""
     template: str | None = None
-    """Chat template: None = the tokenizer's own; a LLaMA-Factory name (qwen, llama3, mistral, gemma, chatml,
-    alpaca, default, empty, ...) = the tokenizer's own chat template when it has one, else ours of that name;
-    which one was used is printed."""
+    """Chat template: None = the tokenizer's own; a LLaMA-Factory name (qwen, qwen3, llama3, mistral, gemma, chatml,
+    alpaca, default, empty, ...) = that template of LLaMA-Factory, rendered as it renders it (its default system
+    prompt, stop words and EOS), whatever chat template the tokenizer has."""
     train_on_prompt: bool = False
     """Compute the loss on prompt tokens too (default: only on the assistant's response tokens)."""
     cutoff_len: int = 256
     """Tokens per sequence (>= 2): examples are truncated to it and every batch row is exactly this long,
     since the plan and the device arena are sized for it."""
-    packing: bool = True
+    packing: bool = False
     """Pack several short examples into one row (positions restart per example, no attention across them, as
-    LLaMA-Factory's neat_packing); false = one example per row, right-padded with an attention mask."""
+    LLaMA-Factory's neat_packing); false = one example per row, right-padded with an attention mask. Off by
+    default as in LLaMA-Factory's sft (its stage pt turns it on; the default job packs)."""
     max_samples: int | None = None
     """Rows read from each dataset at most (>= 1; the first rows of its file); None = all."""
     mix_strategy: MixStrategy = "concat"
@@ -314,8 +315,9 @@ class RuntimeConfig:
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files and, with optimizer_offload nvme, the optimizer's state files (both
     nameless: nothing is left there after the run); None = a temporary directory removed at the end."""
-    seed: int = 0
-    """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1)."""
+    seed: int = 42
+    """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1; 42 as the HF
+    Trainer's; the default job's 0)."""
     data_seed: int | None = None
     """Seeds the batch order and the held-out split alone (None = seed), as the HF Trainer's data_seed."""
     progress: bool = True

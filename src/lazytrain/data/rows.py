@@ -76,8 +76,20 @@ def _path_rows(path: Path, split: str) -> list[Row]:
         return _json_rows(path)
     if suffix in (".parquet", ".arrow"):
         return _table_rows(path)
-    raise LazyTrainError(f"dataset file {path}: unknown extension {path.suffix!r}; use .json, .jsonl, .parquet or "
-                         ".arrow (or a save_to_disk folder)")
+    if suffix == ".txt":
+        return _txt_rows(path)
+    raise LazyTrainError(f"dataset file {path}: unknown extension {path.suffix!r}; use .json, .jsonl, .parquet, "
+                         ".arrow or .txt (or a save_to_disk folder)")
+
+
+def _txt_rows(path: Path) -> list[Row]:
+    """One document a line, as datasets' text loader reads a LLaMA-Factory .txt dataset (blank lines skipped)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise LazyTrainError(f"dataset file {path}: not UTF-8 text (byte {err.start}); save the file as "
+                             "UTF-8") from None
+    return [{"text": line} for line in lines if line.strip()]
 
 
 def _first_char(path: Path) -> str:
@@ -242,7 +254,10 @@ def detect_format(rows: Sequence[Row]) -> str:
 def canonical_rows(rows: Sequence[Row], source: Source, dataset_format: str) -> tuple[list[Row], str]:
     """Every row checked and turned into a canonical row; the format used (the source's, the config's, or the one
     the columns say). A row that does not fit the format is refused naming the row and what is wrong."""
-    fmt = source.formatting or (detect_format(rows) if dataset_format == "auto" else dataset_format)
+    if dataset_format == "text" and source.formatting == "alpaca":  # LF's stage pt: the prompt (+ query) column
+        fmt = "text"
+    else:
+        fmt = source.formatting or (detect_format(rows) if dataset_format == "auto" else dataset_format)
     if fmt not in FORMATS:
         raise LazyTrainError(f"unknown dataset_format {fmt!r}; use auto or one of {', '.join(FORMATS)}")
     _check_columns(rows[0], fmt, source)
@@ -263,8 +278,8 @@ class _BadRow(Exception):
 
 def _check_columns(row: Row, fmt: str, source: Source) -> None:
     cols = source.columns
-    if fmt == "alpaca":
-        need = [cols.get("prompt", "instruction")]
+    if fmt == "alpaca" or (fmt == "text" and source.formatting == "alpaca"):
+        need = [cols.get("prompt") or "instruction"]
     elif fmt in ("sharegpt", "messages"):
         need = [cols["messages"]] if "messages" in cols else []
         if not need and not ({"messages", "conversations"} & set(row)):
@@ -378,4 +393,11 @@ def _completion(row: Row, source: Source) -> Row:
 
 
 def _text_row(row: Row, source: Source) -> Row:
-    return {"kind": "text", "messages": [], "text": _string(row.get("text"), "text"), "prompt": "", "completion": ""}
+    """A document: the `text` column, or a dataset_info.json entry's prompt (and query) column, joined by a newline
+    as LF joins them."""
+    if source.formatting == "alpaca":
+        names = [source.columns.get("prompt") or "instruction", source.columns.get("query") or "input"]
+        text = "\n".join(part for part in (_string(row.get(n), n) for n in names) if part)
+    else:
+        text = _string(row.get("text"), "text")
+    return {"kind": "text", "messages": [], "text": text, "prompt": "", "completion": ""}

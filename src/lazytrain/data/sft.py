@@ -8,14 +8,16 @@ the same data and tokenizer read the tokens back instead of tokenizing again (`o
 cache folder is written under a name of its own (`.<key>.tmp-<pid>`) and renamed when complete; one a killed
 process left behind is removed by the next run.
 
-A conversation is rendered with the tokenizer's chat template (`apply_chat_template`), or ours of the named
-`template` when the tokenizer has none (templates.py). The assistant spans come from rendering prefixes: the text
-up to an assistant turn (with the generation prompt) and the text through it; each piece is tokenized on its own,
-as at inference time the prompt is. Labels are -100 everywhere but in assistant spans (their content and the
+A conversation is encoded with LLaMA-Factory's template when `template` names one, into LF's own ids and labels,
+its cutoff shared between prompt and response turn by turn (templates.py); without `template`, it is rendered with
+the tokenizer's chat template (`apply_chat_template`). There the assistant spans come from rendering prefixes: the
+text up to an assistant turn (with the generation prompt) and the text through it; each piece is tokenized on its
+own, as at inference time the prompt is. Labels are -100 everywhere but in assistant spans (their content and the
 template's end-of-turn marker), unless `train_on_prompt`. EOS ends every example: an assistant turn that already
 ends with the tokenizer's EOS keeps it (trailing whitespace after it is dropped), otherwise EOS is appended.
-Examples longer than `cutoff_len` are truncated (counted); rows with no assistant turn, and examples left with no
-loss-carrying token, are skipped (counted).
+Examples longer than `cutoff_len` are cut as LLaMA-Factory cuts them, (prompt, response) pair by pair with its
+`infer_seqlen` (counted); rows with no assistant turn, and examples left with no loss-carrying token, are skipped
+(counted).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from lazytrain.config.schema import names_in
 from lazytrain.data.loader import IGNORE_INDEX, Example
 from lazytrain.data.rows import CANONICAL, FORMATS, Message, Row, canonical_rows, read_rows
 from lazytrain.data.sources import Source, resolve
-from lazytrain.data.templates import TEMPLATES, choose_template
+from lazytrain.data.templates import Template, infer_seqlen, lf_template
 from lazytrain.errors import LazyTrainError
 from lazytrain.writes import alive
 
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "Row", "SftData", "load_rows", "load_sft", "split_off", "tokenize_rows"]
 
-CACHE_VERSION = 1  # bump when the tokenization below changes what it writes
+CACHE_VERSION = 2  # bump when the tokenization below changes what it writes
 FEATURES = datasets.Features({
     "kind": datasets.Value("string"),
     "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
@@ -76,7 +78,8 @@ def conversation_pieces(tokenizer: PreTrainedTokenizerBase, messages: list[Messa
         if not (prompt.startswith(done) and through.startswith(prompt)):
             raise LazyTrainError(
                 "the chat template renders a conversation's beginning differently once it goes on (it is not "
-                f"prefix-stable), so the assistant spans cannot be found; set template to one of {', '.join(TEMPLATES)}"
+                "prefix-stable), so the assistant spans cannot be found; set template to the model's LLaMA-Factory "
+                "template name (qwen, llama3, mistral, gemma, ...)"
             )
         pieces += [(prompt[len(done):], False), (through[len(prompt):], True)]
         done = through
@@ -92,6 +95,7 @@ class Layout:
 
     texts: list[str]
     trained: list[bool]  # per piece: its tokens carry loss
+    responses: list[bool]  # per piece: an assistant turn or a completion (what the cutoff shares with its prompt)
     templated: bool  # the chat template wrote the specials (BOS) itself; else the tokenizer adds them
     append_eos: bool  # the last piece does not already end with EOS
 
@@ -116,16 +120,20 @@ def layout_row(tokenizer: PreTrainedTokenizerBase, row: Row, *, train_on_prompt:
         return None
     last = max(i for i, (_, trained) in enumerate(pieces) if trained)
     texts = [text for text, _ in pieces[: last + 1]]
-    trained = [trained or train_on_prompt for _, trained in pieces[: last + 1]]
+    responses = [response for _, response in pieces[: last + 1]]
+    trained = [response or train_on_prompt for response in responses]
     eos = tokenizer.eos_token
     ends_with_eos = bool(eos) and texts[-1].rstrip().endswith(eos)
     if ends_with_eos:
         texts[-1] = texts[-1].rstrip()
-    return Layout(texts=texts, trained=trained, templated=templated, append_eos=not ends_with_eos)
+    return Layout(texts=texts, trained=trained, responses=responses, templated=templated,
+                  append_eos=not ends_with_eos)
 
 
-def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout]) -> list[Example]:
-    """Tokenize every piece of every layout (two batched calls: with and without the tokenizer's specials)."""
+def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout], cutoff_len: int | None = None
+                   ) -> list[tuple[Example, bool]]:
+    """Tokenize every piece of every layout (two batched calls: with and without the tokenizer's specials); with
+    `cutoff_len`, an example longer than it is cut as LLaMA-Factory cuts one (`cut_pairs`; True: it was)."""
     with_specials = [(r, 0) for r, lay in enumerate(layouts) if not lay.templated]
     plain = [(r, i) for r, lay in enumerate(layouts) for i in range(len(lay.texts))
              if lay.templated or i > 0]
@@ -136,29 +144,58 @@ def encode_layouts(tokenizer: PreTrainedTokenizerBase, layouts: Sequence[Layout]
             ids.update(zip(keys, encoded["input_ids"], strict=True))
     examples = []
     for r, lay in enumerate(layouts):
-        input_ids: list[int] = []
-        labels: list[int] = []
-        for i, trained in enumerate(lay.trained):
-            input_ids += ids[r, i]
-            labels += ids[r, i] if trained else [IGNORE_INDEX] * len(ids[r, i])
-        if lay.append_eos:
-            input_ids.append(tokenizer.eos_token_id)
-            labels.append(tokenizer.eos_token_id)
-        examples.append(Example(input_ids=input_ids, labels=labels))
+        pieces = [(ids[r, i], trained, response) for i, (trained, response)
+                  in enumerate(zip(lay.trained, lay.responses, strict=True))]
+        if lay.append_eos:  # EOS ends the last response
+            last_ids, trained, response = pieces[-1]
+            pieces[-1] = ([*last_ids, tokenizer.eos_token_id], trained, response)
+        examples.append(cut_pairs(pieces, cutoff_len))
     return examples
 
 
+def cut_pairs(pieces: Sequence[tuple[list[int], bool, bool]], cutoff_len: int | None) -> tuple[Example, bool]:
+    """One example from its pieces (ids, trained, is a response); longer than `cutoff_len`, each (prompt, response)
+    pair in turn gets what LF's `infer_seqlen` gives it of the budget left (a short response is kept and its prompt
+    cut from the end; a short prompt kept and its response cut; else both in proportion), until none is left."""
+    pairs: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = [([], [])]
+    for piece_ids, trained, response in pieces:
+        tokens = [(t, t if trained else IGNORE_INDEX) for t in piece_ids]
+        if response:
+            pairs[-1][1].extend(tokens)
+            pairs.append(([], []))
+        else:
+            pairs[-1][0].extend(tokens)
+    kept: list[tuple[int, int]] = []
+    total = sum(len(p) + len(r) for p, r in pairs)
+    for prompt, response in pairs:
+        if cutoff_len is not None and total > cutoff_len:
+            if len(kept) >= cutoff_len:
+                break
+            prompt_len, response_len = infer_seqlen(len(prompt), len(response), cutoff_len - len(kept))
+            prompt, response = prompt[:prompt_len], response[:response_len]
+        kept += prompt + response
+    example = Example(input_ids=[t for t, _ in kept], labels=[label for _, label in kept])
+    return example, cutoff_len is not None and total > cutoff_len
+
+
 def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, train_on_prompt: bool,
-                   cutoff_len: int) -> dict[str, list[Any]]:
+                   cutoff_len: int, template: str | None = None) -> dict[str, list[Any]]:
     """datasets.map's function: a batch of canonical rows -> input_ids, labels (at most cutoff_len tokens),
-    truncated, skipped (no assistant turn, or no loss-carrying token left; its ids empty)."""
+    truncated, skipped (no assistant turn, or no loss-carrying token left; its ids empty). `template`: LF's
+    template that encodes the conversations (None: the tokenizer's chat template)."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-    layouts = [layout_row(tokenizer, row, train_on_prompt=train_on_prompt) for row in rows]
-    encoded = iter(encode_layouts(tokenizer, [lay for lay in layouts if lay is not None]))
+    lf = lf_template(template) if template is not None else None
+    by_lf = [lf is not None and row["kind"] == "chat" for row in rows]
+    layouts = [None if lf_row else layout_row(tokenizer, row, train_on_prompt=train_on_prompt)
+               for row, lf_row in zip(rows, by_lf, strict=True)]
+    encoded = iter(encode_layouts(tokenizer, [lay for lay in layouts if lay is not None], cutoff_len))
     out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "truncated": [], "skipped": []}
-    for lay in layouts:
-        example = next(encoded) if lay is not None else None
-        truncated = example is not None and len(example.input_ids) > cutoff_len
+    for row, lay, lf_row in zip(rows, layouts, by_lf, strict=True):
+        if lf_row:
+            assert lf is not None
+            example, truncated = _lf_example(lf, tokenizer, row, cutoff_len, train_on_prompt)
+        else:
+            example, truncated = next(encoded) if lay is not None else (None, False)
         if example is not None:
             example = Example(example.input_ids[:cutoff_len], example.labels[:cutoff_len])
         skipped = example is None or all(label == IGNORE_INDEX for label in example.labels[1:])
@@ -167,6 +204,15 @@ def tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenize
         out["truncated"].append(truncated)
         out["skipped"].append(skipped)
     return out
+
+
+def _lf_example(lf: Template, tokenizer: PreTrainedTokenizerBase, row: Row, cutoff_len: int,
+                train_on_prompt: bool) -> tuple[Example | None, bool]:
+    encoded = lf.encode(tokenizer, row["messages"], cutoff_len=cutoff_len, train_on_prompt=train_on_prompt)
+    if encoded is None:
+        return None, False
+    input_ids, labels, truncated = encoded
+    return Example(input_ids=input_ids, labels=labels), truncated
 
 
 # =====================================================================================================
@@ -286,7 +332,8 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
               key: dict[str, Any] | None) -> SftData:
     """Tokenize `table` (through the cache when `how.cache_dir` is set and `key` names the rows) into SftData."""
     note = _use_template(tokenizer, how.template, table)
-    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt, cutoff_len=how.cutoff_len)
+    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt, cutoff_len=how.cutoff_len,
+                  template=how.template)
     datasets.disable_progress_bars()
     cached = False
     if how.cache_dir is None or key is None:
@@ -311,15 +358,18 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
 
 
 def _use_template(tokenizer: PreTrainedTokenizerBase, template: str | None, table: datasets.Dataset) -> str:
-    """Give the tokenizer the chat template its conversations need (saved with every checkpoint); what was used
-    ("" when no row is a conversation)."""
-    kinds = set(table.unique("kind"))
-    if "chat" not in kinds:
+    """Fix the tokenizer as LF's template `template` wants it (saved with every checkpoint; LF does so for plain
+    text too: its EOS ends each document); what renders the conversations ("" when no row is a conversation)."""
+    if template is not None:
+        lf_template(template).fix_tokenizer(tokenizer)
+    if "chat" not in set(table.unique("kind")):
         return ""
-    ours, note = choose_template(template, has_own=bool(tokenizer.chat_template))
-    if ours is not None:
-        tokenizer.chat_template = ours
-    return note
+    if template is not None:
+        return f"LLaMA-Factory's {template} template"
+    if not tokenizer.chat_template:
+        raise LazyTrainError("the tokenizer has no chat template; set template to the model's LLaMA-Factory template "
+                             "name (qwen, llama3, mistral, gemma, chatml, alpaca, default, empty, ...)")
+    return "the tokenizer's own chat template"
 
 
 def _fingerprint(key: dict[str, Any], tokenizer: PreTrainedTokenizerBase, how: Tokenization) -> str:
@@ -330,7 +380,7 @@ def _fingerprint(key: dict[str, Any], tokenizer: PreTrainedTokenizerBase, how: T
     described = {**key, "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
                  "specials": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token],
                  "chat_template": tokenizer.chat_template, "cutoff_len": how.cutoff_len,
-                 "train_on_prompt": how.train_on_prompt, "version": CACHE_VERSION}
+                 "train_on_prompt": how.train_on_prompt, "template": how.template, "version": CACHE_VERSION}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

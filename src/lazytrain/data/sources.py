@@ -16,6 +16,7 @@ device is refused before anything opens it (a FIFO's open() waits for a writer f
 from __future__ import annotations
 
 import json
+import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,9 +76,11 @@ def check_names(dataset: str, eval_dataset: str | None, dataset_dir: str) -> Non
         if single and len(names) > 1:
             raise LazyTrainError(f"{key} {value}: {single[0]} is a dataset of its own (math, stdlib, zen and .txt "
                                  "corpora are not mixed); list SFT datasets only")
-        if not single:
-            resolve(names, dataset_dir, key)
-        elif single[0].endswith(".txt"):
+        if not single and (missing := uncached(resolve(names, dataset_dir, key))):
+            command = f"python -c \"import datasets; datasets.load_dataset('{missing[0]}')\""
+            raise LazyTrainError(f"{key} {missing[0]} is not in the local HF datasets cache; nothing is downloaded "
+                                 f"during a run: download it once with {command}")
+        if single and single[0].endswith(".txt"):
             check_file_or_folder(Path(single[0]), key)
 
 
@@ -93,6 +96,22 @@ def check_file_or_folder(path: Path, key: str = "dataset") -> None:
             stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else "special file"
         raise LazyTrainError(f"{key} {path} is not a regular file or folder (a {kind}); name a dataset file or "
                              "folder, or copy the data into one")
+
+
+def uncached(sources: list[Source]) -> list[str]:
+    """The hub ids among `sources` with no folder in the local HF caches (datasets' `owner___name`, the hub's
+    `datasets--owner--name`): read from disk, without importing datasets, so the first pass can name them."""
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    roots = {Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser(): "{}___{}",
+             Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser(): "datasets--{}--{}"}
+    missing = []
+    for source in sources:
+        if source.hub_id is None or source.hub_id.count("/") != 1:
+            continue
+        owner, name = source.hub_id.split("/")
+        if not any((root / pattern.format(owner, name)).is_dir() for root, pattern in roots.items()):
+            missing.append(source.hub_id)
+    return missing
 
 
 def resolve(names: tuple[str, ...], dataset_dir: str, key: str = "dataset") -> list[Source]:

@@ -50,12 +50,17 @@ def default_budgets(options: PlanConfig, cost: CostModel) -> Budgets:
 
     On the emulated device (the CPU-only job) the device cap is the static device bytes plus 5 boundary
     activations and cpu and nvme get 2 each: too little to keep every boundary anywhere, so the plan mixes
-    tiers. On a real device: its memory, the host room left (admission fills it), and no NVMe tier.
+    tiers. Where the smallest placement needs more than 5 boundaries (a large vocabulary's logits at the loss
+    head), the cap is that need and one boundary more: a job given no cap always fits. On a real device: its
+    memory, the host room left (admission fills it), and no NVMe tier.
     """
     act = max(cost.boundary_bytes)
     cap, cpu, nvme = options.gpu_mem_cap_bytes, options.cpu_act_bytes, options.nvme_act_bytes
     if cost.hardware.emulated:
-        cap = cap if cap is not None else cost.static_device_bytes() + EMULATED_GPU_BOUNDARIES * act
+        if cap is None:
+            depth = 1 if getattr(cost, "optimizer_offload", "host") == "nvme" else 0
+            need = instance_from_cost(cost, staging_depth=depth).min_gpu_act_bytes()
+            cap = cost.static_device_bytes() + max(EMULATED_GPU_BOUNDARIES * act, math.ceil(need) + act)
         cpu = cpu if cpu is not None else EMULATED_OFFLOAD_BOUNDARIES * act
         nvme = nvme if nvme is not None else EMULATED_OFFLOAD_BOUNDARIES * act
     return Budgets(gpu_mem_cap_bytes=cap, cpu_act_bytes=cpu, nvme_act_bytes=nvme or 0,

@@ -24,7 +24,7 @@ from lazytrain.costmodel.model import BUILT_IN_SHAPES
 from lazytrain.data.corpus import ByteTokenizer, TokenData
 from lazytrain.data.default_job import read_jsonl
 from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens, eval_batches, eval_rows
-from lazytrain.data.sft import Row, Tokenization, load_sft
+from lazytrain.data.sft import Row, SftData, Tokenization, load_sft
 from lazytrain.data.sources import check_names
 from lazytrain.data.tokenizer import load_tokenizer
 from lazytrain.errors import LazyTrainError
@@ -87,7 +87,20 @@ def load_data(job: JobConfig, world_size: int = 1, exact_match_file: Path | None
                    pad_token_id=tokenizer.pad_token_id, seed=seed + 2).next()
     return RunData(batches=loader, eval_set=eval_set, probe=(probe.input_ids, probe.labels),
                    tokenizer=tokenizer, vocab_size=len(tokenizer),
-                   summary=f"dataset  {dataset} ({sft.summary()})" + eval_note, math_eval=math_eval)
+                   summary=f"dataset  {dataset} ({sft.summary()})" + eval_note
+                   + ("" if dataset == MATH else first_example(tokenizer, sft)),
+                   math_eval=math_eval)
+
+
+def first_example(tokenizer: PreTrainedTokenizerBase, sft: SftData) -> str:
+    """The first training example as LLaMA-Factory prints it before training: the whole text with its special
+    tokens, then the tokens that carry loss (the default job's own data prints nothing)."""
+    if not sft.examples or sft.template == "":
+        return ""
+    example = sft.examples[0]
+    trained = [t for t in example.labels if t != IGNORE_INDEX]
+    return (f"\ninputs:\n{tokenizer.decode(example.input_ids, skip_special_tokens=False)}"
+            f"\nlabels:\n{tokenizer.decode(trained, skip_special_tokens=False)}")
 
 
 def eval_rows_kept(job: JobConfig, num_rows: int, world_size: int) -> int:

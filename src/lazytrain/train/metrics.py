@@ -131,6 +131,27 @@ def start_trackers(names: Sequence[str], output_dir: Path, run_name: str, config
     return trackers
 
 
+def hf_log_lines(row: Mapping[str, object], losses: Sequence[float | None]) -> list[str]:
+    """The HF Trainer's console lines for a logged row (its ProgressCallback prints each log dict, floats to 4
+    significant digits): the training loss as the mean over the steps since the last logged one, grad_norm,
+    learning_rate, epoch; an evaluation's eval_loss on a line of its own."""
+    def shown(logs: dict[str, object]) -> str:
+        return str({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items() if v is not None})
+
+    finite = [loss for loss in losses if loss is not None and math.isfinite(loss)]
+    lines = []
+    if finite:
+        lines.append(shown({"loss": sum(finite) / len(finite), "grad_norm": _number(row.get("grad_norm")),
+                            "learning_rate": _number(row.get("lr")), "epoch": _number(row.get("epoch"))}))
+    if "eval_loss" in row:
+        lines.append(shown({"eval_loss": _number(row["eval_loss"]), "epoch": _number(row.get("epoch"))}))
+    return lines
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def scalars(row: Mapping[str, object]) -> dict[str, float]:
     """A row's finite numbers, nested ones as `key/inner` (what every tracker takes)."""
     out: dict[str, float] = {}
@@ -213,13 +234,16 @@ def read_rows(path: Path) -> list[dict[str, Json]]:
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> bool:
-    """`loss.png`: train loss (and eval loss when there is one) against step; False when matplotlib is absent."""
+    """`loss.png`: train loss (and eval loss when there is one) against step; False, with a line saying how to get
+    it, when matplotlib is absent."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:  # matplotlib is optional
+        say("note     plot_loss: no loss.png, matplotlib is not installed; pip install 'lazytrain[viz]' (or "
+            "matplotlib) to get it, or set plot_loss false")
         return False
     rows = read_rows(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]

@@ -65,6 +65,7 @@ from lazytrain.train.hf_state import trainer_state
 from lazytrain.train.metrics import (
     CONSOLE,
     MetricsLog,
+    hf_log_lines,
     plot_losses,
     read_rows,
     resolve_trackers,
@@ -327,6 +328,9 @@ class Trainer:
         # checkpoint that held the best at the time it was saved
         self.best: tuple[float, int] | None = None
         self.best_checkpoint: Path | None = None
+        # the HF Trainer's console: its log dicts every logging_steps (the loss averaged since the last one)
+        self.unlogged_losses: list[float | None] = []
+        self.console_lines: list[str] = []
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -350,12 +354,16 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {_fmt(row['loss'])}  {row['tokens_per_s']:,.0f} tok/s  "
                                     f"step {row['step_s']:.2f} s (pred {self.predicted_s:.2f})")
+                show = say if bar.disable else bar.write  # above the bar, as the HF Trainer's lines
+                for line in self.console_lines:
+                    show(line)
                 stop = self.stop_requested(signals)
                 saved = None
                 # no periodic save during a run of non-finite steps: the last good checkpoint stays the newest
                 if not stop and self.saves_at(self.state.step) and self.state.step < job.optim.max_steps \
                         and self.policy.consecutive == 0:
                     saved = self.save()
+                    show(f"Saving model checkpoint to {saved}")
                     stop = self.stop_requested(signals)  # a signal during that save: stop now, it is in
                 if stop:
                     path = saved or self.save()
@@ -494,6 +502,12 @@ class Trainer:
             row.update(evaluation.row())
         if self.logs_at(global_step) or global_step == job.optim.max_steps or where is not None or "eval_loss" in row:
             self.metrics.write(row)
+        self.unlogged_losses.append(loss if where is None else None)
+        logs_now = self.logs_at(global_step)
+        self.console_lines = hf_log_lines(row if logs_now else {k: v for k, v in row.items() if k != "loss"},
+                                          self.unlogged_losses if logs_now else [])
+        if logs_now:
+            self.unlogged_losses = []
         self.policy.check()  # the max_nonfinite_steps-th non-finite step in a row stops the run
         return row
 

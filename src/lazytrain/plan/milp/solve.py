@@ -138,8 +138,10 @@ def _infeasible_message(inst: PlanningInstance, max_segment: int, detail: str) -
     need = inst.min_gpu_act_bytes()
     if inst.gpu_act_bytes < need:
         return (
-            f"no placement fits on the device: boundary activations need at least {format_bytes(need)} "
-            f"(4 boundaries of {format_bytes(A)}) but the GPU cap {format_bytes(inst.gpu_mem_cap_bytes)} minus static "
+            f"no placement fits on the device: the smallest placement needs {format_bytes(need)} beside the static "
+            f"bytes (the last layer's backward or the loss head with the boundaries they hold: a boundary is "
+            f"{format_bytes(A)}, the loss head's working set {format_bytes(inst.head_bytes())}) but the GPU cap "
+            f"{format_bytes(inst.gpu_mem_cap_bytes)} minus static "
             f"{format_bytes(inst.static_device_bytes)} leaves {format_bytes(inst.gpu_act_bytes)}; "
             "raise --gpu-mem-cap or lower --batch-size"
         )
