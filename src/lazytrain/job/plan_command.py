@@ -30,7 +30,7 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
 from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
-from lazytrain.plan.admission import check_nvme_space, host_need, nvme_need
+from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import Deadline, make_plan
 from lazytrain.plan.ranks import predict_ranks
@@ -234,10 +234,8 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}"
           f"{'; masks of padded or packed batches counted' if wl.masked else ''}), optimizer {job.optim.optimizer}")
-    need, detail = host_need(cost, plan.staging_depth)  # `lazytrain train` checks it against the available memory
-    limit = admission.host_limit_bytes
-    print(f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
-          + (f"fits {format_bytes(limit)}" if limit is not None else "not checked (no --cpu-mem)"))
+    # `lazytrain train` prints the same line, against the memory available when it starts
+    print(host_line(cost, plan.staging_depth, admission.host_limit_bytes, "no --cpu-mem"))
     cpu_act = plan.budgets_bytes.get("cpu_act_bytes", admission.cpu_act_bytes)  # a plan's staging takes its share
     cpu = "unlimited" if cpu_act is None else format_bytes(cpu_act)
     nvme = "unlimited" if admission.nvme_act_bytes is None else format_bytes(admission.nvme_act_bytes)

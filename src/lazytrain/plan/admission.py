@@ -79,6 +79,14 @@ def host_need(cost: CostModel, staging_depth: int | None = None) -> tuple[int, s
     return sum(host.values()), ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
 
 
+def host_line(cost: CostModel, staging_depth: int | None, limit_bytes: int | None, unchecked: str) -> str:
+    """The `host:` admission line both commands print: the static host bytes with their breakdown, against
+    `limit_bytes` (None: `unchecked` says why)."""
+    need, detail = host_need(cost, staging_depth)
+    return (f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
+            + (f"fits {format_bytes(limit_bytes)}" if limit_bytes is not None else f"not checked ({unchecked})"))
+
+
 def host_advice(cost: CostModel) -> str:
     """What would shrink the host layout, most effective first (the same words from both commands)."""
     options = []

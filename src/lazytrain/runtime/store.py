@@ -37,6 +37,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.files import ALIGN_BYTES, bytes_view, io_error, open_nameless, read_all, write_all
+from lazytrain.runtime.weights import host_value
 from lazytrain.writes import alive
 
 SPILL_PREFIX = "lazytrain-"
@@ -109,7 +110,7 @@ class WeightGroup:
         with torch.no_grad():
             for s, p in zip(self.slots, self.params, strict=True):
                 view = self.buffer[s.offset:s.offset + s.numel].view(s.shape)
-                view.copy_(p.detach())
+                view.copy_(host_value(p))  # (a master still in the model's file is read from it here)
                 if self.aliased:
                     p.data = view  # the parameter *is* the streamed buffer
         self._ptrs = [p.data_ptr() for p in self.params]

@@ -42,18 +42,13 @@ from lazytrain.plan.schedule import update_order
 from lazytrain.runtime.device import return_freed_host_memory
 from lazytrain.runtime.statefiles import GroupLayout, StateFiles, safetensors_names
 from lazytrain.runtime.store import aligned_empty
+from lazytrain.runtime.weights import deferred, host_value, placeholder, settle
 
 if TYPE_CHECKING:
     from lazytrain.runtime.executor import Executor, GroupUpdate
 
 ParamGroup = dict[str, object]
 MASTER_FILE = "master.safetensors"  # the checkpoint's fp32 masters (train/checkpoint.py's name)
-
-
-def placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """What an offloaded master's `p.data` is between updates: p's shape and dtype (or `dtype`), one NaN element
-    behind every index (4 bytes), so a stray read shows as NaN and a write raises."""
-    return torch.full((), float("nan"), dtype=dtype or p.dtype).expand(p.shape)
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -123,6 +118,10 @@ class NvmeStates:
         for name, named in groupby(groups, key=lambda g: str(g["name"])):
             params: dict[int, torch.nn.Parameter] = {}
             for group in named:
+                for p in group["params"]:  # type: ignore[union-attr]
+                    if deferred(p):  # a master still in the model's file: real for its states' making, then moved
+                        p.data = host_value(p)
+                        settle(p)
                 if optimizer is None:
                     optimizer = make([group])
                 else:

@@ -23,8 +23,10 @@ from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate_links
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.hf import find_parts
 from lazytrain.runtime.probe import ProbeOptimizer, calibrated_cost
 from lazytrain.runtime.replan import Replanner
+from lazytrain.runtime.weights import deferred, materialized
 from lazytrain.train.build import build_device, compute_dtype
 from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step
 
@@ -140,18 +142,30 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
     its links as the run's (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
     estimate = cost_model(job, spec_of(model), resolve_hardware(job.runtime, kind=kind, measured=True))
 
+    # with the states on NVMe they never sit in host memory together: the probe steps the largest layer alone (its
+    # masters read from the model's file for it, when they wait there for the state files: runtime/weights.py)
+    spec = spec_of(model)
+    largest = max(range(spec.num_layers), key=lambda j: spec.layer_params[j])
+    names = {f"layer{largest}"} if job.runtime.optimizer_offload == "nvme" else None
+    share = spec.layer_params[largest] / spec.num_params if names else 1.0
+    stepped = list(find_parts(model).layers[largest].parameters()) if names else []
+
     def probe_optimizer(executor: Executor) -> ProbeOptimizer:
-        optimizer = build_optimizer(job, model)
+        for group in [*executor.layer_groups, executor.head_group]:
+            if any(deferred(p) for p in group.params):  # as NvmeStates: a copy its update refreshes (lr 0: none)
+                group.packed_by_update = True
+        optimizer = build_optimizer(job, model, names=names)
         for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
             group["lr"] = 0.0
         groups = executor_param_groups(optimizer, executor)
         return ProbeOptimizer(
             deferred_update=lambda grad_norm: group_update(job, optimizer, executor, groups, grad_norm, lr=0.0),
-            step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm))
+            step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm), share=share)
 
-    return calibrated_cost(model, estimate, build_device(job, kind, None), probe_batch,
-                           compute_dtype=compute_dtype(job), optimizer=probe_optimizer,
-                           overlap=job.optim.optimizer_mode == "overlap", scale_flops=kind == "cuda")
+    with materialized(stepped):
+        return calibrated_cost(model, estimate, build_device(job, kind, None), probe_batch,
+                               compute_dtype=compute_dtype(job), optimizer=probe_optimizer,
+                               overlap=job.optim.optimizer_mode == "overlap", scale_flops=kind == "cuda")
 
 
 def replanner_for(job: JobConfig, planned: PlannedRun) -> Replanner:
