@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 from lazytrain.config import JobConfig
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import available_host_memory_bytes
+from lazytrain.costmodel.topology import node_host_bytes
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
@@ -171,8 +172,14 @@ def _train(job: JobConfig) -> TrainResult:
             f"{format_bytes(planned.budgets['nvme_act_bytes'])}; one boundary = "
             f"{format_bytes(max(planned.cost.boundary_bytes))}")
         say(f"plan     {plan.placement_map()}   {_counts(plan)}   ({planned.how})")
-        admitted = host_need(planned.cost, plan.staging_depth)[0]  # what the run's peak is measured against
+        # what the run's peak is measured against (with ranks: the node's, the shared weights once)
+        admitted = {"host_admitted_bytes": host_need(planned.cost, plan.staging_depth)[0]}
         say(host_line(planned.cost, plan.staging_depth, available_host_memory_bytes(), "this machine's memory unknown"))
+        if ranks is not None:
+            node = node_host_bytes(planned.cost, planned.topology)
+            admitted["node_host_admitted_bytes"] = node["node"]
+            say(f"host     per node {format_bytes(node['node'])} = shared {format_bytes(node['shared'])} + "
+                f"{ranks.local_world_size} x {format_bytes(node['per_rank'])} per rank")
         predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
         say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
         # ---- device, executor, optimizer, resume ----------------------------------------------------
@@ -230,7 +237,7 @@ def _train(job: JobConfig) -> TrainResult:
         exact_after = final_exact_match(model, final, data.tokenizer, data.math_eval, last=final.name == saved_name)
     summary = trainer.summary(num_params=num_params, eval_before=eval_before, eval_after=eval_after,
                               total_run_s=time.perf_counter() - t_start)
-    summary.update(exact_match_before=exact_before, exact_match_after=exact_after, host_admitted_bytes=admitted,
+    summary.update(exact_match_before=exact_before, exact_match_after=exact_after, **admitted,
                    **peak.stop())
     write_json(out / "summary.json", summary)
     # with ranks, rank 0's alone (the losses are the global batch's on every rank; matplotlib costs a rank ~20 MiB)
