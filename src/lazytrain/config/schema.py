@@ -242,6 +242,9 @@ class RuntimeConfig:
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files and, with optimizer_offload nvme, the optimizer's state files (both
     nameless: nothing is left there after the run); None = a temporary directory removed at the end."""
+    nvme_tbw: float | None = None
+    """The rated endurance of the drive under nvme_dir, in TB written (TBW, from its data sheet): `lazytrain plan`
+    and `lazytrain train` then say in how many days of training the run's writes reach it. None = not said."""
     seed: int = 0
     """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1)."""
     data_seed: int | None = None
@@ -254,6 +257,7 @@ class RuntimeConfig:
               (bool(self.hardware.strip()), "hardware", "auto, a preset name or a file"),
               *((getattr(self, knob) > 0, knob, "a rate > 0 in GB/s (inf = unthrottled)")
                 for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps")),
+              (self.nvme_tbw is None or self.nvme_tbw > 0, "nvme_tbw", "the drive's rated TB written, > 0"),
               (self.seed >= 0, "seed", "an integer in 0..2**63-1"),
               (self.data_seed is None or self.data_seed >= 0, "data_seed", "an integer in 0..2**63-1"))
 

@@ -30,7 +30,8 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
 from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
-from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need
+from lazytrain.paths import ram_backed
+from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need, nvme_write_bytes, wear_line
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import Deadline, make_plan
 from lazytrain.plan.ranks import predict_ranks
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                          topology=topology)
         in_ram = _in_ram(job, spec, hardware, deadline) if cost.optimizer_offload == "nvme" else None
     own, milp_s = _print_plan(job, cost, admission, plan, topology)
+    _print_wear(job, cost, plan, own.step_s)
     if in_ram is not None:
         _print_offload(job, cost, plan, own, in_ram)
     if topology.parallel:
@@ -138,6 +140,19 @@ def _in_ram(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, deadline: D
                      topology=topology)
     return simulate(plan, cost, optimizer_mode=job.optim.optimizer_mode, topology=topology), plan, \
         host_need(cost)[0], limit
+
+
+def _print_wear(job: JobConfig, cost: CostModel, plan: Plan, step_s: float) -> None:
+    """What the run writes to nvme_dir per step and per day (and the days to the drive's rating), and a note when
+    nvme_dir is in RAM, as `lazytrain train` says them."""
+    line = wear_line(nvme_write_bytes(cost, plan.boundaries("nvme"), job.optim.gradient_accumulation_steps),
+                     step_s, job.runtime.nvme_tbw)
+    if line is None:
+        return
+    print(line)
+    if job.runtime.nvme_dir is not None and (kind := ram_backed(job.runtime.nvme_dir)) is not None:
+        print(f"note     nvme_dir {job.runtime.nvme_dir} is on {kind}, which is RAM: what the run writes there is "
+              "host memory; set nvme_dir to a directory on an SSD")
 
 
 def _print_offload(job: JobConfig, cost: CostModel, plan: Plan, own: SimResult,

@@ -5,6 +5,7 @@ simulator's prediction of one step.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -13,9 +14,11 @@ from transformers import PreTrainedModel
 
 from lazytrain.costmodel import hardware as hardware_module
 from lazytrain.costmodel.cost import CostModel
-from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
+from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology, node_host_bytes
 from lazytrain.job.inputs import cost_model, resolve_hardware, topology_of
+from lazytrain.paths import ram_backed
 from lazytrain.plan import planner
+from lazytrain.plan.admission import host_line, host_need, nvme_need, nvme_write_bytes, wear_line
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.cache import keep_or_replace, remembered_plan_path
 from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
@@ -28,7 +31,9 @@ from lazytrain.runtime.probe import ProbeOptimizer, calibrated_cost
 from lazytrain.runtime.replan import Replanner
 from lazytrain.runtime.weights import deferred, materialized
 from lazytrain.train.build import build_device, compute_dtype
+from lazytrain.train.metrics import say
 from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step
+from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig
@@ -204,3 +209,30 @@ def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str, topology: Topolo
     """The simulator's replay of one step of one rank, the optimizer run as this loop runs it."""
     return simulate(plan, cost, optimizer_mode=optimizer_mode, topology=topology)
 
+
+
+def say_host(job: JobConfig, planned: PlannedRun, step_s: float | None, ranks: Ranks | None) -> dict[str, int]:
+    """Print admission's `host:` line (`lazytrain plan`'s), with ranks the node's share, what the run writes to
+    nvme_dir per step and per day, and a note when nvme_dir is in RAM (its bytes are host memory: counted); return
+    the admitted bytes summary.json keeps beside the measured peak."""
+    cost, plan = planned.cost, planned.plan
+    admitted = {"host_admitted_bytes": host_need(cost, plan.staging_depth)[0]}
+    say(host_line(cost, plan.staging_depth, hardware_module.available_host_memory_bytes(),
+                  "this machine's memory unknown"))
+    if ranks is not None:
+        node = node_host_bytes(cost, planned.topology)
+        admitted["node_host_admitted_bytes"] = node["node"]
+        say(f"host     per node {format_bytes(node['node'])} = shared {format_bytes(node['shared'])} + "
+            f"{ranks.local_world_size} x {format_bytes(node['per_rank'])} per rank")
+    writes = nvme_write_bytes(cost, plan.boundaries("nvme"), job.optim.gradient_accumulation_steps)
+    line = wear_line(writes, step_s or planned.sim.step_s, job.runtime.nvme_tbw)
+    if line is not None:
+        say(line)
+        directory = job.runtime.nvme_dir or tempfile.gettempdir()
+        kind = ram_backed(directory)
+        if kind is not None:
+            held = nvme_need(cost, plan.budgets_bytes.get("nvme_act_bytes"))[0]
+            admitted["host_admitted_bytes"] += held
+            say(f"note     nvme_dir {directory} is on {kind}, which is RAM: the {format_bytes(held)} written there "
+                "are host memory (counted in the admitted bytes); set nvme_dir to a directory on an SSD")
+    return admitted

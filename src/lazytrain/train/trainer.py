@@ -26,7 +26,6 @@ from transformers.utils import logging as hf_logging
 from lazytrain.config import JobConfig
 from lazytrain.costmodel.cost import CostModel
 from lazytrain.costmodel.hardware import available_host_memory_bytes
-from lazytrain.costmodel.topology import node_host_bytes
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
@@ -36,7 +35,6 @@ from lazytrain.distributed import (
     attach_executor,
 )
 from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
-from lazytrain.plan.admission import host_line, host_need
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
@@ -85,7 +83,7 @@ from lazytrain.train.optimizer import (
     set_lr,
 )
 from lazytrain.train.peak import PeakRss
-from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for
+from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for, say_host
 from lazytrain.train.signals import Interrupted, StopSignals, saving
 from lazytrain.units import format_bytes
 from lazytrain.viz import write_trace
@@ -172,15 +170,8 @@ def _train(job: JobConfig) -> TrainResult:
             f"{format_bytes(planned.budgets['nvme_act_bytes'])}; one boundary = "
             f"{format_bytes(max(planned.cost.boundary_bytes))}")
         say(f"plan     {plan.placement_map()}   {_counts(plan)}   ({planned.how})")
-        # what the run's peak is measured against (with ranks: the node's, the shared weights once)
-        admitted = {"host_admitted_bytes": host_need(planned.cost, plan.staging_depth)[0]}
-        say(host_line(planned.cost, plan.staging_depth, available_host_memory_bytes(), "this machine's memory unknown"))
-        if ranks is not None:
-            node = node_host_bytes(planned.cost, planned.topology)
-            admitted["node_host_admitted_bytes"] = node["node"]
-            say(f"host     per node {format_bytes(node['node'])} = shared {format_bytes(node['shared'])} + "
-                f"{ranks.local_world_size} x {format_bytes(node['per_rank'])} per rank")
         predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
+        admitted = say_host(job, planned, predicted, ranks)  # what the run's peak is measured against
         say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
         # ---- device, executor, optimizer, resume ----------------------------------------------------
         peak.phase("build")
