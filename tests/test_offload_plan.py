@@ -210,3 +210,22 @@ def test_a_ram_backed_nvme_dir_is_known(tmp_path, monkeypatch) -> None:
     assert paths.ram_backed(tmp_path / "nvme") == "tmpfs"
     assert paths.ram_backed(tmp_path / "r x" / "y") == "ramfs"  # the longest mount point holding it, spaces decoded
     assert paths.ram_backed(str(tmp_path) + "-other") is None  # a sibling whose name starts alike is not inside
+
+
+def test_a_stated_nvme_write_rate_replaces_the_presets_and_the_plan_adapts(capsys) -> None:
+    """--nvme-write-gbps on a real preset is the user's SSD (its sustained rate): the planner re-plans on it (here:
+    fewer staging slots, the host room they leave to cpu boundaries) and says the step against the in-RAM one;
+    a PCIe rate on a real preset stays refused."""
+    argv = ["plan", "--model", "qwen2.5-14b", "--hardware", "rtx3090", "--seq-len", "1024", "--batch-size", "4",
+            "--gpu-mem-cap", "22GB", "--optimizer", "8bit", "--master-weights", "bf16", "--cpu-mem", "64GiB",
+            "--optimizer-offload", "nvme"]
+    ratios, depths = {}, {}
+    for rate in (None, 1.5):
+        assert main(argv + ([] if rate is None else ["--nvme-write-gbps", str(rate)])) == 0
+        out = capsys.readouterr().out
+        ratios[rate] = float(re.search(r"in RAM with .* host memory \(([\d.]+)x", out).group(1))
+        depths[rate] = int(re.search(r"planned with (\d+)", out).group(1))
+    preset = HardwareSpec.load("rtx3090").nvme_write_gbps
+    assert preset > 1.5 and ratios[1.5] > ratios[None] and depths[1.5] < depths[None], (ratios, depths)
+    assert main(argv + ["--h2d-gbps", "5"]) == 2
+    assert "hardware YAML file" in capsys.readouterr().err
