@@ -230,13 +230,13 @@ def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeyp
     cfg = job(**{**GOLDEN_CONFIG, "model": str(tmp_path / "model"), "dtype": "bf16"}, master_weights=masters,
               optimizer="8bit", optimizer_offload="nvme", nvme_dir=str(tmp_path))
     data = load_data(cfg)
-    model = build_model(data.job, model_source(data.job, data.vocab_size))
+    model = build_model(cfg, model_source(cfg, data.vocab_size))
     built, probed = [], []
     make = planning.build_optimizer
     monkeypatch.setattr(planning, "build_optimizer", lambda *a, **k: built.append(make(*a, **k)) or built[-1])
     take = probe.probe_steps
     monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
-    cost = planning.measured_cost(data.job, model, "cpu", data.probe)
+    cost = planning.measured_cost(cfg, model, "cpu", data.probe)
     layer = list(model.model.layers[0].parameters())  # (the layers are alike: the first is the largest)
     assert [p for g in built[0].param_groups for p in g["params"]] == layer
     updates = sorted(sum(end - start for lane, name, start, end in s.timeline

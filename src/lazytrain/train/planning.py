@@ -5,6 +5,7 @@ simulator's prediction of one step.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ from transformers import PreTrainedModel
 
 from lazytrain.costmodel import hardware as hardware_module
 from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology, node_host_bytes
 from lazytrain.job.inputs import cost_model, resolve_hardware, topology_of
 from lazytrain.paths import ram_backed
@@ -27,6 +29,7 @@ from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate_links
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.hf import find_parts
+from lazytrain.runtime.nvme_probe import cached_rates, probe_nvme
 from lazytrain.runtime.probe import ProbeOptimizer, calibrated_cost
 from lazytrain.runtime.replan import Replanner
 from lazytrain.runtime.weights import deferred, materialized
@@ -140,12 +143,33 @@ def _staging_room(job: JobConfig, cost: CostModel) -> int | None:
     return None if available is None else available + cost.host_breakdown()["weights"]
 
 
+def disk_rates(job: JobConfig, hardware: HardwareSpec, kind: str) -> HardwareSpec:
+    """With optimizer_offload nvme, `hardware` with the NVMe rates of the disk under nvme_dir measured (or remembered
+    from an earlier probe of it; nvme_probe false: as it is), said in one line. On CUDA the plan uses them: the
+    rates of reads and writes at once, since the state reads of the next groups run beside the write-backs of the
+    last ones for most of a step (the simulator has one rate per direction). The emulated device's links are its
+    throttle (probed only when unthrottled, for the line): its calibration measures them through the same files."""
+    throttled = math.isfinite(job.runtime.nvme_read_gbps) and math.isfinite(job.runtime.nvme_write_gbps)
+    if job.runtime.optimizer_offload != "nvme" or not job.runtime.nvme_probe or (kind != "cuda" and throttled):
+        return hardware  # (a throttled emulated link is slower than the disk: the throttle is its rate)
+    directory = job.runtime.nvme_dir or tempfile.gettempdir()
+    rates = cached_rates(directory)
+    how = "remembered" if rates is not None else "measured"
+    rates = rates or probe_nvme(directory, job.runtime.nvme_probe_s)
+    say(f"nvme     {directory}: {rates.describe()}, {how}")
+    if kind != "cuda":
+        return hardware
+    return hardware.with_overrides(nvme_read_gbps=rates.mixed_read_gbps, nvme_write_gbps=rates.mixed_write_gbps,
+                                   nvme_state_read_gbps=None, nvme_state_write_gbps=None)
+
+
 def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
                   probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
     """The job's CostModel (job/inputs.py: the built model's spec on this machine, its host rates measured) with
     its compute and optimizer seconds (and the emulated device's link rates) measured on the device the run uses,
     its links as the run's (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
-    estimate = cost_model(job, spec_of(model), resolve_hardware(job.runtime, kind=kind, measured=True))
+    estimate = cost_model(job, spec_of(model), disk_rates(job, resolve_hardware(job.runtime, kind=kind,
+                                                                                  measured=True), kind))
 
     # with the states on NVMe they never sit in host memory together: the probe steps the largest layer alone (its
     # masters read from the model's file for it, when they wait there for the state files: runtime/weights.py)
