@@ -1,10 +1,21 @@
 """optimizer_offload nvme measured on the emulated device with real files: a scaled-down Llama whose optimizer state
 the staging slots cannot hold at once (D slots < L + 2 groups).
 
-    python benchmarks/offload.py memory --runs 3 --nvme-dir /tmp    # peak host RSS vs admission, state-op rates
+    python benchmarks/offload.py memory --nvme-dir /tmp             # the whole run's peak vs admission, 4 layouts
+    python benchmarks/offload.py state-ops --runs 3 --nvme-dir /tmp # peak host RSS over the steps, state-op rates
     python benchmarks/offload.py step --runs 3 --nvme-dir /tmp      # lazytrain train: measured vs predicted step
 
-memory: a fresh process per run builds benchmarks/host.py's model (301.5 M parameters, 22 groups; fp32 masters,
+memory: `lazytrain train` of a ~350 M-parameter Llama directory (bf16 safetensors in 3 shards, made once under
+--model-dir) for --steps steps, with a final checkpoint, in four layouts: bf16 masters with the states in RAM,
+bf16 masters with the states on NVMe, fp32 masters (bf16 compute) with states and masters on NVMe, and the first
+under `torchrun --nproc_per_node 2` (the node's weights in shared memory, once). From the outside, a sampler sums
+the proportional set size (Pss: a page shared by the ranks counts once in all) of the run's processes every
+20 ms from start to exit (the torchrun launcher excluded); from the inside, summary.json's peak RSS (ru_maxrss and
+VmRSS sampled by phase) and admitted bytes (the `host:` line; with ranks the node's). The peak less the
+interpreter's fixed cost (the RSS when the run starts: python, torch, transformers imported, one per process)
+against the admitted bytes plus the emulated device's peak (its memory is this process's heap on the CPU).
+
+state-ops: a fresh process per run builds benchmarks/host.py's model (301.5 M parameters, 22 groups; fp32 masters,
 random init), the executor (bf16 compute, every boundary on the device, links unthrottled so the NVMe lanes run
 at the directory's own rate), NvmeStates and
 8-bit AdamW as `lazytrain train` does, then runs `--steps` serial-mode steps (the updates after the backward, each
@@ -39,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 CONFIG = dict(model_type="llama", vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -179,7 +191,110 @@ MEMORY = textwrap.dedent("""
 """)
 
 
+# memory: a ~350 M-parameter Llama (348.7 M: 24 layers of 11.8 M and untied 32.8 M embedding and head)
+WHOLE_CONFIG = dict(MEMORY_CONFIG, num_hidden_layers=24)
+LAYOUTS = {  # name: (the job's words, ranks)
+    "bf16 masters, states in RAM": (["master_weights=bf16", "optimizer_offload=host"], 1),
+    "bf16 masters, states on NVMe": (["master_weights=bf16", "optimizer_offload=nvme"], 1),
+    "fp32 masters, states + masters on NVMe": (["master_weights=fp32", "optimizer_offload=nvme"], 1),
+    "bf16 masters, states in RAM, torchrun 2 ranks": (["master_weights=bf16", "optimizer_offload=host"], 2),
+}
+
+
+def _model_dir(root: Path) -> Path:
+    """The benchmark's model directory, made once (random bf16 weights, seeded, three shards)."""
+    path = root / "llama-350m"
+    if not (path / "model.safetensors.index.json").exists():
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**WHOLE_CONFIG), dtype=torch.bfloat16)
+        model.save_pretrained(path, max_shard_size="300MB")
+    return path
+
+
+def _tree_pss(root_pid: int) -> int:
+    """Bytes of Pss of `root_pid`'s descendants (not itself: torchrun's launcher, or the benchmark's shell)."""
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                        for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+        except OSError:
+            continue
+        todo += children
+        for child in children:
+            try:
+                for line in Path(f"/proc/{child}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+    return total
+
+
 def memory(args: argparse.Namespace) -> None:
+    import threading
+
+    root = Path(args.model_root or tempfile.gettempdir()) / "lazytrain-offload-bench"
+    model = _model_dir(root)
+    print(f"model {model} (348.7 M params, bf16); {args.steps} steps, batch 1 x 64, gpu_mem_cap {args.gpu_cap}, "
+          "8-bit states, a final checkpoint")
+    print("| layout | admitted | device peak | fixed cost | peak RSS (summary) | peak Pss (outside) | "
+          "(peak - fixed) / (admitted + device) | phase of the peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (words, ranks) in LAYOUTS.items():
+        if args.layouts and not any(key in name for key in args.layouts):
+            continue
+        out = root / f"out-{len(name)}-{ranks}"
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+                  if ranks > 1 else [sys.executable])
+        command = [*launch, "-m", "lazytrain", "train", f"model={model}", "dataset=zen", "cutoff_len=64",
+                   "per_device_train_batch_size=1", f"gpu_mem_cap={args.gpu_cap}", "dtype=bf16", "optimizer=8bit",
+                   f"max_steps={args.steps}", "eval_batches=0", f"nvme_dir={args.nvme_dir}", "--no-progress",
+                   f"output_dir={out}", "save_steps=0", "overwrite_output_dir=true", "plot_loss=false", *words]
+        wrapper = subprocess.Popen(["/bin/sh", "-c", 'exec "$@"', "sh", *command], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        pss, done = [0], threading.Event()
+        # the launcher (torchrun) is the wrapper's process itself: its children are the ranks
+        thread = threading.Thread(target=_sample_pss, args=(wrapper.pid, ranks > 1, pss, done), daemon=True)
+        thread.start()
+        output, _ = wrapper.communicate()
+        done.set()
+        thread.join()
+        if wrapper.returncode:
+            sys.exit(f"{name}: lazytrain train failed: {output[-3000:]}")
+        summaries = [json.loads(p.read_text()) for p in sorted(out.glob("**/summary.json"))]
+        main = next(s for s in summaries if "node_host_admitted_bytes" in s or ranks == 1)
+        admitted = main.get("node_host_admitted_bytes", main["host_admitted_bytes"])
+        rows = [json.loads(line) for p in sorted(out.glob("**/metrics.jsonl")) for line in p.read_text().splitlines()]
+        device = ranks * max(r.get("peak_device_bytes", 0) for r in rows)
+        fixed = sum(s["baseline_rss_bytes"] for s in summaries)
+        peak_rss = sum(s["peak_rss_bytes"] for s in summaries)  # (with ranks: the shared pages once per rank)
+        mib = 2 ** 20
+        print(f"| {name} | {admitted / mib:.0f} MiB | {device / mib:.0f} MiB | {fixed / mib:.0f} MiB | "
+              f"{peak_rss / mib:.0f} MiB | {pss[0] / mib:.0f} MiB | "
+              f"{(min(pss[0], peak_rss) - fixed) / (admitted + device):.3f}x (summary "
+              f"{(peak_rss - fixed) / (admitted + device):.3f}x) | {main['peak_rss_phase']} |", flush=True)
+
+
+def _sample_pss(pid: int, children: bool, peak: list[int], done: threading.Event) -> None:
+    """peak[0]: the largest Pss of `pid` (or of its descendants), every 20 ms until `done`."""
+    while not done.wait(0.02):
+        peak[0] = max(peak[0], _tree_pss(pid) if children else _own_pss(pid))
+
+
+def _own_pss(pid: int) -> int:
+    try:
+        return next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+                    if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def state_ops(args: argparse.Namespace) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), *sys.path]),
            "MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
@@ -248,16 +363,19 @@ def step(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["memory", "step"])
+    parser.add_argument("what", choices=["memory", "state-ops", "step"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--depth", type=int, default=2, help="memory: staging slots")
     parser.add_argument("--nvme-dir", default=tempfile.gettempdir())
+    parser.add_argument("--model-root", default=None, help="memory: where the model directory is made (once)")
+    parser.add_argument("--gpu-cap", default="300MiB", help="memory: the emulated device's memory")
+    parser.add_argument("--layouts", nargs="*", default=[], help="memory: only the layouts whose name holds one")
     parser.add_argument("extra", nargs="*", help="step: more key=value words for lazytrain train")
     args = parser.parse_intermixed_args()
     print(f"load average {os.getloadavg()[0]:.1f}; {os.cpu_count()} CPUs")
     Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
-    (memory if args.what == "memory" else step)(args)
+    {"memory": memory, "state-ops": state_ops, "step": step}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,43 @@ def test_bf16_weights_become_fp32_parameters(tmp_path):
         assert p.dtype == torch.float32 and torch.equal(p, q.float())
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_bf16_masters_load_straight_in_bf16(tmp_path, stored):
+    """master_weights bf16: each tensor becomes a bf16 parameter as it is read (no fp32 model on the way), the
+    values the fp32 load rounds to."""
+    saved = _save(tmp_path, _config())
+    saved.to(stored).save_pretrained(tmp_path)
+    model = load_model(resolve_model(str(tmp_path)), dtype=torch.bfloat16)
+    for p, q in zip(model.parameters(), _load(tmp_path).parameters(), strict=True):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16))
+
+
+def test_deferred_masters_are_read_from_the_file_only_when_asked(tmp_path, monkeypatch):
+    """Masters bound for the NVMe state files stay in the model's file: placeholders until `host_value` reads
+    one (as the fp32 load has it), each read checked finite."""
+    from lazytrain.runtime import weights
+
+    _save(tmp_path, _config(), shard="40KB")
+    reference = dict(_load(tmp_path).named_parameters())
+    embedding = "model.embed_tokens.weight"
+    read: list[str] = []
+    real = weights._mapped_tensor
+    monkeypatch.setattr(weights, "_mapped_tensor", lambda path, key, name: read.append(key) or real(path, key, name))
+    model = load_model(resolve_model(str(tmp_path)), defer=lambda m: {n for n, _ in m.named_parameters()} - {embedding})
+    assert embedding in read and all(k == embedding or k not in reference for k in read), read
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        assert weights.held_elsewhere(p) == (name != embedding), name
+        assert torch.equal(weights.host_value(p), reference[name]), name
+    # a non-finite value in a deferred tensor: refused when it is read, naming it
+    key = RNG.choice(sorted(set(reference) - {embedding}))
+    shard = next(f for f in tmp_path.glob("model-*.safetensors") if key in load_file(f))
+    state = load_file(shard)
+    state[key].view(-1)[RNG.randrange(state[key].numel())] = float("nan")
+    save_file(state, shard, metadata={"format": "pt"})
+    raises_one_line(lambda: weights.host_value(params[key]), key, "non-finite")
+
+
 def test_init_random_builds_from_the_config_alone(tmp_path):
     config = _config()
     config.save_pretrained(tmp_path)

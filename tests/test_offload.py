@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import random
 import threading
 from pathlib import Path
@@ -61,7 +62,7 @@ def _run(tmp_path, offload: str, *, bad_step: int | None, depth: int | None = No
     lanes: list[str] = []  # the thread of every state read and write
 
     def land(self, **kwargs):
-        if self.name == "layer.1" and current["step"] == bad_step:
+        if self.name == "layer.1" and current["step"] is not None and current["step"] == bad_step:
             self.landing[RNG.randrange(self.landing.numel())] = math.inf
         return real_land(self, **kwargs)
 
@@ -136,6 +137,25 @@ def test_offloaded_states_give_the_in_ram_run_bit_for_bit(tmp_path, optimizer, d
     model = {"model": _tied_model(tmp_path / "tied"), "init": "random"} if tied else {}
     _check_identical(tmp_path, 5, 2, optimizer=optimizer, dtype=dtype, master_weights=masters,
                      gradient_accumulation_steps=accum, optimizer_mode=mode, depth=depth, **model)
+
+
+@pytest.mark.parametrize("optimizer, masters", [("8bit", "fp32"), ("adamw", "fp32"), ("8bit", "bf16")])
+def test_a_model_directory_loads_into_the_offloaded_layout_and_trains_as_in_ram(tmp_path, optimizer, masters):
+    """Weights from a model directory: with fp32 masters the state files get them from the model's file, never a
+    whole fp32 model in RAM (runtime/weights.py's deferred masters), with bf16 ones they are read straight in bf16;
+    either way the run is the in-RAM run's bit for bit, and the 8-bit states are 8-bit (a placeholder master is
+    not contiguous: the states are made from the real tensor)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(RNG.randrange(1 << 31))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    for p in model.parameters():  # fresh values everywhere (norm gains start at 1)
+        p.data.normal_(0, 0.05)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    # (optimizer.json names each parameter's state kind: 8-bit in both runs, or the docs differ)
+    _check_identical(tmp_path, 3, None, optimizer=optimizer, dtype="bf16", master_weights=masters,
+                     model=str(tmp_path / "model"), depth=2)
 
 
 def _cli_run(argv: list[str], out: Path) -> tuple[list[float], tuple[dict[str, torch.Tensor], dict]]:
@@ -558,3 +578,89 @@ def test_a_disk_filled_up_mid_run_stops_at_the_next_checkpoint_and_keeps_the_las
         assert sorted(p.name for p in disk.iterdir()) == ["run"]  # no state or spill file left
     finally:
         _umount(disk)
+
+
+# ---- the staging slots and the files' lifetime ----------------------------------------------------------
+def _small_states(tmp_path, depth: int = 1):
+    """A tiny model's executor, optimizer and NvmeStates with `depth` staging slots, one step's gradients landed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lazytrain.plan.plan import Plan
+    from lazytrain.runtime.device import EmulatedDevice
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train.offload import NvmeStates
+    from lazytrain.train.optimizer import build_optimizer, executor_param_groups
+
+    torch.manual_seed(RNG.randrange(1 << 31))
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300)
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    job = load_job_config({**BASE, "optimizer": "8bit", "dtype": "bf16"})
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(nvme_dir=tmp_path),
+                  compute_dtype=torch.bfloat16)
+    nvme = NvmeStates(tmp_path, ex)
+    opt = build_optimizer(job, model, nvme)
+    groups = executor_param_groups(opt, ex)
+    nvme.bind(opt, groups, depth)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    ex.forward_backward(ids, ids)
+    return job, ex, nvme, opt, groups
+
+
+def test_a_staging_slot_is_not_read_into_before_its_write_back(tmp_path):
+    """A state_read into a slot whose group's update is not written back yet would drop that update: refused (a
+    real check: it holds under python -O), and the update is still there to write."""
+    from lazytrain.train.optimizer import group_update
+
+    job, ex, nvme, opt, groups = _small_states(tmp_path, depth=1)
+    first, second = 1, 2  # two layer groups, one slot
+    nvme.expect_writes([first])  # the program writes it back later: its slot stays dirty until then
+    update = group_update(job, opt, ex, groups, ex.last_step.grad_norm, lr=1e-2, nvme=nvme)
+    update(first)
+    updated = nvme.slots[0].clone()
+    with pytest.raises(RuntimeError, match=f"holds group {first}'s update not yet written back"):
+        nvme.read(second, slot=0)
+    with pytest.raises(RuntimeError, match="not written back"):
+        nvme.set_depth(2)
+    assert torch.equal(nvme.slots[0], updated)  # nothing overwrote it
+    nvme.write(first)
+    nvme.read(second, slot=0)  # free again once written back
+    nvme.close()
+
+
+def test_the_state_files_are_closed_when_building_the_optimizer_fails(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lazytrain.plan.plan import Plan
+    from lazytrain.runtime.device import EmulatedDevice
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.train.offload import NvmeStates
+    from lazytrain.train.optimizer import build_optimizer
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300))
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * 4), EmulatedDevice(nvme_dir=tmp_path),
+                  compute_dtype=torch.bfloat16)
+    nvme = NvmeStates(tmp_path, ex)
+    job = load_job_config({**BASE, "optimizer": "8bit", "dtype": "bf16"})
+    real = offload_module.NvmeStates._move_out
+    made = []
+
+    open_fds: list[int] = []
+
+    def move_out(self, optimizer, group):
+        if len(made) == 2:  # the third group's file fails, two are open
+            open_fds.extend(self.files._fds.values())
+            raise OSError(28, "No space left on device")
+        made.append(group.name)
+        return real(self, optimizer, group)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offload_module.NvmeStates, "_move_out", move_out)
+        with pytest.raises(OSError):
+            build_optimizer(job, model, nvme)
+    assert len(open_fds) == 2
+    for fd in open_fds:  # closed: the kernel freed their blocks
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -176,3 +176,56 @@ def test_7b_at_32gib_and_a_32b_config_at_160gib(tmp_path, capsys) -> None:
     (tmp_path / "qwen32b" / "config.json").write_text((PRESET_DIR / "qwen2.5-32b.json").read_text())
     assert json.loads((tmp_path / "qwen32b" / "config.json").read_text())["num_hidden_layers"] == 64
     assert _check_admitted_with_offload(capsys, str(tmp_path / "qwen32b"), "160GiB") <= 1.15
+
+
+def test_plan_says_the_write_volume_per_step_and_day_and_the_days_to_the_drives_rating(capsys) -> None:
+    """The README's 14B job: every group's state file is written back once a step; per day of training at the
+    predicted step, and with nvme_tbw the days until the drive's rated terabytes written."""
+    tbw = 600
+    argv = ["plan", "--model", "qwen2.5-14b", "--hardware", "rtx3090", "--seq-len", "1024", "--batch-size", "4",
+            "--gpu-mem-cap", "22GB", "--optimizer", "8bit", "--master-weights", "bf16", "--cpu-mem", "64GiB",
+            "--optimizer-offload", "nvme", f"nvme_tbw={tbw}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("nvme writes:"))
+    step_s = float(re.search(r"^step: MILP ([\d.]+) s", out, re.M).group(1))
+    cost = CostModel(ModelSpec.load("qwen2.5-14b"), HardwareSpec.load("rtx3090"), Workload(4, 1024, "bf16"),
+                     "8bit", master_weights="bf16", optimizer_offload="nvme")
+    written = sum(cost.state_group_bytes())  # no nvme boundary in this plan: the states alone
+    assert re.search(r"^counts: .*nvme 0\b", out, re.M), out
+    per_day = written * 86_400 / step_s
+    assert line.startswith(f"nvme writes: {format_bytes(written)} per step, {per_day / 1e12:.3g} TB per day"), line
+    assert line.endswith(f"{tbw} TBW in {tbw * 1e12 / per_day:.3g} days"), line
+
+
+def test_a_ram_backed_nvme_dir_is_known(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    from lazytrain import paths
+
+    mounts = f"/dev/vda / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs rw 0 0\nramfs {tmp_path}/r\\040x ramfs rw 0 0\n"
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: mounts if str(self) == "/proc/mounts"
+                        else real(self, *a, **k))
+    assert paths.ram_backed(tmp_path / "nvme") == "tmpfs"
+    assert paths.ram_backed(tmp_path / "r x" / "y") == "ramfs"  # the longest mount point holding it, spaces decoded
+    assert paths.ram_backed(str(tmp_path) + "-other") is None  # a sibling whose name starts alike is not inside
+
+
+def test_a_stated_nvme_write_rate_replaces_the_presets_and_the_plan_adapts(capsys) -> None:
+    """--nvme-write-gbps on a real preset is the user's SSD (its sustained rate): the planner re-plans on it (here:
+    fewer staging slots, the host room they leave to cpu boundaries) and says the step against the in-RAM one;
+    a PCIe rate on a real preset stays refused."""
+    argv = ["plan", "--model", "qwen2.5-14b", "--hardware", "rtx3090", "--seq-len", "1024", "--batch-size", "4",
+            "--gpu-mem-cap", "22GB", "--optimizer", "8bit", "--master-weights", "bf16", "--cpu-mem", "64GiB",
+            "--optimizer-offload", "nvme"]
+    ratios, depths = {}, {}
+    for rate in (None, 1.5):
+        assert main(argv + ([] if rate is None else ["--nvme-write-gbps", str(rate)])) == 0
+        out = capsys.readouterr().out
+        ratios[rate] = float(re.search(r"in RAM with .* host memory \(([\d.]+)x", out).group(1))
+        depths[rate] = int(re.search(r"planned with (\d+)", out).group(1))
+    preset = HardwareSpec.load("rtx3090").nvme_write_gbps
+    assert preset > 1.5 and ratios[1.5] > ratios[None] and depths[1.5] < depths[None], (ratios, depths)
+    assert main(argv + ["--h2d-gbps", "5"]) == 2
+    assert "hardware YAML file" in capsys.readouterr().err

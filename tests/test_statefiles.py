@@ -148,11 +148,72 @@ def test_o_direct_refused_at_the_first_io_falls_back_for_every_file(tmp_path, mo
     monkeypatch.setattr(files_module.os, "pwrite", lambda fd, b, off: refuse_direct(fd) or real_pwrite(fd, b, off))
     monkeypatch.setattr(files_module.os, "preadv", lambda fd, b, off: refuse_direct(fd) or real_preadv(fd, b, off))
     layouts = {f"g{i}": GroupLayout([("0.qv", torch.uint8, (30_000 + i,))]) for i in range(3)}
-    with StateFiles(tmp_path, layouts, block_bytes=ALIGN_BYTES) as files:
+    notes: list[str] = []
+    dropped: list[tuple[int, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            dropped.append((offset, length))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(files_module.os, "posix_fadvise", fadvise)
+    with StateFiles(tmp_path, layouts, block_bytes=ALIGN_BYTES, note=notes.append) as files:
         assert not files.direct  # the header write at creation found out
         gen = torch.Generator().manual_seed(3)
         for g in layouts:
-            _round_trip(files, g, gen)
+            dropped.clear()
+            _round_trip(files, g, gen)  # one write and one read of the group's data
+            blocks = files.layouts[g].padded_data_bytes // ALIGN_BYTES
+            assert len(dropped) == 2 * blocks, (len(dropped), blocks)  # reads leave no cached copy either
+    assert len(notes) == 1 and "O_DIRECT" in notes[0] and str(tmp_path) in notes[0], notes  # said once, not per file
+
+
+def test_close_surfaces_the_error_of_an_op_nobody_waited_for(tmp_path, monkeypatch):
+    """A write-back that failed and was never waited for is lost data: close() says so (one line), after closing
+    every file; an error already raised at wait() is not raised twice."""
+    layouts = {"g": GroupLayout([("0.exp_avg", torch.float32, (40_000,))]), "h": GroupLayout([("0.qm", torch.uint8,
+                                                                                                (9_000,))])}
+    real = os.pwrite
+    failing: list[int] = []  # the descriptor whose writes fail
+
+    def pwrite(fd, data, offset):
+        if fd in failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(files_module.os, "pwrite", pwrite)
+    files = StateFiles(tmp_path, layouts, block_bytes=ALIGN_BYTES)
+    failing[:] = [files._fds["g"]]
+    waited = files.write("h", files.staging("h"))
+    files.write("g", files.staging("g"))  # fails, never waited for
+    waited.wait()
+    fds = list(files._fds.values())
+    with pytest.raises(LazyTrainError, match="I/O error") as err:
+        files.close()
+    assert "\n" not in str(err.value) and "write an optimizer state file" in str(err.value)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    failing.clear()
+    files = StateFiles(tmp_path, layouts, block_bytes=ALIGN_BYTES)
+    failing[:] = [files._fds["g"]]
+    event = files.write("g", files.staging("g"))
+    with pytest.raises(LazyTrainError):
+        event.wait()
+    files.close()  # already said at wait
+
+
+def test_a_state_file_truncated_under_the_run_is_named_as_such(tmp_path):
+    layouts = {"layer3": GroupLayout([("0.exp_avg", torch.float32, (40_000,))])}
+    with StateFiles(tmp_path, layouts, block_bytes=ALIGN_BYTES) as files:
+        buf = files.staging("layer3")
+        files.write("layer3", buf).wait()
+        os.truncate(f"/proc/self/fd/{files._fds['layer3']}", ALIGN_BYTES * 3)  # another process, through /proc
+        with pytest.raises(LazyTrainError) as err:
+            files.read("layer3", buf).wait()
+    text = str(err.value)
+    assert "\n" not in text and "layer3" in text and "truncated" in text and "I/O error" not in text, text
 
 
 def test_without_o_tmpfile_a_named_file_is_unlinked_at_once(tmp_path, monkeypatch):

@@ -56,6 +56,13 @@ def test_cli_run_writes_metrics_plan_and_a_loadable_checkpoint(tmp_path, capsys)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoint-3")
     assert Plan.load(out / "plan.json", spec_of(model)).placement_map() == summary["placement_map"]
+    # admission's `host:` line, as `lazytrain plan` prints it, and the whole process's peak beside it
+    from lazytrain.units import format_bytes
+
+    host = [line for line in printed.splitlines() if line.startswith("host: ")]
+    assert len(host) == 1 and host[0].startswith(f"host: {format_bytes(summary['host_admitted_bytes'])} ("), host
+    assert summary["peak_rss_bytes"] > summary["baseline_rss_bytes"] > 0, summary
+    assert summary["peak_rss_phase"] in summary["peak_rss_by_phase_bytes"], summary
     assert (out / "checkpoint-3" / "model.safetensors.index.json").exists()  # sharded, with its index
 
 
@@ -197,6 +204,49 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
     for link in devices[0].links.values():  # closed once calibrated
         link._thread.join(timeout=60)
         assert not link._thread.is_alive()
+
+
+@pytest.mark.parametrize("masters", ["fp32", "bf16"])
+def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeypatch, tmp_path, masters):
+    """The run's states never sit in host memory together: its calibration steps the largest layer's alone (its
+    fp32 masters read from the model's file for it, the others left there), and the update's seconds are the
+    measured ones scaled to the whole model by its share of the parameters."""
+    import statistics
+
+    from lazytrain.runtime import probe
+    from lazytrain.runtime.calibrate import QUANTUM
+    from lazytrain.runtime.weights import held_elsewhere
+    from lazytrain.train import planning
+    from lazytrain.train.build import build_model, model_source
+    from lazytrain.train.data import load_data
+
+    torch.manual_seed(RNG.randrange(1 << 31))
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=RNG.choice([96, 128]),
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    saved = transformers.LlamaForCausalLM(config)
+    for p in saved.parameters():
+        p.data.normal_(0, 0.05)
+    saved.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    cfg = job(**{**GOLDEN_CONFIG, "model": str(tmp_path / "model"), "dtype": "bf16"}, master_weights=masters,
+              optimizer="8bit", optimizer_offload="nvme", nvme_dir=str(tmp_path))
+    data = load_data(cfg)
+    model = build_model(cfg, model_source(cfg, data.vocab_size))
+    built, probed = [], []
+    make = planning.build_optimizer
+    monkeypatch.setattr(planning, "build_optimizer", lambda *a, **k: built.append(make(*a, **k)) or built[-1])
+    take = probe.probe_steps
+    monkeypatch.setattr(probe, "probe_steps", lambda step: probed.extend(take(step)) or probed)
+    cost = planning.measured_cost(cfg, model, "cpu", data.probe)
+    layer = list(model.model.layers[0].parameters())  # (the layers are alike: the first is the largest)
+    assert [p for g in built[0].param_groups for p in g["params"]] == layer
+    updates = sorted(sum(end - start for lane, name, start, end in s.timeline
+                         if lane == "optimizer" and name.startswith("update ")) for s in probed)
+    share = sum(p.numel() for p in layer) / sum(p.numel() for p in model.parameters())
+    assert cost.total_optimizer_s == pytest.approx(statistics.median(updates) / share, rel=QUANTUM)
+    # fp32 masters bound for the state files are still only in the model's file, the stepped layer's included
+    assert [held_elsewhere(p) for p in model.parameters()] == [masters == "fp32" and p is not
+                                                               model.model.embed_tokens.weight
+                                                               for p in model.parameters()]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit"])

@@ -315,6 +315,15 @@ class RuntimeConfig:
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files and, with optimizer_offload nvme, the optimizer's state files (both
     nameless: nothing is left there after the run); None = a temporary directory removed at the end."""
+    nvme_probe: bool = True
+    """Measure the disk under nvme_dir when the run starts (with optimizer_offload nvme): reads, writes and both at
+    once, as the state files move them; on a CUDA device the plan then uses these rates instead of the hardware's
+    (remembered per disk and directory; false: keep the hardware's figures)."""
+    nvme_probe_s: float = 3.0
+    """Seconds the NVMe probe writes and reads (longer: past the drive's write cache, to its sustained rate)."""
+    nvme_tbw: float | None = None
+    """The rated endurance of the drive under nvme_dir, in TB written (TBW, from its data sheet): `lazytrain plan`
+    and `lazytrain train` then say in how many days of training the run's writes reach it. None = not said."""
     seed: int = 42
     """Seeds the model init, the batch order and the eval batches (an integer in 0..2**63-1; 42 as the HF
     Trainer's; the default job's 0)."""
@@ -328,6 +337,8 @@ class RuntimeConfig:
               (bool(self.hardware.strip()), "hardware", "auto, a preset name or a file"),
               *((getattr(self, knob) > 0, knob, "a rate > 0 in GB/s (inf = unthrottled)")
                 for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps")),
+              (self.nvme_probe_s > 0, "nvme_probe_s", "seconds > 0"),
+              (self.nvme_tbw is None or self.nvme_tbw > 0, "nvme_tbw", "the drive's rated TB written, > 0"),
               (self.seed >= 0, "seed", "an integer in 0..2**63-1"),
               (self.data_seed is None or self.data_seed >= 0, "data_seed", "an integer in 0..2**63-1"))
 

@@ -58,7 +58,9 @@ def cuda_hardware() -> HardwareSpec:
 
 def resolve_hardware(runtime: RuntimeConfig, *, kind: str | None = None, measured: bool = False) -> HardwareSpec:
     """`hardware: auto` = this machine: the CUDA GPU's preset, else the emulated device with the job's link
-    rates; a preset or a file otherwise. Link rates set for a machine that is not emulated are refused.
+    rates; a preset or a file otherwise. PCIe link rates set for a machine that is not emulated are refused; NVMe
+    rates (`--nvme-read-gbps`, `--nvme-write-gbps`: the user's SSD, e.g. its sustained write rate once its cache is
+    full) replace the preset's.
 
     `kind`: the device the run was given (`cuda` or `cpu`, train's `pick_device_kind`) instead of looking;
     `measured`: the emulated device's host rates measured on this CPU (`HardwareSpec.profile`), the figures
@@ -80,9 +82,13 @@ def resolve_hardware(runtime: RuntimeConfig, *, kind: str | None = None, measure
     if hardware.emulated:
         return hardware.with_overrides(**links)
     changed = [k for k, v in links.items() if v != EMULATED_LINK_GBPS[k]]
-    if changed:
-        raise LazyTrainError(f"{changed[0]} = {links[changed[0]]:g} sets the emulated device's link, but the hardware "
+    pcie = [k for k in changed if not k.startswith("nvme_")]
+    if pcie:
+        raise LazyTrainError(f"{pcie[0]} = {links[pcie[0]]:g} sets the emulated device's link, but the hardware "
                              f"is {hardware.name}; set it in a hardware YAML file (base: {hardware.name}) instead")
+    if changed:  # the SSD is the user's, not the preset's: its stated rates win (the state files' too)
+        disk = {k: links[k] for k in changed} | {f"nvme_state_{k.removeprefix('nvme_')}": None for k in changed}
+        hardware = hardware.with_overrides(**disk)
     return hardware
 
 

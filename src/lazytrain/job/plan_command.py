@@ -30,7 +30,8 @@ from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
 from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
-from lazytrain.plan.admission import check_nvme_space, host_need, nvme_need
+from lazytrain.paths import ram_backed
+from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need, nvme_write_bytes, wear_line
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import Deadline, make_plan
 from lazytrain.plan.ranks import predict_ranks
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                          topology=topology)
         in_ram = _in_ram(job, spec, hardware, deadline) if cost.optimizer_offload == "nvme" else None
     own, milp_s = _print_plan(job, cost, admission, plan, topology)
+    _print_wear(job, cost, plan, own.step_s)
     if in_ram is not None:
         _print_offload(job, cost, plan, own, in_ram)
     if topology.parallel:
@@ -138,6 +140,19 @@ def _in_ram(job: JobConfig, spec: ModelSpec, hardware: HardwareSpec, deadline: D
                      topology=topology)
     return simulate(plan, cost, optimizer_mode=job.optim.optimizer_mode, topology=topology), plan, \
         host_need(cost)[0], limit
+
+
+def _print_wear(job: JobConfig, cost: CostModel, plan: Plan, step_s: float) -> None:
+    """What the run writes to nvme_dir per step and per day (and the days to the drive's rating), and a note when
+    nvme_dir is in RAM, as `lazytrain train` says them."""
+    line = wear_line(nvme_write_bytes(cost, plan.boundaries("nvme"), job.optim.gradient_accumulation_steps),
+                     step_s, job.runtime.nvme_tbw)
+    if line is None:
+        return
+    print(line)
+    if job.runtime.nvme_dir is not None and (kind := ram_backed(job.runtime.nvme_dir)) is not None:
+        print(f"note     nvme_dir {job.runtime.nvme_dir} is on {kind}, which is RAM: what the run writes there is "
+              "host memory; set nvme_dir to a directory on an SSD")
 
 
 def _print_offload(job: JobConfig, cost: CostModel, plan: Plan, own: SimResult,
@@ -251,12 +266,10 @@ def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Pla
     print(f"model {spec.name} ({spec.num_layers} layers, {spec.num_params / 1e9:.2f} B params), hardware {hw.name}, "
           f"batch {wl.batch_size} x seq {wl.seq_len} ({wl.dtype}"
           f"{'; masks of padded or packed batches counted' if wl.masked else ''}), optimizer {job.optim.optimizer}")
-    need, detail = host_need(cost, plan.staging_depth)  # `lazytrain train` checks it against the available memory
-    limit = admission.host_limit_bytes
-    print(f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
-          + (f"fits {format_bytes(limit)}" if limit is not None else "not checked (no --cpu-mem)"))
+    # `lazytrain train` prints the same line, against the memory available when it starts
+    print(host_line(cost, plan.staging_depth, admission.host_limit_bytes, "no --cpu-mem"))
     if not cost.trainable.full:
-        _print_trainable(cost, need)
+        _print_trainable(cost, host_need(cost, plan.staging_depth)[0])
     cpu_act = plan.budgets_bytes.get("cpu_act_bytes", admission.cpu_act_bytes)  # a plan's staging takes its share
     cpu = "unlimited" if cpu_act is None else format_bytes(cpu_act)
     nvme = "unlimited" if admission.nvme_act_bytes is None else format_bytes(admission.nvme_act_bytes)

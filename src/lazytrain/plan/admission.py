@@ -79,6 +79,14 @@ def host_need(cost: CostModel, staging_depth: int | None = None) -> tuple[int, s
     return sum(host.values()), ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items() if v)
 
 
+def host_line(cost: CostModel, staging_depth: int | None, limit_bytes: int | None, unchecked: str) -> str:
+    """The `host:` admission line both commands print: the static host bytes with their breakdown, against
+    `limit_bytes` (None: `unchecked` says why)."""
+    need, detail = host_need(cost, staging_depth)
+    return (f"host: {format_bytes(need)} ({detail}; master weights {cost.master_weights}) "
+            + (f"fits {format_bytes(limit_bytes)}" if limit_bytes is not None else f"not checked ({unchecked})"))
+
+
 def host_advice(cost: CostModel) -> str:
     """What would shrink the host layout, most effective first (the same words from both commands)."""
     options = []
@@ -205,3 +213,25 @@ def check_nvme_space(cost: CostModel, nvme_act_bytes: int | None, directory: str
         raise LazyTrainError(f"nvme: needs {format_bytes(need)} ({detail}) on {path} but it has {format_bytes(free)} "
                              f"free (short by {format_bytes(need - free)}); free space there, set nvme_dir to another "
                              "disk, or lower --nvme-act-budget")
+
+
+SECONDS_PER_DAY = 86_400
+
+
+def nvme_write_bytes(cost: CostModel, nvme_boundaries: list[int], grad_accum: int = 1) -> int:
+    """Bytes one optimizer step writes to nvme_dir: every group's state file written back once (optimizer_offload
+    nvme) and each nvme boundary spilled once per micro-batch."""
+    states = sum(cost.state_group_bytes()) if cost.optimizer_offload == "nvme" else 0
+    return states + grad_accum * sum(cost.boundary_bytes[i] for i in nvme_boundaries)
+
+
+def wear_line(write_bytes: int, step_s: float, tbw_tb: float | None) -> str | None:
+    """What the drive under nvme_dir lives through: the bytes written per step and per day of training and, with the
+    drive's rated endurance `tbw_tb` (terabytes written), the days of training to that rating; None: no writes."""
+    if write_bytes <= 0:
+        return None
+    per_day = write_bytes * SECONDS_PER_DAY / step_s
+    line = f"nvme writes: {format_bytes(write_bytes)} per step, {per_day / 1e12:.3g} TB per day of training"
+    if tbw_tb is None:
+        return line + " (set nvme_tbw to the drive's rated TBW to see the days to it)"
+    return line + f"; the drive's rating of {tbw_tb:g} TBW in {tbw_tb * 1e12 / per_day:.3g} days"

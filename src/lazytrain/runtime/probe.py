@@ -56,6 +56,9 @@ class ProbeOptimizer:
 
     deferred_update: Callable[[float], GroupUpdate]  # overlap: the last step's update at this grad norm
     step: Callable[[float | None], object]  # serial: one optimizer step after the backward, at this grad norm
+    # the share of the model's parameters it steps: below 1 when the run's states never sit in host memory together
+    # (optimizer_offload nvme), so the probe holds one group's; its seconds are scaled up to the whole update
+    share: float = 1.0
 
 
 def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDevice | EmulatedDevice,
@@ -102,6 +105,7 @@ def calibrated_cost(model: PreTrainedModel, estimate: CostModel, device: CudaDev
             # the fastest: a shared machine's interference only ever adds time (their medians moved 60x run to run
             # under load; docs/reliability.md)
             optimizer_s = min(samples[1:])
+        optimizer_s /= run_optimizer.share
         links = None
         if isinstance(device, EmulatedDevice):
             state_bytes = _state_probe_bytes(estimate, device)

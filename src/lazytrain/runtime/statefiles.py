@@ -40,6 +40,7 @@ import math
 import os
 import shutil
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -157,11 +158,13 @@ class IOEvent:
     def __init__(self, blocks: list[Future[None]], describe_error: Callable[[OSError], LazyTrainError]) -> None:
         self._blocks = blocks
         self._describe_error = describe_error
+        self.waited = False  # an error of an op nobody waited for surfaces at StateFiles.close
 
     def done(self) -> bool:
         return all(b.done() for b in self._blocks)
 
     def wait(self) -> None:
+        self.waited = True
         first: BaseException | None = None
         for b in self._blocks:  # every block, even after a failure: none may touch the buffer once this returns
             err = b.exception()
@@ -178,12 +181,14 @@ class StateFiles:
     says whether it did).
 
     Raises LazyTrainError before writing anything when the directory is missing or the disk lacks the room for all
-    files (`file_bytes` of every layout), and when creating them fails (read-only, full, I/O error).
+    files (`file_bytes` of every layout), and when creating them fails (read-only, full, I/O error). `note`: where
+    a change the run should know of is said, once (O_DIRECT refused at the first I/O; default: stderr).
     """
 
     def __init__(self, directory: str | Path, layouts: dict[str, GroupLayout], *, queue_depth: int = QUEUE_DEPTH,
                  block_bytes: int = BLOCK_BYTES, direct: bool = True,
-                 host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+                 host_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                 note: Callable[[str], None] | None = None) -> None:
         if queue_depth < 1 or block_bytes < ALIGN_BYTES or block_bytes % ALIGN_BYTES:
             raise ValueError(f"queue_depth must be >= 1 and block_bytes a multiple of {ALIGN_BYTES}, got "
                              f"{queue_depth}, {block_bytes}")
@@ -191,6 +196,7 @@ class StateFiles:
         self.layouts = dict(layouts)
         self.block_bytes = block_bytes
         self._host_empty = host_empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        self._note = note or (lambda text: print(text, file=sys.stderr, flush=True))  # what the run should know
         self._fds: dict[str, int] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._pending: dict[str, list[IOEvent]] = {}
@@ -304,15 +310,25 @@ class StateFiles:
                     for other in self._fds.values():
                         set_direct(other, False)
                     self.direct = False
+                    self._note(f"note     {self.directory} refused O_DIRECT at the first state file I/O: the state "
+                               "files go through the page cache from now on (each block dropped from it once moved)")
             self._transfer(fd, data, offset, write)
 
     def _transfer(self, fd: int, data: memoryview, offset: int, write: bool) -> None:
         if write:
             write_all(fd, data, offset)
-            if not self.direct:  # start the write-back and drop the cached copy: the staging buffer holds it
-                os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
         elif read_all(fd, data, offset) != len(data):
-            raise OSError(errno.EIO, "an optimizer state file ended early")
+            raise self._short(fd, offset + len(data))
+        if not self.direct:  # (a write: start its write-back) drop the cached copy: the staging buffer holds it
+            os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+
+    def _short(self, fd: int, end: int) -> LazyTrainError:
+        """A read that ended early: the file was truncated under the run (through /proc/<pid>/fd: the files have no
+        name to delete them by), not a disk error."""
+        group = next((g for g, f in self._fds.items() if f == fd), "?")
+        return StorageError(f"the optimizer state file of {group} in {self.directory} was truncated under the run "
+                            f"({os.fstat(fd).st_size:,} bytes, {end:,} needed): something else wrote to it; give the "
+                            "run a directory of its own and resume from the last checkpoint")
 
     def wait_all(self, group: str | None = None) -> None:
         """Wait for every submitted op (of `group`, or of all groups)."""
@@ -403,13 +419,17 @@ class StateFiles:
         return _Buffered(self._fds[group], self.direct)
 
     def close(self) -> None:
-        """Wait for pending ops, close every file (the kernel frees their blocks) and stop the workers."""
+        """Wait for pending ops, close every file (the kernel frees their blocks) and stop the workers; then raise
+        the first error of an op nobody waited for (a write-back that failed is lost data, not a detail)."""
         for pool in getattr(self, "_pools", {}).values():
             pool.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        self._pending.clear()
+        unwaited = [e for events in getattr(self, "_pending", {}).values() for e in events if not e.waited]
+        self._pending = {}
+        for event in unwaited:
+            event.wait()
 
     def __del__(self) -> None:  # dropped without close(): still give the blocks back
         for fd in getattr(self, "_fds", {}).values():

@@ -41,6 +41,7 @@ import torch
 
 from lazytrain.errors import LazyTrainError
 from lazytrain.runtime.files import ALIGN_BYTES, bytes_view, io_error, open_nameless, read_all, write_all
+from lazytrain.runtime.weights import host_value
 from lazytrain.writes import alive
 
 SPILL_PREFIX = "lazytrain-"
@@ -148,7 +149,7 @@ class WeightGroup:
                 if viewed and not every:
                     continue
                 view = self.buffer[s.offset:s.offset + s.numel].view(s.shape)
-                view.copy_(p.detach())
+                view.copy_(host_value(p))  # (a master still in the model's file is read from it here)
                 if viewed:
                     p.data = view  # the parameter *is* the streamed buffer
         self._ptrs = [p.data_ptr() for p, v in zip(self.params, self._viewed, strict=True) if v]

@@ -9,10 +9,14 @@
    `transformers` will really allocate are the ones the ModelSpec counts, layer by layer: admission and the
    plan are sized from that count, so a config `transformers` reads differently (a multimodal wrapper that
    falls back to its default sub-config) is refused instead of OOM-killed.
-3. `load_model` materializes the fp32 host parameters of that meta model tensor by tensor from memory-mapped
-   safetensors (`safe_open`, one tensor mapped at a time): no second full copy of the model in RAM. Every
-   tensor is checked on the way: shape against the config, finite values, nothing missing. Buffers (rotary
-   frequencies) are recomputed by the model's own `initialize_weights`, as `from_pretrained` does.
+3. `load_model` materializes the host parameters of that meta model tensor by tensor from memory-mapped
+   safetensors (`safe_open`, one tensor mapped at a time), straight in the dtype the run keeps its masters in
+   (fp32, or bf16 masters that are the streamed weights): no fp32 model on the way to a bf16 one, no second
+   full copy in RAM. Masters the run keeps in its NVMe state files (`defer`) are not read at all here: each is
+   a placeholder that remembers its tensor in the file, read by `host_value` when the streamed copy is packed
+   and when the state files are made, one tensor at a time. Every tensor is checked on the way: shape against
+   the config, finite values, nothing missing. Buffers (rotary frequencies) are recomputed by the model's own
+   `initialize_weights`, as `from_pretrained` does.
    `init="random"` (explicit) builds from the config alone, seeded; a directory or hub id without weights is
    otherwise refused. Attention defaults to sdpa unless the config names an implementation.
 
@@ -27,7 +31,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +49,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name
 DEFAULT_ATTENTION = "sdpa"
+SOURCE_ATTR = "_lazytrain_source"  # a deferred parameter's (file, key, model name): `host_value` reads it
 
 
 @dataclass(frozen=True)
@@ -200,11 +205,14 @@ def built_spec(config: PretrainedConfig, model: PreTrainedModel | None = None) -
 # =====================================================================================================
 # 3. weights into host memory
 # =====================================================================================================
-def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
-               model: PreTrainedModel | None = None) -> PreTrainedModel:
-    """The fp32 host model of `source`, in train mode: its weights, or a seeded random init from the config.
+def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0, model: PreTrainedModel | None = None,
+               dtype: torch.dtype = torch.float32, defer: Callable[[PreTrainedModel], set[str]] | None = None
+               ) -> PreTrainedModel:
+    """The host model of `source` with `dtype` parameters, in train mode: its weights, or a seeded random init
+    from the config (made in fp32, then rounded: the same values whatever `dtype`).
 
-    `model`: the meta model `built_spec` already checked (built again when None).
+    `model`: the meta model `built_spec` already checked (built again when None). `defer(model)`: the names of
+    the parameters whose values stay in the file until `host_value` reads them (masters kept on NVMe).
     """
     from transformers import AutoModelForCausalLM
 
@@ -212,11 +220,68 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0,
     if init == "random" or not source.weight_files:
         torch.manual_seed(seed)
         built = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, **attention_kwargs(source.config))
+        built.to(dtype)  # tensor by tensor
     else:
-        built = materialize(model if model is not None else meta_model(source.config), source.weight_files,
-                            source.name)
+        meta = model if model is not None else meta_model(source.config)
+        built = materialize(meta, source.weight_files, source.name, dtype=dtype,
+                            defer=set() if defer is None else defer(meta))
     built.config.use_cache = False
     return built.train()
+
+
+def placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What a master held elsewhere (its file) is in `p.data`: p's shape and dtype (or `dtype`), one NaN element
+    behind every index (4 bytes), so a stray read shows as NaN and a write raises."""
+    return torch.full((), float("nan"), dtype=dtype or p.dtype).expand(p.shape)
+
+
+def host_value(p: torch.Tensor) -> torch.Tensor:
+    """p's values on the host: its data, or for a deferred parameter (`load_model`'s `defer`) its tensor read from
+    the model's file now, in p's dtype, checked finite (one tensor in memory at a time)."""
+    source = getattr(p, SOURCE_ATTR, None)
+    if source is None:
+        return p.detach()
+    path, key, name = source
+    value = _mapped_tensor(path, key, name).to(p.dtype)
+    _check_finite(value, name, f"{key} in {path.name}")
+    return value
+
+
+@contextlib.contextmanager
+def materialized(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """While inside, the deferred ones of `params` hold their values (e.g. for a calibration's update of one
+    layer); placeholders again after."""
+    deferred = [p for p in params if hasattr(p, SOURCE_ATTR)]
+    for p in deferred:
+        p.data = host_value(p)
+    try:
+        yield
+    finally:
+        for p in deferred:
+            p.data = placeholder(p)
+
+
+def deferred(p: torch.Tensor) -> bool:
+    """Whether p's values are still only in the model's file (`load_model`'s `defer`)."""
+    return hasattr(p, SOURCE_ATTR)
+
+
+def held_elsewhere(p: torch.Tensor) -> bool:
+    """Whether p holds no values of its own: deferred, or a placeholder (a master in the NVMe state files)."""
+    return deferred(p) or (p.numel() > 1 and 0 in p.stride())
+
+
+def settle(p: torch.Tensor) -> None:
+    """A deferred parameter's values now live elsewhere (the state files): its file is not read again."""
+    if hasattr(p, SOURCE_ATTR):
+        delattr(p, SOURCE_ATTR)
+
+
+def _check_finite(value: torch.Tensor, name: str, where: str) -> None:
+    # a NaN or inf anywhere makes the sum non-finite (one fast pass, no mask); count only then
+    if not math.isfinite(float(value.sum())) and (bad := int((~torch.isfinite(value)).sum())):
+        raise LazyTrainError(f"model {name!r}: tensor {where} holds {bad:,} non-finite values (NaN or inf); "
+                             "these weights cannot be trained from")
 
 
 def check_init(source: ModelSource, init: str) -> None:
@@ -228,14 +293,16 @@ def check_init(source: ModelSource, init: str) -> None:
                              "point at a model with weights, or set init: random to train from the config alone")
 
 
-def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> PreTrainedModel:
-    """Fill a meta model's parameters, fp32 on the host, from safetensors files, one tensor at a time.
+def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str, *, dtype: torch.dtype = torch.float32,
+                defer: set[str] = frozenset()) -> PreTrainedModel:
+    """Fill a meta model's parameters, `dtype` on the host, from safetensors files, one tensor at a time; those
+    named in `defer` become placeholders that `host_value` reads when asked (a fused one is read now).
 
     Checkpoint keys go through transformers' own conversion mapping (`get_model_conversion_mapping`, what
     `from_pretrained` applies): renamed keys are renamed, and a hub layout that stores what the model fuses
     (per-expert MoE weights `mlp.experts.<i>.gate_proj.weight` ... into `mlp.experts.gate_up_proj`) is converted
     by its operations, one fused parameter at a time. Each tensor is read through a `safe_open` memory mapping
-    of its own (closed once the tensor is copied and converted into a freshly allocated fp32 parameter), so the
+    of its own (closed once the tensor is copied and converted into a freshly allocated parameter), so the
     process holds the model once plus one parameter in flight (plus its sources, for a fused one), whatever the
     shard size. Tied parameters (one Parameter under two names) are filled once, from whichever name the file
     stores.
@@ -257,7 +324,7 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
     loaded: set[int] = set()
 
     def fill(key: str, value: torch.Tensor, where: str) -> None:
-        """`value` (any dtype) as the fp32 parameter `key`, checked: shape against the config, finite values."""
+        """`value` (any dtype) as the `dtype` parameter `key`, checked: shape against the config, finite values."""
         pid = key_to_param[key]
         if pid in loaded:
             return  # the other name of a tied parameter
@@ -265,17 +332,25 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
         if tuple(value.shape) != tuple(meta.shape):
             raise LazyTrainError(f"model {name!r}: tensor {where} has shape {list(value.shape)} but the config "
                                  f"makes {key} {list(meta.shape)}; the weights do not belong to this config")
-        param_value = torch.empty(value.shape, dtype=torch.float32)
+        _check_finite(value, name, where)  # before a rounding to bf16 could turn a huge value into inf
+        param_value = torch.empty(value.shape, dtype=dtype)
         param_value.copy_(value)  # the file's (bf16/fp32) tensor, converted as it is copied
-        # a NaN or inf anywhere makes the sum non-finite (one fast pass, no mask); count only then
-        if not math.isfinite(float(param_value.sum())) and (bad := int((~torch.isfinite(param_value)).sum())):
-            raise LazyTrainError(f"model {name!r}: tensor {where} holds {bad:,} non-finite values (NaN or inf); "
-                                 "these weights cannot be trained from")
-        param = torch.nn.Parameter(param_value, requires_grad=meta.requires_grad)
+        if not value.dtype.itemsize <= dtype.itemsize:  # rounded down (fp32 file, bf16 masters): still finite?
+            _check_finite(param_value, name, f"{where} as {str(dtype).removeprefix('torch.')}")
+        install(pid, torch.nn.Parameter(param_value, requires_grad=meta.requires_grad))
+
+    def install(pid: int, param: torch.nn.Parameter) -> None:
         param._is_hf_initialized = True  # initialize_weights below leaves it alone
         for module, attr in owners[pid]:
             module._parameters[attr] = param
         loaded.add(pid)
+
+    def defer_fill(key: str, path: Path, stored_key: str) -> None:
+        """Parameter `key` as a placeholder that reads `stored_key` of `path` when asked (`host_value`)."""
+        pid = key_to_param[key]
+        param = torch.nn.Parameter(placeholder(params[pid], dtype), requires_grad=params[pid].requires_grad)
+        setattr(param, SOURCE_ATTR, (path, stored_key, name))
+        install(pid, param)
 
     # every file's header first (names and shapes, checked against the file size): a fused parameter's sources
     # may sit in several shards, and transformers stacks them in natural key order (expert 2 before 10)
@@ -305,7 +380,10 @@ def materialize(model: PreTrainedModel, files: tuple[Path, ...], name: str) -> P
                 raise LazyTrainError(f"model {name!r}: tensor {key} in {path.name} has shape {list(shape)} but the "
                                      f"config makes it {list(params[key_to_param[target]].shape)}; the weights do not "
                                      "belong to this config")
-            fill(target, _mapped_tensor(path, key, name), f"{key} in {path.name}")
+            if target in defer:
+                defer_fill(target, path, key)
+            else:
+                fill(target, _mapped_tensor(path, key, name), f"{key} in {path.name}")
     for target, converter in fused.items():
         sources = sorted(set().union(*converter.layer_targets.values()), key=dot_natural_key)
         where = f"{target} (from {len(sources)} tensors {sources[0]} ... {sources[-1]})"

@@ -19,6 +19,7 @@ from lazytrain.plan.plan import Plan
 from lazytrain.runtime.adapters import LoraSettings, add_lora, cast_frozen, freeze, load_adapter, read_adapter
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.hf import find_parts
 from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
 from lazytrain.train.metrics import say
 from lazytrain.units import format_bytes
@@ -56,9 +57,12 @@ def model_source(job: JobConfig, vocab_size: int) -> ModelSource:
 
 
 def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None) -> PreTrainedModel:
-    """The host causal LM (fp32, or bf16 with master_weights bf16): built on the meta device first, its parameter
-    count checked against the ModelSpec and the host memory (admission), then its weights loaded tensor by tensor
-    (or a seeded random init: built-in shapes, a bare config.json, init random).
+    """The host causal LM in the run's layout: built on the meta device first, its parameter count checked against
+    the ModelSpec and the host memory (admission), then its weights loaded tensor by tensor straight into the
+    masters' dtype (fp32, or bf16 with master_weights bf16: the streamed weights themselves), or a seeded random
+    init (built-in shapes, a bare config.json, init random). Masters the run keeps in its NVMe state files
+    (`deferred_masters`) are placeholders read from the model's files when the streamed copy and the state files
+    are made (runtime/weights.py): the process never holds a whole fp32 model beside its bf16 copy.
 
     With ranks the node holds one copy (`distributed.share_model`): local rank 0 loads it and moves it into the
     node's shared memory; the other local ranks load nothing and map it."""
@@ -69,12 +73,13 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
                              "folder with safetensors weights, or set finetuning_type full")
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
+    masters = torch.bfloat16 if job.runtime.master_weights == "bf16" else torch.float32
     if ranks is not None and ranks.local_rank != 0:
-        model = meta
+        model = meta.to(masters)  # shapes only: the node's copy is mapped below
     else:
-        model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta)
-    if job.runtime.master_weights == "bf16":  # tensor by tensor: the streamed bf16 weights become the masters
-        model.to(torch.bfloat16)
+        defer = deferred_masters if masters_in_files(job) and ranks is None else None
+        model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta, dtype=masters,
+                           defer=defer)
     choose_trainable(job, model, source)
     if ranks is not None:
         ranks.node_weights = share_model(ranks, model, compute_dtype(job))
@@ -106,6 +111,17 @@ def choose_trainable(job: JobConfig, model: PreTrainedModel, source: ModelSource
     if job.runtime.master_weights == "bf16":
         model.to(torch.bfloat16)  # the adapters too: bf16 masters are the streamed buffers
     cast_frozen(model, compute_dtype(job))
+def masters_in_files(job: JobConfig) -> bool:
+    """Whether the fp32 masters live in the NVMe state files (CostModel.masters_offloaded): a bf16 copy streams."""
+    return (job.runtime.optimizer_offload == "nvme" and job.runtime.master_weights == "fp32"
+            and compute_dtype(job) == torch.bfloat16)
+
+
+def deferred_masters(model: PreTrainedModel) -> set[str]:
+    """The parameters whose masters go to the state files (train/offload.py): all but the embedding matrix, which
+    the forward gathers rows from and so stays in RAM (with a tied head, under both names)."""
+    gathered = find_parts(model).embedding.weight
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p is not gathered}
 
 
 def compute_dtype(job: JobConfig) -> torch.dtype:

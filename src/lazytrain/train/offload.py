@@ -42,18 +42,14 @@ from lazytrain.plan.schedule import update_order
 from lazytrain.runtime.device import return_freed_host_memory
 from lazytrain.runtime.statefiles import GroupLayout, StateFiles, safetensors_names
 from lazytrain.runtime.store import aligned_empty
+from lazytrain.runtime.weights import deferred, host_value, placeholder, settle
+from lazytrain.train.metrics import say
 
 if TYPE_CHECKING:
     from lazytrain.runtime.executor import Executor, GroupUpdate
 
 ParamGroup = dict[str, object]
 MASTER_FILE = "master.safetensors"  # the checkpoint's fp32 masters (train/checkpoint.py's name)
-
-
-def placeholder(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """What an offloaded master's `p.data` is between updates: p's shape and dtype (or `dtype`), one NaN element
-    behind every index (4 bytes), so a stray read shows as NaN and a write raises."""
-    return torch.full((), float("nan"), dtype=dtype or p.dtype).expand(p.shape)
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +89,7 @@ class NvmeStates:
         self.masters = masters
         self._owner = {id(p): i for i, params in enumerate(executor.param_groups()) for p in params}
         self._owned = owned
-        self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty)
+        self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty, note=say)
         L = executor.parts.num_layers
         mine = [b for t, b in zip(range(-1, L + 1), group_bytes, strict=False)
                 if b and (owned is None or executor.index_of(t) in owned)]
@@ -118,11 +114,23 @@ class NvmeStates:
               ) -> torch.optim.Optimizer:
         """`make(groups)`, one checkpoint group at a time: after each group's param groups are added, its states
         (and masters) move into its file."""
+        try:
+            return self._build(make, groups)
+        except BaseException:
+            self.close()  # no state file outlives a build that failed (the trainer never got the object to close)
+            raise
+
+    def _build(self, make: Callable[[list[ParamGroup]], torch.optim.Optimizer], groups: list[ParamGroup]
+               ) -> torch.optim.Optimizer:
         optimizer: torch.optim.Optimizer | None = None
         index = 0
         for name, named in groupby(groups, key=lambda g: str(g["name"])):
             params: dict[int, torch.nn.Parameter] = {}
             for group in named:
+                for p in group["params"]:  # type: ignore[union-attr]
+                    if deferred(p):  # a master still in the model's file: real for its states' making, then moved
+                        p.data = host_value(p)
+                        settle(p)
                 if optimizer is None:
                     optimizer = make([group])
                 else:
@@ -183,7 +191,8 @@ class NvmeStates:
         """`depth` staging slots (a plan's staging_depth; between steps: nothing is staged across a change)."""
         with self._lock:
             self._staged.clear()
-            assert not self._dirty, "a group's update is not written back"
+            if self._dirty:  # its slot would be freed with the update in it
+                raise RuntimeError(f"staging depth changed while group {min(self._dirty)}'s update is not written back")
         self.slots = [aligned_empty(self.slot_bytes, torch.uint8, self.executor.device.host_empty)
                       for _ in range(max(1, depth))]
         parts = self.executor.parts
@@ -211,6 +220,10 @@ class NvmeStates:
         modulo the depth); blocks (a job of the nvme_read lane, or the update's own read)."""
         slot = self._default_slot[index] if slot is None else slot
         with self._lock:  # the slot's previous group is not staged any more
+            unwritten = [i for i, s in self._dirty.items() if s == slot]
+            if unwritten:  # a program that reads into a slot before its write-back would lose an update
+                raise RuntimeError(f"state read of group {index} into staging slot {slot}, which holds group "
+                                   f"{unwritten[0]}'s update not yet written back")
             self._staged = {i: s for i, s in self._staged.items() if s != slot}
         regions = self._regions(index, self.slots[slot])
         for event in [self.files.read(name, region) for name, region in regions]:

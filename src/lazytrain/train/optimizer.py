@@ -45,14 +45,17 @@ class NonFiniteRunError(LazyTrainError):
 # =====================================================================================================
 # building
 # =====================================================================================================
-def build_optimizer(job: JobConfig, model: PreTrainedModel, nvme: NvmeStates | None = None
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(job: JobConfig, model: PreTrainedModel, nvme: NvmeStates | None = None,
+                    names: set[str] | None = None) -> torch.optim.Optimizer:
     """One optimizer over the fp32 master weights, two param groups per layer (decay, no decay); both modes.
-    `nvme`: the states (and offloaded masters) move to its files group by group as they are made."""
+    `nvme`: the states (and offloaded masters) move to its files group by group as they are made. `names`: only
+    these groups (embedding, layer<j>, head; None: all), e.g. a calibration's that must not hold every state."""
     parts = find_parts(model)
     owners: list[tuple[str, torch.nn.Module]] = [("embedding", parts.embedding)]
     owners += [(f"layer{j}", layer) for j, layer in enumerate(parts.layers)]
     owners += [("head", torch.nn.ModuleList([parts.norm, parts.lm_head]))]
+    if names is not None:
+        owners = [(name, module) for name, module in owners if name in names]
     groups, seen = [], set()
     for name, module in owners:
         decay, no_decay = [], []
@@ -150,7 +153,7 @@ def optimizer_step(job: JobConfig, optimizer: torch.optim.Optimizer, executor: E
     # the param groups holding each executor group's parameters (here one may span several: only the parameters
     # with a gradient in the update's dict are stepped)
     holder = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    groups = [sorted({holder[id(p)] for p in params}) for params in executor.param_groups()]
+    groups = [sorted({holder[id(p)] for p in params if id(p) in holder}) for params in executor.param_groups()]
     executor.run_updates(group_update(job, optimizer, executor, groups, grad_norm, lr=None, only=only, nvme=nvme))
     return grad_norm
 

@@ -5,6 +5,8 @@ simulator's prediction of one step.
 
 from __future__ import annotations
 
+import math
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -13,9 +15,12 @@ from transformers import PreTrainedModel
 
 from lazytrain.costmodel import hardware as hardware_module
 from lazytrain.costmodel.cost import CostModel
-from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology
+from lazytrain.costmodel.hardware import HardwareSpec
+from lazytrain.costmodel.topology import ONE_RANK, REDUCE_DTYPE_BYTES, Topology, node_host_bytes
 from lazytrain.job.inputs import cost_model, resolve_hardware, topology_of
+from lazytrain.paths import ram_backed
 from lazytrain.plan import planner
+from lazytrain.plan.admission import host_line, host_need, nvme_need, nvme_write_bytes, wear_line
 from lazytrain.plan.budgets import Budgets
 from lazytrain.plan.cache import keep_or_replace, remembered_plan_path
 from lazytrain.plan.milp import instance_from_cost, milp_step_s, solve_milp
@@ -23,10 +28,15 @@ from lazytrain.plan.plan import Plan, spec_of
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.runtime.calibrate import calibrate_links
 from lazytrain.runtime.executor import Executor
+from lazytrain.runtime.hf import find_parts
+from lazytrain.runtime.nvme_probe import cached_rates, probe_nvme
 from lazytrain.runtime.probe import ProbeOptimizer, calibrated_cost
 from lazytrain.runtime.replan import Replanner
+from lazytrain.runtime.weights import deferred, materialized
 from lazytrain.train.build import build_device, compute_dtype
+from lazytrain.train.metrics import say
 from lazytrain.train.optimizer import build_optimizer, executor_param_groups, group_update, optimizer_step
+from lazytrain.units import format_bytes
 
 if TYPE_CHECKING:
     from lazytrain.config import JobConfig
@@ -133,25 +143,58 @@ def _staging_room(job: JobConfig, cost: CostModel) -> int | None:
     return None if available is None else available + cost.host_breakdown()["weights"]
 
 
+def disk_rates(job: JobConfig, hardware: HardwareSpec, kind: str) -> HardwareSpec:
+    """With optimizer_offload nvme, `hardware` with the NVMe rates of the disk under nvme_dir measured (or remembered
+    from an earlier probe of it; nvme_probe false: as it is), said in one line. On CUDA the plan uses them: the
+    rates of reads and writes at once, since the state reads of the next groups run beside the write-backs of the
+    last ones for most of a step (the simulator has one rate per direction). The emulated device's links are its
+    throttle (probed only when unthrottled, for the line): its calibration measures them through the same files."""
+    throttled = math.isfinite(job.runtime.nvme_read_gbps) and math.isfinite(job.runtime.nvme_write_gbps)
+    if job.runtime.optimizer_offload != "nvme" or not job.runtime.nvme_probe or (kind != "cuda" and throttled):
+        return hardware  # (a throttled emulated link is slower than the disk: the throttle is its rate)
+    directory = job.runtime.nvme_dir or tempfile.gettempdir()
+    rates = cached_rates(directory)
+    how = "remembered" if rates is not None else "measured"
+    rates = rates or probe_nvme(directory, job.runtime.nvme_probe_s)
+    say(f"nvme     {directory}: {rates.describe()}, {how}")
+    if kind != "cuda":
+        return hardware
+    return hardware.with_overrides(nvme_read_gbps=rates.mixed_read_gbps, nvme_write_gbps=rates.mixed_write_gbps,
+                                   nvme_state_read_gbps=None, nvme_state_write_gbps=None)
+
+
 def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
                   probe_batch: tuple[torch.Tensor, torch.Tensor]) -> CostModel:
     """The job's CostModel (job/inputs.py: the built model's spec on this machine, its host rates measured) with
     its compute and optimizer seconds (and the emulated device's link rates) measured on the device the run uses,
     its links as the run's (runtime/probe.py), by a throwaway optimizer of the run's kind at learning rate 0."""
-    estimate = cost_model(job, spec_of(model), resolve_hardware(job.runtime, kind=kind, measured=True))
+    estimate = cost_model(job, spec_of(model), disk_rates(job, resolve_hardware(job.runtime, kind=kind,
+                                                                                  measured=True), kind))
+
+    # with the states on NVMe they never sit in host memory together: the probe steps the largest layer alone (its
+    # masters read from the model's file for it, when they wait there for the state files: runtime/weights.py)
+    spec = spec_of(model)
+    largest = max(range(spec.num_layers), key=lambda j: spec.layer_params[j])
+    names = {f"layer{largest}"} if job.runtime.optimizer_offload == "nvme" else None
+    share = spec.layer_params[largest] / spec.num_params if names else 1.0
+    stepped = list(find_parts(model).layers[largest].parameters()) if names else []
 
     def probe_optimizer(executor: Executor) -> ProbeOptimizer:
-        optimizer = build_optimizer(job, model)
+        for group in [*executor.layer_groups, executor.head_group]:
+            if any(deferred(p) for p in group.params):  # as NvmeStates: a copy its update refreshes (lr 0: none)
+                group.packed_by_update = True
+        optimizer = build_optimizer(job, model, names=names)
         for group in optimizer.param_groups:  # the same work, but the weights stay as they are (no copy of them)
             group["lr"] = 0.0
         groups = executor_param_groups(optimizer, executor)
         return ProbeOptimizer(
             deferred_update=lambda grad_norm: group_update(job, optimizer, executor, groups, grad_norm, lr=0.0),
-            step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm))
+            step=lambda grad_norm: optimizer_step(job, optimizer, executor, grad_norm=grad_norm), share=share)
 
-    return calibrated_cost(model, estimate, build_device(job, kind, None), probe_batch,
-                           compute_dtype=compute_dtype(job), optimizer=probe_optimizer,
-                           overlap=job.optim.optimizer_mode == "overlap", scale_flops=kind == "cuda")
+    with materialized(stepped):
+        return calibrated_cost(model, estimate, build_device(job, kind, None), probe_batch,
+                               compute_dtype=compute_dtype(job), optimizer=probe_optimizer,
+                               overlap=job.optim.optimizer_mode == "overlap", scale_flops=kind == "cuda")
 
 
 def replanner_for(job: JobConfig, planned: PlannedRun) -> Replanner:
@@ -190,3 +233,30 @@ def _simulate(plan: Plan, cost: CostModel, optimizer_mode: str, topology: Topolo
     """The simulator's replay of one step of one rank, the optimizer run as this loop runs it."""
     return simulate(plan, cost, optimizer_mode=optimizer_mode, topology=topology)
 
+
+
+def say_host(job: JobConfig, planned: PlannedRun, step_s: float | None, ranks: Ranks | None) -> dict[str, int]:
+    """Print admission's `host:` line (`lazytrain plan`'s), with ranks the node's share, what the run writes to
+    nvme_dir per step and per day, and a note when nvme_dir is in RAM (its bytes are host memory: counted); return
+    the admitted bytes summary.json keeps beside the measured peak."""
+    cost, plan = planned.cost, planned.plan
+    admitted = {"host_admitted_bytes": host_need(cost, plan.staging_depth)[0]}
+    say(host_line(cost, plan.staging_depth, hardware_module.available_host_memory_bytes(),
+                  "this machine's memory unknown"))
+    if ranks is not None:
+        node = node_host_bytes(cost, planned.topology)
+        admitted["node_host_admitted_bytes"] = node["node"]
+        say(f"host     per node {format_bytes(node['node'])} = shared {format_bytes(node['shared'])} + "
+            f"{ranks.local_world_size} x {format_bytes(node['per_rank'])} per rank")
+    writes = nvme_write_bytes(cost, plan.boundaries("nvme"), job.optim.gradient_accumulation_steps)
+    line = wear_line(writes, step_s or planned.sim.step_s, job.runtime.nvme_tbw)
+    if line is not None:
+        say(line)
+        directory = job.runtime.nvme_dir or tempfile.gettempdir()
+        kind = ram_backed(directory)
+        if kind is not None:
+            held = nvme_need(cost, plan.budgets_bytes.get("nvme_act_bytes"))[0]
+            admitted["host_admitted_bytes"] += held
+            say(f"note     nvme_dir {directory} is on {kind}, which is RAM: the {format_bytes(held)} written there "
+                "are host memory (counted in the admitted bytes); set nvme_dir to a directory on an SSD")
+    return admitted

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 
 from lazytrain.config import JobConfig
 from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.hardware import available_host_memory_bytes
 from lazytrain.data.loader import Batch, Loader, step_num_tokens
 from lazytrain.data.math import exact_match as exact_match_of
 from lazytrain.distributed import (
@@ -38,7 +39,7 @@ from lazytrain.plan.plan import Plan
 from lazytrain.runtime.adapters import add_lora, load_adapter, read_adapter
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
-from lazytrain.runtime.weights import ModelSource
+from lazytrain.runtime.weights import ModelSource, held_elsewhere
 from lazytrain.train import rundir, state_data
 from lazytrain.train.build import (
     build_device,
@@ -84,7 +85,8 @@ from lazytrain.train.optimizer import (
     optimizer_step,
     set_lr,
 )
-from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for
+from lazytrain.train.peak import PeakRss
+from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for, say_host
 from lazytrain.train.signals import Interrupted, StopSignals, saving
 from lazytrain.units import format_bytes
 from lazytrain.viz import write_trace
@@ -128,6 +130,7 @@ def train(job: JobConfig) -> TrainResult:
 
 def _train(job: JobConfig) -> TrainResult:
     t_start = time.perf_counter()
+    peak = PeakRss().start()  # the whole run's peak RSS, beside what admission counted (summary.json)
     # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
     run = resolve_job(job)
     job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
@@ -142,6 +145,7 @@ def _train(job: JobConfig) -> TrainResult:
             batches = RankBatches(data.batches, ranks, job.data.per_device_train_batch_size)
 
         # ---- model ----------------------------------------------------------------------------------
+        peak.phase("model")
         source = model_source(job, data.vocab_size)
         run = with_steps(run, data)
         job = run.job
@@ -155,11 +159,12 @@ def _train(job: JobConfig) -> TrainResult:
             f"{model.config.num_hidden_layers} layers, {init} (seed {job.runtime.seed})")
         say(data.summary)
         decode = data.math_eval and (ranks is None or ranks.is_main)  # greedy decoding: rank 0 alone
-        exact_before = exact_match(model, data.tokenizer, data.math_eval) if decode else None
+        exact_before = decoded(model, data.tokenizer, data.math_eval, "before training") if decode else None
         if exact_before is not None:
             say(f"eval     exact match on {len(data.math_eval)} held-out problems before training: {exact_before:.1%}")
 
         # ---- plan -----------------------------------------------------------------------------------
+        peak.phase("plan")
         kind = job.runtime.device
         planned = plan_run(job, model, kind, data.probe, ranks=ranks)
         plan = planned.plan
@@ -169,8 +174,10 @@ def _train(job: JobConfig) -> TrainResult:
             f"{format_bytes(max(planned.cost.boundary_bytes))}")
         say(f"plan     {plan.placement_map()}   {_counts(plan)}   ({planned.how})")
         predicted = planned.predicted_step_s(job.optim.gradient_accumulation_steps)
+        admitted = say_host(job, planned, predicted, ranks)  # what the run's peak is measured against
         say(f"predict  {predicted:.3f} s/step (simulator: {planned.sim.summary()})")
         # ---- device, executor, optimizer, resume ----------------------------------------------------
+        peak.phase("build")
         device = build_device(job, kind, planned.budgets["gpu_mem_cap_bytes"])
         trainer: Trainer | None = None
         try:
@@ -196,7 +203,9 @@ def _train(job: JobConfig) -> TrainResult:
                     f"{eval_before.loss:.4f} ({eval_before.examples:,} examples, {eval_before.tokens:,} tokens)")
 
             # ---- loop -------------------------------------------------------------------------------
+            peak.phase("steps")
             trainer.loop(signals)
+            peak.phase("final eval")
             eval_after = trainer.final_evaluation(stop=lambda: signals.received is not None)  # a signal ends it
         except BaseException:
             if trainer is not None:
@@ -206,6 +215,7 @@ def _train(job: JobConfig) -> TrainResult:
             device.close()  # stop the link threads; no spill file outlives the device
 
         # ---- close: final checkpoint, summary -------------------------------------------------------
+        peak.phase("save")
         try:
             final = trainer.save()  # a signal now waits for it (a third abandons it: signals.py)
         finally:
@@ -213,15 +223,17 @@ def _train(job: JobConfig) -> TrainResult:
         if signals.received is not None:  # during the final evaluation or checkpoint: stop with the run saved
             raise Interrupted(signals.received, f"{_signal_name(signals.received)} after the last step: saved "
                               f"{final} (the run's {trainer.state.step} steps are complete; no summary)")
+    saved_name = final.name
     final = run_model(trainer, final, main=ranks is None or ranks.is_main)
     exact_after = None
-    if decode:  # greedy decoding of the exported checkpoint, loaded as any HF model is
-        hf_logging.disable_progress_bar()  # its loading bar is noise under the report
-        exported = trained_model(final, source)
-        exact_after = exact_match(exported, AutoTokenizer.from_pretrained(final), data.math_eval)
+    peak.phase("exact match")
+    if decode:
+        exact_after = final_exact_match(model, final, source, data.tokenizer, data.math_eval,
+                                        last=final.name == saved_name)
     summary = trainer.summary(num_params=num_params, eval_before=eval_before, eval_after=eval_after,
                               total_run_s=time.perf_counter() - t_start)
-    summary.update(exact_match_before=exact_before, exact_match_after=exact_after)
+    summary.update(exact_match_before=exact_before, exact_match_after=exact_after, **admitted,
+                   **peak.stop())
     write_json(out / "summary.json", summary)
     # with ranks, rank 0's alone (the losses are the global batch's on every rank; matplotlib costs a rank ~20 MiB)
     plotted = (ranks is None or ranks.is_main) and job.metrics.plot_loss and plot_losses(out / "metrics.jsonl",
@@ -253,8 +265,10 @@ def report_end(summary: dict[str, object], out: Path, final: Path, *, predicted_
         + (f"; held-out {summary['eval_loss_before']:.4f} -> {summary['eval_loss_after']:.4f}" if held_out else "")
         + (f"; {summary['skipped_steps']} non-finite steps skipped" if summary["skipped_steps"] else ""))
     if summary["exact_match_after"] is not None:
-        say(f"eval     exact match on {problems} held-out problems: {summary['exact_match_before']:.1%} before -> "
-            f"{summary['exact_match_after']:.1%} after (greedy decoding of {final.name} through transformers)")
+        before = summary["exact_match_before"]
+        say(f"eval     exact match on {problems} held-out problems: "
+            f"{'n/a' if before is None else f'{before:.1%}'} before -> {summary['exact_match_after']:.1%} after "
+            f"(greedy decoding of {final.name}'s weights through transformers)")
     median_step = summary["median_step_s"]
     say(f"time     median step {median_step:.3f} s measured vs {predicted_s:.3f} s predicted "
         f"({median_step / predicted_s:.2f}x), {summary['median_tokens_per_s']:,.0f} tokens/s")
@@ -695,6 +709,34 @@ def trained_model(checkpoint: Path, source: ModelSource) -> PreTrainedModel:
     add_lora(model, settings)
     load_adapter(model, tensors, str(checkpoint))
     return model
+
+
+def decoded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]],
+            when: str) -> float | None:
+    """`exact_match` of the run's own model in place (no second copy), or None with a note when its masters are in
+    the NVMe state files (the model holds placeholders; a whole fp32 copy is what the layout avoids)."""
+    if any(held_elsewhere(p) for p in model.parameters()):
+        say(f"note     exact match {when} skipped: the master weights are in the NVMe state files and decoding "
+            "would hold a second copy of the model")
+        return None
+    return exact_match(model, tokenizer, problems)
+
+
+def final_exact_match(model: PreTrainedModel, final: Path, source: ModelSource, tokenizer: PreTrainedTokenizerBase,
+                      problems: list[dict[str, object]], *, last: bool) -> float | None:
+    """The exact match after training: of the run's model in place when `final` is its last step's checkpoint;
+    of another checkpoint (the best) loaded as any HF model is, when its fp32 copy fits the memory available now,
+    else None with a note."""
+    if last and not (final / "adapter_config.json").is_file():  # (LoRA: base and adapter merged in fp32, as peft)
+        return decoded(model, tokenizer, problems, "after training")
+    need = 4 * sum(p.numel() for p in model.parameters())
+    available = available_host_memory_bytes()
+    if available is not None and need > available:
+        say(f"note     exact match of {final.name} skipped: loading it needs {format_bytes(need)}, "
+            f"{format_bytes(available)} available")
+        return None
+    hf_logging.disable_progress_bar()  # its loading bar is noise under the report
+    return exact_match(trained_model(final, source), AutoTokenizer.from_pretrained(final), problems)
 
 
 def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[dict[str, object]]
