@@ -80,6 +80,7 @@ def test_checkpoint_layout_and_what_from_pretrained_loads(tmp_path):
         torch.testing.assert_close(p, trained[name].to(torch.bfloat16), rtol=0, atol=0)
 
 
+@pytest.mark.exactness
 def test_exported_fp32_checkpoint_gives_the_trainers_logits(tmp_path):
     result = _run(steps=2, output_dir=str(tmp_path / "run"), seed=RNG.randrange(1000))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2")
@@ -90,6 +91,7 @@ def test_exported_fp32_checkpoint_gives_the_trainers_logits(tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("8bit", marks=pytest.mark.slow)])
 def test_resume_continues_exactly(tmp_path, optimizer):
     """Stop after 3 of 6 steps (a checkpoint at 3), resume with auto: every later loss equals the uninterrupted
@@ -106,6 +108,7 @@ def test_resume_continues_exactly(tmp_path, optimizer):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
 
 
+@pytest.mark.exactness
 def test_two_identical_runs_write_identical_checkpoints(tmp_path):
     """Every generator a checkpoint saves (Python's `random`, numpy's global one, torch's) is seeded from `seed`:
     two runs of one job write the same tensors (weights, masters, optimizer states), data position and RNG files,
@@ -124,6 +127,7 @@ def test_two_identical_runs_write_identical_checkpoints(tmp_path):
     assert [n for n in compared if (a / n).read_bytes() != (b / n).read_bytes()] == []
 
 
+@pytest.mark.exactness
 @pytest.mark.slow  # three runs, one a subprocess: ~20 s on 2 idle cores, ~60 s on a loaded machine
 def test_sigkill_after_the_first_checkpoint_then_auto_resume_gives_the_same_losses(tmp_path):
     steps = 12

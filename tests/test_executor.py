@@ -42,6 +42,7 @@ PLANS = {
 }
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("plan_name", list(PLANS))
 def test_loss_and_grads_match_transformers(kind: str, plan_name: str) -> None:
@@ -56,6 +57,7 @@ def test_loss_and_grads_match_transformers(kind: str, plan_name: str) -> None:
     assert stats.peak_device_bytes >= 0.9 * stats.predicted_peak_device_bytes
 
 
+@pytest.mark.exactness
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inner=st.lists(st.sampled_from(["gpu", "cpu", "nvme", "recompute"]), min_size=NUM_LAYERS - 1,
                       max_size=NUM_LAYERS - 1),
@@ -71,6 +73,7 @@ def test_random_tier_lists_match(inner, kind, seq_len, batch) -> None:
     assert ex.last_step.peak_device_bytes <= ex.last_step.predicted_peak_device_bytes
 
 
+@pytest.mark.exactness
 def test_sdpa_attention_matches() -> None:
     model = make_model("llama", attn="sdpa")
     ids, labels = make_batch()
@@ -79,6 +82,7 @@ def test_sdpa_attention_matches() -> None:
     assert_matches(model, ex.forward_backward(ids, labels), ref_loss, ref_grads)
 
 
+@pytest.mark.exactness
 def test_chunk_with_no_labels_and_all_ignored() -> None:
     model = make_model("llama")
     ids, labels = make_batch(2, 9)
@@ -91,6 +95,7 @@ def test_chunk_with_no_labels_and_all_ignored() -> None:
     assert torch.isnan(ex.forward_backward(ids, labels))
 
 
+@pytest.mark.exactness
 def test_gradients_accumulate_like_autograd() -> None:
     model = make_model("qwen2")
     batches = [make_batch(3, 7, seed=s) for s in (1, 2)]
@@ -110,6 +115,7 @@ def test_gradients_accumulate_like_autograd() -> None:
         assert float((p.grad - q.grad).norm() / q.grad.norm()) <= 1e-5, name
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deferred_update_runs_in_forward_order_before_each_groups_weights(kind: str, dtype: torch.dtype) -> None:
@@ -152,6 +158,7 @@ def test_deferred_update_runs_in_forward_order_before_each_groups_weights(kind: 
         assert torch.equal(p, q)
 
 
+@pytest.mark.exactness
 def test_bf16_compute_tracks_fp32() -> None:
     model = make_model("llama")
     ids, labels = make_batch()
@@ -173,6 +180,7 @@ def test_bf16_compute_tracks_fp32() -> None:
     assert abs(float(ex.forward_backward(ids, labels)) - torch.log(torch.tensor(float(VOCAB)))) < 1e-2
 
 
+@pytest.mark.exactness
 def test_bf16_streams_weights_updated_in_place_by_fused_adamw() -> None:
     """Fused AdamW writes the fp32 master in place without bumping version counters; the next step
     must still stream the updated weights, not the stale bf16 copy."""
@@ -196,6 +204,7 @@ def test_bf16_streams_weights_updated_in_place_by_fused_adamw() -> None:
             assert torch.equal(streamed, p.detach().to(torch.bfloat16)), f"{group.name}.{slot.name} is stale"
 
 
+@pytest.mark.exactness
 def test_grad_norm_is_taken_as_gradients_land() -> None:
     model = make_model("qwen2")  # tied embeddings: the head group completes at the embedding backward
     ids, labels = make_batch()
@@ -369,6 +378,7 @@ KEPT = {  # K -> tiers whose boundaries L-K..L are gpu (the rest mixed)
 }
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])  # qwen2: a tied head
 @pytest.mark.parametrize("kept", list(KEPT))
 def test_kept_layers_match_transformers(kind: str, kept: int, tmp_path) -> None:
@@ -390,6 +400,7 @@ def test_kept_layers_match_transformers(kind: str, kept: int, tmp_path) -> None:
     assert all(s > 0 for s in ex.last_step.backward_s) and all(s > 0 for s in ex.last_step.forward_s)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kept", [1, NUM_LAYERS])
 def test_kept_layers_are_bitwise_the_streamed_step(kept: int) -> None:
     """Keeping a graph changes where the forward's tensors live, not the math: bf16 loss and gradients equal the
@@ -423,6 +434,7 @@ def test_kept_layers_need_gpu_boundaries() -> None:
         Plan.from_tiers(model, KEPT[NUM_LAYERS], kept_layers=NUM_LAYERS + 1)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a tied head (its group owns the embedding)
 @pytest.mark.parametrize("kept", [1, 3])
 def test_kept_layers_serial_optimizer_steps_like_adamw(kind: str, kept: int, tmp_path) -> None:

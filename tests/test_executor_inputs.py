@@ -34,6 +34,7 @@ def right_padding(batch: int, seq_len: int, gen: torch.Generator) -> torch.Tenso
 
 
 # ---- gradient accumulation: the step's token count normalizes every micro-batch -------------------------
+@pytest.mark.exactness
 @FEW
 @given(inner=INNER, kind=st.sampled_from(KINDS), seed=st.integers(0, 1000))
 def test_four_micro_batches_of_two_equal_one_of_eight(inner, kind, seed) -> None:
@@ -55,6 +56,7 @@ def test_four_micro_batches_of_two_equal_one_of_eight(inner, kind, seed) -> None
                    {n: p.grad for n, p in whole.named_parameters()}, tol=2e-6)
 
 
+@pytest.mark.exactness
 def test_a_micro_batch_without_labels_adds_nothing() -> None:
     model = make_model("llama")
     ids, labels = make_batch(4, 7)
@@ -69,6 +71,7 @@ def test_a_micro_batch_without_labels_adds_nothing() -> None:
 
 
 # ---- padding: right padding with an attention mask, as transformers takes it --------------------------
+@pytest.mark.exactness
 @FEW
 @given(inner=INNER, kind=st.sampled_from(KINDS), attn=st.sampled_from(["eager", "sdpa"]), seed=st.integers(0, 1000))
 def test_padding_matches_transformers_with_attention_mask(inner, kind, attn, seed) -> None:
@@ -87,6 +90,7 @@ def test_padding_matches_transformers_with_attention_mask(inner, kind, attn, see
 
 
 # ---- packing: examples concatenated in a row, positions restarting, no attention across them -----------
+@pytest.mark.exactness
 @FEW
 @given(inner=INNER, kind=st.sampled_from(KINDS), attn=st.sampled_from(["eager", "sdpa"]), seed=st.integers(0, 1000))
 def test_a_packed_row_of_three_equals_the_three_unpacked(inner, kind, attn, seed) -> None:
@@ -101,6 +105,7 @@ def test_a_packed_row_of_three_equals_the_three_unpacked(inner, kind, attn, seed
     assert ex.last_step.peak_device_bytes == ex.predicted_peak_bytes(1, 24, masked=True)
 
 
+@pytest.mark.exactness
 def test_packed_rows_match_transformers_packed_forward() -> None:
     """Two packed rows (different example boundaries per row) against transformers' own packed-sequence path."""
     model = make_model("mistral", attn="sdpa")  # sliding window: the window counts within an example
@@ -115,6 +120,7 @@ def test_packed_rows_match_transformers_packed_forward() -> None:
 
 
 # ---- forward-only evaluation ------------------------------------------------------------------------------
+@pytest.mark.exactness
 @FEW
 @given(inner=INNER, kind=st.sampled_from(KINDS), padded=st.booleans(), seed=st.integers(0, 1000))
 def test_forward_loss_equals_transformers_loss(inner, kind, padded, seed) -> None:
@@ -136,6 +142,7 @@ def test_forward_loss_equals_transformers_loss(inner, kind, padded, seed) -> Non
     assert ex.device.used_bytes == 0
 
 
+@pytest.mark.exactness
 def test_forward_loss_on_packed_rows_equals_the_examples_unpacked() -> None:
     model = make_model("qwen3")
     gen = torch.Generator().manual_seed(2)

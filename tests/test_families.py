@@ -34,6 +34,7 @@ def run(model: torch.nn.Module, tiers: list[str], ids: torch.Tensor, labels: tor
     return ex
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_family_matches_transformers_under_a_mixed_plan(kind: str) -> None:
     """nvme, cpu, two recompute segments; right padding with an attention mask on top."""
@@ -49,13 +50,15 @@ def test_family_matches_transformers_under_a_mixed_plan(kind: str) -> None:
     assert ex.last_step.peak_device_bytes == ex.last_step.predicted_peak_device_bytes
 
 
+@pytest.mark.exactness
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inner=INNER, kind=st.sampled_from(FAMILIES), batch=st.sampled_from([1, 2]), seq_len=st.sampled_from([7, 13]))
 def test_families_under_random_plans(inner, kind, batch, seq_len) -> None:
     """With the loss head in one piece, as transformers computes it, every plan gives transformers' gradients to
     the last bit (1e-7 leaves room for the tied embedding's two contributions, summed in another order); the
     chunked head (6 tokens, the real setting) splits the head's sums only: its worst gradient is the head's own,
-    2e-7 apart (1e-6 here)."""
+    2e-7 apart (1e-6 here). A gradient that is the residue of terms that cancel (GPT-OSS's router bias) rounds
+    further in fp32 alone: it gets a few times that rounding, measured against float64 (`assert_matches`)."""
     model = make_model(kind)
     ids, labels = make_batch(batch, seq_len, seed=seq_len)
     ref_loss, ref_grads = reference(model, input_ids=ids, labels=labels)
@@ -66,6 +69,7 @@ def test_families_under_random_plans(inner, kind, batch, seq_len) -> None:
     assert_matches(chunked, run(chunked, tiers, ids, labels).last_loss, ref_loss, ref_grads, tol=1e-6)
 
 
+@pytest.mark.exactness
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("tiers", [["gpu"] * 7, ["gpu"] + ["recompute"] * 5 + ["gpu"], ["gpu"] + ["nvme"] * 5 + ["gpu"],
@@ -77,6 +81,7 @@ def test_every_plan_shape_for_every_family(kind: str, tiers: list[str]) -> None:
     assert_matches(model, run(model, tiers, ids, labels).last_loss, ref_loss, ref_grads, tol=1e-6)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
 def test_moe_packing_equals_the_examples_unpacked(kind: str) -> None:
     """(Not transformers' own packed forward: GPT-OSS builds its masks without position_ids, so there the

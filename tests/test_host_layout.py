@@ -98,6 +98,7 @@ def test_host_bytes_are_the_cost_models_executor_layout(kind: str, mode: str, ac
         assert per_param <= (4.0 if bf16_masters else 8.0) + (4.0 if kind == "qwen2" and mode != "fp32" else 0)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("accumulation", [1, 3])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_gradients_step_fp32_masters_bit_for_bit_like_fp32_grad(kind: str, accumulation: int,
@@ -201,6 +202,7 @@ def test_plan_and_train_admit_a_7b_fine_tune_by_one_rule(master: str, capsys, mo
         assert err.split(" but ")[0] == "error: " + str(refused.value).split(" but ")[0]  # the same need
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("master", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])  # ~20 s each
 def test_resume_is_exact_in_each_master_weights_mode(tmp_path, master: str) -> None:
     """5 steps + a checkpoint + resume + 5 == 10 steps never stopped (bf16 compute, 8-bit states)."""

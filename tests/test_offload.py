@@ -124,6 +124,7 @@ def _tied_model(path) -> str:
     return str(path)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer, dtype, masters, accum, mode, tied, depth", [
     ("adamw", "bf16", "fp32", 1, "overlap", False, 1),
     ("8bit", "bf16", "fp32", 3, "serial", False, 2),
@@ -192,6 +193,7 @@ def _cli_identical(tmp_path, words: list[str], steps: int) -> None:
     assert list(nvme.iterdir()) == []
 
 
+@pytest.mark.exactness
 def test_the_command_line_and_yaml_with_offload_give_the_in_ram_run(tmp_path):
     _cli_identical(tmp_path, ["model=debug", "dataset=zen", "dtype=bf16", "optimizer=8bit", "cutoff_len=32",
                               "per_device_train_batch_size=2", "gradient_accumulation_steps=3", "max_grad_norm=1.0",
@@ -325,6 +327,7 @@ def _train(out: Path, offload: str, **values) -> trainer_module.TrainResult:
     return train(load_job_config({**BASE, **values, "optimizer_offload": offload, "output_dir": str(out)}))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer, mode", [("8bit", "overlap"), ("adamw", "serial")])
 def test_a_checkpoint_resumes_across_optimizer_offload_both_ways(tmp_path, optimizer, mode):
     """A checkpoint of the states in RAM resumes with them on NVMe and the reverse (and NVMe to NVMe): the same

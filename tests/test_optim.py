@@ -146,6 +146,7 @@ def two_threads():
     torch.set_num_threads(saved)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("block_size", [256, 2 * q.STACK_SCRATCH_ELEMS])  # block scratch on the stack, on the heap
 def test_kernel_matches_torch_reference_step_by_step(two_threads, block_size: int) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -176,6 +177,7 @@ def test_kernel_matches_torch_reference_step_by_step(two_threads, block_size: in
             b.data.copy_(a.data)
 
 
+@pytest.mark.exactness
 def test_kernel_runs_on_torch_openmp_team_and_pool_fallback_agrees(two_threads, monkeypatch) -> None:
     """torch's Linux wheels run on OpenMP: the kernels go through its GOMP_parallel. Without one a thread
     pool runs the same kernel; block results do not depend on which thread ran them, so both agree bitwise."""
@@ -203,6 +205,7 @@ def test_kernel_runs_on_torch_openmp_team_and_pool_fallback_agrees(two_threads, 
 
 
 # ---------------------------------------------------------------- fp32 path == torch.optim.AdamW
+@pytest.mark.exactness
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05, 1e6])
 def test_fp32_states_equal_torch_adamw(max_grad_norm: float | None) -> None:
     """eightbit_fraction=0: AdamW to 1e-6; with clipping: clip_grad_norm_ + AdamW. Two groups."""
@@ -231,6 +234,7 @@ def test_fp32_states_equal_torch_adamw(max_grad_norm: float | None) -> None:
     assert moved > 0.1  # the comparison is not vacuous
 
 
+@pytest.mark.exactness
 def test_clip_actually_scales() -> None:
     """The clipped run differs from the unclipped one, and equals AdamW on pre-scaled gradients."""
     gen = torch.Generator().manual_seed(5)
@@ -284,6 +288,7 @@ def _ours(ps):
     return Hybrid8bitAdamW(ps, lr=1e-3, weight_decay=0.0, max_grad_norm=None, min_8bit_size=0)
 
 
+@pytest.mark.exactness
 def test_all_8bit_stays_close_to_fp32_adamw() -> None:
     """60 steps of N(0, 0.01) gradients on odd sizes: params and dequantized states near fp32 AdamW."""
     o8, o32, p8, p32, mae, mre = _run_vs_fp32(_ours, resync=True)
@@ -301,6 +306,7 @@ def test_all_8bit_stays_close_to_fp32_adamw() -> None:
     assert mae <= 1.2e-4 and mre <= 3e-3, (mae, mre)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("resync", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_as_close_as_bitsandbytes(resync: bool) -> None:
     """Same test, same gradients: at least as close to fp32 AdamW as bitsandbytes' AdamW8bit."""
@@ -436,6 +442,7 @@ def _resume_equals_uninterrupted(make_opt, clip_outside: bool, dtype: torch.dtyp
                 assert val == other, key
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hybrid8bit_resume_equals_uninterrupted_run(dtype: torch.dtype) -> None:
     """bf16: master weights with stochastic rounding, whose bits depend on (seed, parameter, step) only."""
@@ -447,6 +454,7 @@ def test_hybrid8bit_resume_equals_uninterrupted_run(dtype: torch.dtype) -> None:
     _resume_equals_uninterrupted(make, clip_outside=False, dtype=dtype)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("fused", [True, False])
 def test_torch_adamw_resume_equals_uninterrupted_run(fused: bool) -> None:
     """The trainer's `--optimizer adamw` (fused; clip_grad_norm_ then step) resumes exactly too."""
@@ -468,6 +476,7 @@ def test_state_dict_keeps_codes_uint8_and_checks_block_size() -> None:
         Hybrid8bitAdamW(_params(ODD_SHAPES), block_size=128).load_state_dict(oa.state_dict())
 
 
+@pytest.mark.exactness
 def test_per_group_stepping_with_precomputed_norm_equals_step() -> None:
     """Executor flow: per-layer squared norms -> begin_step(norm) -> step_group(i) in any order."""
     gen = torch.Generator().manual_seed(10)
@@ -535,6 +544,7 @@ def _no_foreach_norm(*args, **kwargs):
     raise AssertionError("torch._foreach_norm called: the numba sum-of-squares path was not taken")
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed", [11, 12])
 def test_norm_kernel_equals_vector_norm(threads: int, seed: int, monkeypatch) -> None:
@@ -588,6 +598,7 @@ def test_norm_fp32_overflow_is_finite_on_kernel_path() -> None:
     assert global_grad_norm(grads) == pytest.approx(want, rel=1e-6)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["transposed", "bf16", "fp64"])
 def test_norm_fallback_for_non_contiguous_or_non_fp32(kind: str, monkeypatch) -> None:
     """A non-contiguous or non-fp32 gradient takes torch's norm; the kernel is not called."""

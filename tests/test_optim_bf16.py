@@ -49,6 +49,7 @@ def test_rounding_key_depends_on_seed_parameter_and_step() -> None:
     assert len(keys) == 27 and all(0 <= k < 2**32 for k in keys)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("eightbit", [True, False], ids=["8bit-states", "fp32-states"])
 def test_bf16_step_matches_fp32_adamw_in_expectation(eightbit: bool) -> None:
     """One step from bf16 weights: each result is a bf16 neighbour of torch.optim.AdamW's fp32 result, and
@@ -86,6 +87,7 @@ def test_bf16_step_matches_fp32_adamw_in_expectation(eightbit: bool) -> None:
     assert float((rtn.detach() != p0).float().mean()) < 0.1  # round-to-nearest: update mostly lost
 
 
+@pytest.mark.exactness
 def test_bf16_group_order_and_seed() -> None:
     """Stepping group by group in reverse order rounds exactly like step(); another seed rounds differently."""
     gen = torch.Generator().manual_seed(2)
@@ -112,6 +114,7 @@ def test_bf16_group_order_and_seed() -> None:
     assert not all(torch.equal(x, z) for x, z in zip(a, c, strict=True))
 
 
+@pytest.mark.exactness
 def test_rounding_does_not_depend_on_thread_count() -> None:
     from lazytrain.optim import bf16
 

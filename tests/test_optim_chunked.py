@@ -37,6 +37,7 @@ def _equal_states(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
             assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, key
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kept", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_norm", [1.0, 0.0])
 def test_step_adamw_equals_torch_adamw_bit_for_bit(monkeypatch, kept, max_norm):
@@ -76,6 +77,7 @@ def _hybrid(params: list[torch.nn.Parameter], fraction: float) -> Hybrid8bitAdam
                            lr=3e-3, eightbit_fraction=fraction, min_8bit_size=256, max_grad_norm=1.0, seed=7)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("masters", "kept"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
@@ -107,6 +109,7 @@ def test_hybrid8bit_chunked_equals_unchunked_bit_for_bit(monkeypatch, masters, k
     assert not torch.equal(params[0].float(), _params(masters)[0].float())  # it did train
 
 
+@pytest.mark.exactness
 def test_a_tensor_larger_than_a_chunk_updates_as_one_whole_tensor():
     """bf16 masters stepped through `.grad` (the optimizer's own API) at the real CHUNK_NUMEL: a tensor of two
     chunks ends exactly as the whole-tensor update (one fp32 copy, one kernel call, one rounding pass whose bits

@@ -86,14 +86,17 @@ def _check(kinds: tuple[str, ...], steps: int, eval_every: int, start_loss: floa
             assert abs(ours - ref) <= 0.02 * ref, (kind, curve, fp32)
 
 
+@pytest.mark.exactness
 def test_tiny_llama_8bit_matches_fp32_short() -> None:
     _check(("8bit",), steps=100, eval_every=50)
 
 
+@pytest.mark.exactness
 def test_tiny_llama_bf16_master_weights_match_fp32_short() -> None:
     _check(("bf16-8bit", "bf16-fp32"), steps=100, eval_every=50)
 
 
+@pytest.mark.exactness
 @pytest.mark.slow
 def test_tiny_llama_8bit_and_bf16_master_match_fp32_300_steps() -> None:
     _check(("8bit", "bf16-8bit", "bf16-fp32"), steps=300, eval_every=50)

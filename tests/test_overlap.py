@@ -86,12 +86,14 @@ def _check_identical(tmp_path, steps: int, bad_step: int | None, **values) -> No
     assert on_lane.count(True) == (steps - 1 - (bad_step is not None)) * groups, (on_lane.count(True), groups)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer, dtype, accum", [("adamw", "fp32", 1), ("8bit", "bf16", 3),
                                                      ("hybrid8bit", "fp32", 3), ("adamw", "bf16", 1)])
 def test_overlap_equals_serial_bit_for_bit_with_clipping_and_a_skipped_step(tmp_path, optimizer, dtype, accum):
     _check_identical(tmp_path, 5, 2, optimizer=optimizer, dtype=dtype, gradient_accumulation_steps=accum)
 
 
+@pytest.mark.exactness
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "hybrid8bit", "8bit"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -117,6 +117,7 @@ def two_rank_runs(request, tmp_path_factory) -> dict[tuple[str, str, int], tuple
     return {key: (out, outputs[key + ("",)]) for key, (_, out) in runs.items()}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
 def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, model, mode, nodes):
     """Each rank reads its own layer groups' optimizer files (and rank 0's trainer state) from checkpoint-2 and the run
@@ -142,6 +143,7 @@ def test_a_resumed_two_rank_run_equals_the_one_never_stopped(two_rank_runs, mode
     assert scalars[1] == scalars[0] and scalars[0]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("model", "mode", "nodes"), RUNS)
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path, two_rank_runs, model, mode, nodes):
     two, output = two_rank_runs[model, mode, nodes]

@@ -66,6 +66,7 @@ def test_cli_run_writes_metrics_plan_and_a_loadable_checkpoint(tmp_path, capsys)
     assert (out / "checkpoint-3" / "model.safetensors.index.json").exists()  # sharded, with its index
 
 
+@pytest.mark.exactness
 def test_checkpoint_gives_the_trained_models_logits(tmp_path):
     result = train(job(**{**GOLDEN_CONFIG, "steps": 2, "planner": "auto", "output_dir": str(tmp_path / "run")}))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(result.output_dir / "checkpoint-2")
@@ -308,6 +309,7 @@ def test_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
     assert "device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.exactness
 def test_losses_match_the_golden_file(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     assert golden["config"] == GOLDEN_CONFIG, "the golden config changed: regenerate the file (see module docstring)"
@@ -321,6 +323,7 @@ def test_losses_match_the_golden_file(tmp_path):
     assert result.losses[-1] < result.losses[0] - 0.1
 
 
+@pytest.mark.exactness
 def test_bf16_streaming_tracks_the_fp32_golden_curve(tmp_path):
     """bf16 compute with fp32 master weights learns like fp32: the streamed bf16 weights follow every update."""
     golden = json.loads(GOLDEN.read_text())
