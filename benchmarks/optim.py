@@ -8,6 +8,13 @@ bitsandbytes AdamW8bit, side by side in one run.
     GOMP_SPINCOUNT=0 python benchmarks/optim.py  # torch's OpenMP workers sleep at once after each op
     python benchmarks/optim.py --kernel 131072 --rounds 300   # the 8-bit kernel alone, one thread, data in L2
     python benchmarks/optim.py --shapes flat16m --fractions 1 --isas native,avx2 --runs 7   # both ISAs, 7 runs each
+    python benchmarks/optim.py --layouts --threads 2 --isas native,avx2 --runs 3   # the update's layouts vs a triad
+
+`--layouts` times the update as the executor runs it, one layout at a time (bf16 or fp32 masters, 8-bit or fp32
+states, the kept bf16 gradient or an fp32 sum, the streamed bf16 copy written in the same pass), on one Qwen2.5-7B
+layer's tensors (233 M params), against a STREAM-like triad (a = b + s c over three 256 MiB fp32 arrays, far past
+the last-level cache, on the same torch threads) timed in between, and prints per layout the bytes its tensors
+move per parameter (each read or written once, as STREAM counts), its rate and that rate's share of the triad's.
 
 `--isas` runs the table in fresh processes, alternating the instruction sets run by run (native, avx2, native,
 ...): `avx2` compiles the 8-bit kernels for an AVX2-only CPU (NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2) and
@@ -118,6 +125,73 @@ def kernel_only(numel: int, rounds: int, threads: int) -> None:
     print(f"8-bit kernel alone: {numel} elements, {threads} thread(s), {rounds} calls; {_cpu_name()}; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"ns/element: min {min(ns):.3f}, median {statistics.median(ns):.3f}")
+
+
+@dataclass
+class Layout:
+    """One way the update's tensors are kept (train/optimizer.py, runtime/store.py)."""
+
+    name: str
+    masters: torch.dtype
+    grad: torch.dtype  # the kept gradient: bf16 where it landed, fp32 where micro-batches were summed
+    eightbit: bool
+    copy: bool  # fp32 masters with bf16 compute: the streamed bf16 copy, written in the same pass
+
+
+LAYOUTS = [
+    Layout("bf16 masters + 8-bit", torch.bfloat16, torch.bfloat16, True, False),
+    Layout("bf16 masters + 8-bit, fp32 sum", torch.bfloat16, torch.float32, True, False),
+    Layout("fp32 masters + 8-bit + bf16 copy", torch.float32, torch.bfloat16, True, True),
+    Layout("fp32 masters + fp32 states + bf16 copy", torch.float32, torch.bfloat16, False, True),
+]
+TRIAD_NUMEL = 1 << 26  # per array: 256 MiB of fp32, 8 x a 32 MiB L3
+
+
+def triad_seconds(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
+    """One STREAM triad a = b + 3 c (torch's add with alpha: one vectorized pass on torch's threads)."""
+    t0 = time.perf_counter()
+    torch.add(b, c, alpha=3.0, out=a)
+    return time.perf_counter() - t0
+
+
+def layouts(args: argparse.Namespace) -> list[str]:
+    """Time each layout's update, interleaved with triads; print and return one line per layout."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    shapes = QWEN7B_LAYER_SHAPES
+    gen = torch.Generator().manual_seed(0)
+    tri = [torch.rand(TRIAD_NUMEL, generator=gen) for _ in range(3)]
+    triad_s: list[float] = []
+    lines = []
+    for lay in LAYOUTS:
+        params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(lay.masters)) for s in shapes]
+        grads = {p: (torch.randn(p.shape, generator=gen) * 0.01).to(lay.grad) for p in params}
+        copies = {p: torch.empty(p.shape, dtype=torch.bfloat16) for p in params} if lay.copy else None
+        opt = Hybrid8bitAdamW(params, lr=1e-4, eightbit_fraction=1.0 if lay.eightbit else 0.0)
+        n = sum(p.numel() for p in params)
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        moved = sum(2 * nbytes(p) + nbytes(grads[p]) + (nbytes(copies[p]) if copies else 0)
+                    + sum(2 * nbytes(v) for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim())
+                    for p in params)  # weights and states read and written, gradient read, copy written
+        times = []
+        for r in range(args.warmup + args.rounds):
+            triad_s.append(triad_seconds(*tri))
+            t0 = time.perf_counter()
+            opt.step_group(0, 0.5, grads=grads, copies=copies)  # clipping on, as every step with a max norm
+            if r >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        triad_gbps = 3 * 4 * TRIAD_NUMEL / statistics.median(triad_s) / 1e9
+        gbps = moved / t / 1e9
+        lines.append(f"layout {lay.name}: {moved / n:.2f} B/param, {n / t / 1e9:.2f} Gparams/s, {gbps:.1f} GB/s = "
+                     f"{100 * gbps / triad_gbps:.0f}% of triad {triad_gbps:.1f} GB/s")
+        print(lines[-1], flush=True)
+        del params, grads, copies, opt
+    print(f"{sum(map(math.prod, shapes)) / 1e6:.0f} M params (one Qwen2.5-7B layer), {torch.get_num_threads()} "
+          f"threads, median of {args.rounds} updates and of {len(triad_s)} triads; {_cpu_name()}, numba CPU "
+          f"{numba.config.CPU_NAME or 'host'}, torch {torch.backends.cpu.get_cpu_capability()}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    return lines
 
 
 @dataclass
@@ -241,6 +315,9 @@ def compare_isas(args: argparse.Namespace) -> None:
         raise SystemExit(f"--isas: unknown {unknown}; known: {', '.join(ISA_ENV)}")
     keep = ["--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
             "--fractions", ",".join(map(str, args.fractions)), "--shapes", args.shapes]
+    if args.layouts:
+        compare_layouts(args, isas, keep)
+        return
     results: dict[str, list[dict[str, dict[str, float]]]] = {isa: [] for isa in isas}
     loads = []
     for run in range(args.runs):
@@ -264,6 +341,17 @@ def compare_isas(args: argparse.Namespace) -> None:
                   f"| {', '.join(f'{x:.2f}' for x in b)} | **{statistics.median(b):.2f}** |")
 
 
+def compare_layouts(args: argparse.Namespace, isas: list[str], keep: list[str]) -> None:
+    """`--layouts` with `--isas`: each ISA --runs times in fresh processes, alternating; every run's lines."""
+    for run in range(args.runs):
+        for isa in isas:
+            load = os.getloadavg()[0]
+            done = subprocess.run([sys.executable, __file__, *keep, "--layouts"], env={**os.environ, **ISA_ENV[isa]},
+                                  capture_output=True, text=True, check=True)
+            print(f"-- run {run + 1}, {isa} (load average at the start {load:.2f})")
+            print(done.stdout.strip(), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15, help="timed steps per optimizer (median reported)")
@@ -281,10 +369,14 @@ def main() -> None:
     ap.add_argument("--isas", default="", help="comma-separated instruction sets (native, avx2, znver3) to run "
                     "side by side, each --runs times in fresh processes")
     ap.add_argument("--runs", type=int, default=7, help="runs per instruction set with --isas")
+    ap.add_argument("--layouts", action="store_true", help="instead of the table: the update's layouts on one 7B "
+                    "layer against a triad in the same run (with --isas: side by side)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --isas' child processes
     args = ap.parse_args()
     if args.isas:
         compare_isas(args)
+    elif args.layouts:
+        layouts(args)
     elif args.kernel > 0:
         kernel_only(args.kernel, args.rounds, args.threads or 1)
     else:

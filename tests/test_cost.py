@@ -131,8 +131,8 @@ def test_optimizer_modes_change_states_and_time() -> None:
     accumulating = CostModel(spec, hw, Workload(1, 16, "bf16"), grad_accumulation=4)
     # fp32 sums of fp32 masters: nothing to cast (torch's AdamW clips them in place)
     assert accumulating.static_host_bytes() == executor.static_host_bytes() + 4 * streamed - 4 * chunk
-    big = ModelSpec.load("qwen2.5-7b")  # no transient the size of the largest group: 7B at 10.03 / 6.04 B/param
-    for masters, per_param in (("fp32", 10.033), ("bf16", 6.036)):
+    big = ModelSpec.load("qwen2.5-7b")  # no transient the size of the largest group: 7B at 10.03 / 6.03 B/param
+    for masters, per_param in (("fp32", 10.031), ("bf16", 6.032)):
         layout = CostModel(big, hw, Workload(1, 16, "bf16"), "8bit", master_weights=masters)
         assert layout.static_host_bytes() / big.num_params == pytest.approx(per_param, abs=1e-3)
         assert layout.host_breakdown()["update_scratch"] <= 8 * UPDATE_CHUNK_NUMEL
@@ -177,13 +177,13 @@ def test_optimizer_state_on_nvme_leaves_the_host_about_4_bytes_per_parameter() -
 
 
 @pytest.mark.parametrize(("optimizer", "dtype", "masters", "accumulation", "layer_bytes"), [
-    ("adamw", "bf16", "fp32", 1, 6 + 8 + 28 + 6),  # cast, clip pass, fused AdamW, bf16 copy refreshed
+    ("adamw", "bf16", "fp32", 1, 2 + 8 + 16 + 6),  # bf16 gradient cast in a cached chunk, fused AdamW, copy refreshed
     ("adamw", "fp32", "fp32", 1, 8 + 28),  # clip in place, fused AdamW
-    ("8bit", "bf16", "fp32", 1, 6 + 16 + 1 / 16 + 6),  # cast, 8-bit kernel (+ absmax), refresh
-    ("8bit", "bf16", "fp32", 3, 16 + 1 / 16 + 6),  # an fp32 sum: no cast
-    ("8bit", "bf16", "bf16", 1, 6 + 12 + 16 + 1 / 16),  # cast, weights to fp32 and back, kernel; no copy
-    ("8bit", "bf16", "bf16", 3, 12 + 12 + 16 + 1 / 16),  # the fp32 sum rounded to bf16 first
-    ("hybrid8bit", "bf16", "fp32", 1, 6 + 0.98 * 32 + 0.02 * (16 + 1 / 16) + 6),
+    ("8bit", "bf16", "fp32", 1, 2 + 8 + 4 + 1 / 16 + 6),  # one pass: gradient, weights, codes (+ absmax); refresh
+    ("8bit", "bf16", "fp32", 3, 4 + 8 + 4 + 1 / 16 + 6),  # an fp32 sum
+    ("8bit", "bf16", "bf16", 1, 2 + 4 + 4 + 1 / 16),  # one pass over bf16 gradient, bf16 weights, codes; no copy
+    ("8bit", "bf16", "bf16", 3, 4 + 4 + 4 + 1 / 16),  # the fp32 sum rounded to bf16 in registers
+    ("hybrid8bit", "bf16", "fp32", 1, 0.98 * (2 + 8 + 16) + 0.02 * (2 + 8 + 4 + 1 / 16) + 6),
 ])
 def test_update_seconds_are_its_bytes_over_host_bandwidth(optimizer, dtype, masters, accumulation, layer_bytes):
     """One rate for all is gone: each update's seconds are the bytes it moves per parameter (by optimizer, master
@@ -195,7 +195,7 @@ def test_update_seconds_are_its_bytes_over_host_bandwidth(optimizer, dtype, mast
     assert cost.update_bytes_per_param("layer") == pytest.approx(layer_bytes)
     assert cost.optimizer_s[0] == pytest.approx(spec.layer_params[0] * layer_bytes / (gbps * 1e9))
     embedding = cost.update_bytes_per_param("embedding")
-    assert embedding <= layer_bytes and cost.embedding_optimizer_s == pytest.approx(
+    assert embedding > 0 and cost.embedding_optimizer_s == pytest.approx(
         spec.embedding_params * embedding / (gbps * 1e9))
     assert cost.total_optimizer_s == pytest.approx(cost.update_bytes() / (gbps * 1e9))
 

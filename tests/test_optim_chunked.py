@@ -12,7 +12,6 @@ from lazytrain.costmodel.cost import UPDATE_CHUNK_NUMEL
 from lazytrain.optim import Hybrid8bitAdamW
 from lazytrain.optim.bf16 import rounding_key, stochastic_round_
 from lazytrain.optim.chunked import CHUNK_NUMEL, Scratch, clip_coefficient_tensor, step_adamw
-from lazytrain.optim.quant import adamw8bit_step_
 
 SHAPES = [(70_001,), (300, 77), (5,), (4096, 3)]  # several chunks of 4096, odd tails, one smaller than a chunk
 SMALL_CHUNK = 4096  # a multiple of the 8-bit block (256) and of torch's 64-byte units, as CHUNK_NUMEL is
@@ -111,24 +110,27 @@ def test_hybrid8bit_chunked_equals_unchunked_bit_for_bit(monkeypatch, masters, k
 
 @pytest.mark.exactness
 def test_a_tensor_larger_than_a_chunk_updates_as_one_whole_tensor():
-    """bf16 masters stepped through `.grad` (the optimizer's own API) at the real CHUNK_NUMEL: a tensor of two
-    chunks ends exactly as the whole-tensor update (one fp32 copy, one kernel call, one rounding pass whose bits
-    follow each element's index in the tensor), and the scratch stays one chunk."""
+    """bf16 masters with fp32 states stepped through `.grad` (the optimizer's own API) at the real CHUNK_NUMEL: a
+    tensor of two chunks ends exactly as the whole-tensor update (one fp32 copy, one fused AdamW call, one rounding
+    pass whose bits follow each element's index in the tensor), and the scratch stays one chunk. 8-bit states take
+    no scratch at all (one pass, optim/quant.py)."""
     n = CHUNK_NUMEL + 1000
     gen = torch.Generator().manual_seed(3)
     p = torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16())
     p.grad = (torch.randn(n, generator=gen) * 0.01).bfloat16()
     expected = p.detach().clone()
-    opt = Hybrid8bitAdamW([p], lr=1e-3, max_grad_norm=None, seed=11)
-    st = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.dim() == 1}
+    opt = Hybrid8bitAdamW([p], lr=1e-3, max_grad_norm=None, seed=11, eightbit_fraction=0.0)
     opt.step(grad_norm=1.0)
-    work = expected.float()
-    adamw8bit_step_(work, p.grad.float(), st["qm"], st["qv"], st["absmax_m"], st["absmax_v"], block_size=256,
-                    clip_coef=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+    work, m, v = expected.float(), torch.zeros(n), torch.zeros(n)
+    torch._fused_adamw_([work], [p.grad.float()], [m], [v], [], [torch.tensor(1.0)], lr=1e-3, beta1=0.9, beta2=0.999,
+                        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
     stochastic_round_(expected, work, rounding_key(11, 0, 1))
     assert torch.equal(p.detach(), expected)
-    assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
     assert opt._scratch._buffers["grad"].numel() == opt._scratch._buffers["param"].numel() == CHUNK_NUMEL
+    eightbit = Hybrid8bitAdamW([p], lr=1e-3)
+    eightbit.step(grad_norm=1.0)
+    assert eightbit.state[p]["eightbit"] and not eightbit._scratch._buffers
 
 
 def test_the_cost_models_chunk_is_the_optimizers():

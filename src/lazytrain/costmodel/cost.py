@@ -54,7 +54,7 @@ HYBRID_8BIT_FRACTION = 0.02  # share of the parameter volume whose Adam states a
 # elements per absmax block of the 8-bit states (bitsandbytes' current block size): the optimizer's default
 # (optim/hybrid8bit.py block_size) and the cost model's bytes of its absmax
 QUANT_BLOCK = 256
-UPDATE_CHUNK_NUMEL = 1 << 22  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
+UPDATE_CHUNK_NUMEL = 1 << 18  # elements per chunk of a group's update: optim/chunked.py's CHUNK_NUMEL (tested equal)
 # Where the optimizer's state (moments, and fp32 masters where a narrower copy streams) lives between updates: in
 # host RAM, or in one file per layer group on the NVMe SSD, read into a staging slot before the group's update and
 # written back after it (plan/schedule.py's state ops).
@@ -426,32 +426,39 @@ class CostModel:
 
     def update_bytes_per_param(self, group: str = "layer") -> float:
         """Host memory bytes one update of a `group` ("layer", "head", "embedding") reads and writes per parameter,
-        clipping on (the default), as the optimizer lane runs it (train/optimizer.py, optim/chunked.py):
+        clipping on (the default), as the optimizer lane runs it (train/optimizer.py, optim/hybrid8bit.py,
+        optim/chunked.py), counted as STREAM counts (each byte read or written once):
 
-            gradient   the kept gradient (k B: the compute dtype where it landed, 4 where summed, the masters' for
-                       an untied embedding) read into an fp32 chunk (k + 4) unless it is fp32 for fp32 masters; a
-                       bf16 master's fp32 sum rounds to bf16 first (+ 2 + 2)
-            bf16 masters  the weights copied to an fp32 chunk (2 + 4) and rounded back (4 + 2)
-            kernel     fp32 states, torch's AdamW: clip pass (4 + 4) + fused step (p, m, v read and written, g read:
-                       28); Hybrid8bitAdamW's fp32 slice: fused step with the clip scale, g written back (32); 8-bit
-                       states: p read and written, g read, codes read and written, absmax (16 + 16/256)
-            refresh    bf16 compute, fp32 masters, a streamed group: its bf16 copy re-packed (4 + 2)
+            gradient   the kept gradient read once (k B: the compute dtype where it landed, 4 where summed, the
+                       masters' for an untied embedding); where it needs a cast it is cast into a chunk that stays
+                       in cache (optim/chunked.py), which costs no memory traffic
+            8-bit      one fused pass (optim/quant.py): weights read and written in the masters' dtype (2 m), codes
+                       read and written (4), two fp32 absmax per block read and written (16/256); the clip scale
+                       and the casts happen in registers
+            fp32 states  torch's fused AdamW: weights (2 m) and moments (16) read and written; fp32 gradients of
+                       fp32 masters are clipped in memory first -- torch's AdamW: a clip pass (4 + 4) before the
+                       step; Hybrid8bitAdamW: the step divides them and writes them back (+ 4)
+            refresh    bf16 compute, fp32 masters, a streamed group: its bf16 copy re-packed after the update
+                       (4 + 2); `Hybrid8bitAdamW.step_group(copies=...)` writes it in the 8-bit pass instead (2)
 
-        The update streams through memory (tens of bytes per parameter, a few operations per byte), so its seconds
-        are these bytes over the host's memory bandwidth (`host_mem_gbps`).
+        The update streams through memory (10 to 50 bytes per parameter, a few operations per byte), so its seconds
+        are these bytes over the host's memory bandwidth (`host_mem_gbps`, a STREAM-like triad's rate;
+        benchmarks/optim.py measures the kernels against one).
         """
         m = 2 if self.master_weights == "bf16" else 4
         c, spec = self.dtype_bytes, self.spec
         streamed = group != "embedding" or spec.tie_word_embeddings
         summed = self.grad_accumulation > 1 or (group != "layer" and spec.tie_word_embeddings and c < 4)
         kept = m if not streamed else 4 if summed else c
-        gradient = 0 if (kept == 4 and m == 4) else kept + 4 + (4 if m == 2 and kept == 4 else 0)
-        masters = 12 if m == 2 else 0
-        kernel_8bit = 16 + 16 / QUANT_BLOCK
-        kernel = {"adamw": 36.0, "8bit": kernel_8bit,
-                  "hybrid8bit": (1 - HYBRID_8BIT_FRACTION) * 32 + HYBRID_8BIT_FRACTION * kernel_8bit}[self.optimizer]
+        in_place = kept == 4 and m == 4  # fp32 gradients of fp32 masters: clipped in memory, no chunk
+        eight_bit = kept + 2 * m + 4 + 16 / QUANT_BLOCK
+        fp32_states = kept + 2 * m + 16
+        kernel = {"adamw": fp32_states + (8 if in_place else 0),
+                  "8bit": eight_bit,
+                  "hybrid8bit": (1 - HYBRID_8BIT_FRACTION) * (fp32_states + (4 if in_place else 0))
+                  + HYBRID_8BIT_FRACTION * eight_bit}[self.optimizer]
         refresh = 6 if streamed and c == 2 and m == 4 else 0
-        return gradient + masters + kernel + refresh
+        return kernel + refresh
 
     def _trained_share(self, j: int) -> float:
         """The share of layer j's streamed weights that get a gradient (1 in full training)."""
@@ -550,10 +557,11 @@ class CostModel:
                          embedding's gradient in its masters' dtype
         grad_sum         gradient accumulation > 1 (or a tied head in bf16, whose gradient adds the LM
                          head's and the embedding's): an fp32 sum per group, so the sum is exact
-        update_scratch   the update's chunk buffers (optim/chunked.py): fp32 gradient chunks where a gradient is
-                         cast (bf16 landing, fp32 masters), and with bf16 masters fp32 weight chunks and a bf16
-                         chunk of an fp32 sum; at most
-                         UPDATE_CHUNK_NUMEL elements each, whatever the largest group (no transient grows with it)
+        update_scratch   the update's chunk buffers (optim/chunked.py), used by tensors with fp32 states (the
+                         8-bit pass needs none; the small tensors keep fp32 states, so it stays counted): fp32
+                         gradient chunks where a gradient is cast (bf16 landing, fp32 masters), and with bf16
+                         masters fp32 weight chunks and a bf16 chunk of an fp32 sum; at most UPDATE_CHUNK_NUMEL
+                         elements each, whatever the largest group (no transient grows with it)
         optimizer_states Adam's moments (optimizer_state_bytes); 0 with optimizer_offload nvme (in the state files)
         staging          (optimizer_offload nvme only) `staging_depth` slots of `staging_slot_bytes`, the states (and
                          offloaded masters) of that many groups read ahead of their updates (plan/schedule.py)

@@ -1,18 +1,18 @@
-"""A group's update in chunks, so no transient grows with the group.
+"""A group's fp32-state update in chunks that stay in cache, so no transient grows with the group.
 
 The executor keeps each group's gradient as it landed (bf16 with bf16 compute, fp32 where micro-batches are summed);
-the optimizer steps fp32 (or bf16) master weights. Casting a whole group's gradient to the masters' dtype, or copying
-bf16 masters to fp32 to update them, needs a buffer the size of the largest group: 2.03 GiB of fp32 gradient for
-Qwen2.5-7B's untied head, 4.06 GiB of fp32 weight and gradient copies for its embedding with bf16 masters. Here each
-tensor is updated CHUNK_NUMEL elements at a time through two reused fp32 buffers (`Scratch`), so the transients
-are 2 x CHUNK_NUMEL x 4 bytes (32 MiB; 8 MiB more for a bf16 chunk of an fp32 sum) whatever the model
-(costmodel's `update_scratch`).
+torch's fused AdamW steps fp32 tensors only. Casting a whole group's gradient to fp32, or copying bf16 masters to
+fp32 to update them, would need a buffer the size of the largest group (2.03 GiB of fp32 gradient for Qwen2.5-7B's
+untied head) and move every byte through memory twice more. Here each tensor is updated CHUNK_NUMEL elements at a
+time through two reused fp32 buffers (`Scratch`) of 1 MiB each: the cast chunk is still in the core's cache when
+the step reads it, so the casts cost no memory traffic (costmodel's `update_bytes_per_param`), and the transients
+are a constant whatever the model (costmodel's `update_scratch`). The 8-bit states need no chunks: their kernel
+reads every dtype itself (optim/quant.py).
 
-Bit for bit the unchunked update: every kernel is elementwise (the 8-bit one per block of 256, and chunks start on
-block boundaries), torch's fused AdamW splits a tensor into 64-byte units and vectorizes each unit the same way
-wherever it starts (chunks start on multiples of 2^22 elements, so the elements that take its scalar tail are the
-tensor's last ones, as unchunked), the step counter is bumped once per tensor, and stochastic rounding hashes each
-element's index within its whole tensor (`stochastic_round_(..., offset)`).
+Bit for bit the unchunked update: torch's fused AdamW splits a tensor into 64-byte units and vectorizes each unit
+the same way wherever it starts (chunks start on multiples of 2^18 elements, so the elements that take its scalar
+tail are the tensor's last ones, as unchunked), the step counter is bumped once per tensor, and stochastic rounding
+hashes each element's index within its whole tensor (`stochastic_round_(..., offset)`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
-CHUNK_NUMEL = 1 << 22  # elements per chunk: a multiple of the 8-bit block (256) and of torch's 64-byte units
-# (costmodel's UPDATE_CHUNK_NUMEL, tested equal)
+CHUNK_NUMEL = 1 << 18  # elements per chunk: 1 MiB of fp32, within a core's L2; a multiple of torch's 64-byte
+# units (costmodel's UPDATE_CHUNK_NUMEL, tested equal)
 
 
 def chunk_ranges(numel: int) -> Iterator[tuple[int, int]]:
@@ -33,7 +33,8 @@ def chunk_ranges(numel: int) -> Iterator[tuple[int, int]]:
 
 class Scratch:
     """Two reused fp32 buffers of up to CHUNK_NUMEL elements (a chunk's gradient and, for bf16 masters, its
-    weights), grown on demand. One update at a time: the optimizer lane runs one group after another."""
+    weights), grown on demand; the same memory every chunk, so it stays in cache. One update at a time: the
+    optimizer lane runs one group after another."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}

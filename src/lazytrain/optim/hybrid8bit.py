@@ -29,8 +29,8 @@ Which parameters get 8-bit states is fixed at construction, in parameter order: 
 tensor with at least `min_8bit_size` elements is 8-bit while the 8-bit volume stays within
 `eightbit_fraction` of all parameters. The choice is in `state[p]["eightbit"]` (saved by state_dict).
 
-bf16 master weights (opt-in: pass bf16 parameters): the update is computed in fp32 from an fp32 copy of
-the tensor and its gradient (fp32 or bf16), then written back with stochastic rounding (bf16.py), so
+bf16 master weights (opt-in: pass bf16 parameters): the update is computed in fp32 from the bf16 weights and
+gradient (an fp32 gradient rounds to bf16 first), then written back with stochastic rounding (bf16.py), so
 updates below half a bf16 step are kept in expectation. States are as for fp32 parameters.
 """
 
@@ -110,7 +110,7 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
         self.consecutive_skips = 0
         self._eightbit_numel = 0
         self._total_numel = 0
-        self._scratch = Scratch()  # fp32 chunks of bf16 masters and of casted gradients (optim/chunked.py)
+        self._scratch = Scratch()  # fp32 chunks of the fp32-state updates that cast (optim/chunked.py)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -213,16 +213,18 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_group(self, group_index: int, clip_coef: float = 1.0,
-                   grads: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   grads: dict[torch.Tensor, torch.Tensor] | None = None,
+                   copies: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Update the parameters of one param group with gradients scaled by clip_coef (<= 1).
 
         grads: each parameter's gradient (any float dtype, e.g. a view of the executor's kept bf16 gradient); None =
-        `.grad`. Parameters without a gradient are left alone. fp32 parameters with fp32 gradients go straight to
-        torch's fused AdamW (fp32 states; their gradients are divided by 1/clip_coef in place when clip_coef < 1)
-        or the fused 8-bit kernel (which leaves gradients untouched). Any other pair (bf16 masters, or a bf16
-        gradient of fp32 masters) is updated chunk by chunk in fp32 copies (optim/chunked.py: transients bounded
-        by a constant, bit for bit the whole-tensor update), bf16 weights rounded back stochastically; the given
-        gradients are left alone.
+        `.grad`. Parameters without a gradient are left alone. copies: for fp32 parameters, a contiguous bf16
+        tensor each that receives the new weights rounded to nearest (the streamed copy, written in the same pass).
+        8-bit states: one fused pass per tensor over the weights, gradient, codes and copy in their own dtypes
+        (optim/quant.py), the given gradients left alone. fp32 states: torch's fused AdamW, straight on fp32
+        parameters with fp32 gradients (divided by 1/clip_coef in place when clip_coef < 1), else chunk by chunk
+        through cache-sized fp32 copies (optim/chunked.py: bit for bit the whole-tensor update), bf16 weights
+        rounded back stochastically.
         """
         group = self.param_groups[group_index]
         beta1, beta2 = group["betas"]
@@ -235,12 +237,13 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             if grad.is_sparse:
                 raise ValueError("Hybrid8bitAdamW does not support sparse gradients")
             st = self.state[p]
-            if p.dtype != torch.float32 or grad.dtype != torch.float32:
+            copy = None if copies is None else copies.get(p)
+            if st["eightbit"]:
                 st["step"] += 1
-                self._step_chunked(p, grad, st, group, clip_coef, grad_scale)
-            elif st["eightbit"]:
+                self._step_8bit(p, grad, st, group, clip_coef, copy)
+            elif p.dtype != torch.float32 or grad.dtype != torch.float32 or copy is not None:
                 st["step"] += 1
-                self._step_8bit(p, grad, st, group, clip_coef)
+                self._step_chunked(p, grad, st, group, grad_scale, copy)
             else:
                 fp32_p.append(p)
                 fp32_g.append(grad)
@@ -252,39 +255,52 @@ class Hybrid8bitAdamW(torch.optim.Optimizer):
             _fused_adamw(fp32_p, fp32_g, fp32_m, fp32_v, fp32_steps, group, beta1, beta2, grad_scale)
 
     def _step_8bit(self, p: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], group: dict[str, Any],
-                   clip_coef: float) -> None:
-        """The fused 8-bit kernel on fp32 `p` (a tensor or a chunk of one) and the matching slices of its states."""
+                   clip_coef: float, copy: torch.Tensor | None) -> None:
+        """The fused 8-bit kernel on `p` (fp32 or bf16) and its states (step already counted)."""
         beta1, beta2 = group["betas"]
-        update = adamw8bit_reference_ if self.use_reference else adamw8bit_step_
-        update(p, grad, st["qm"], st["qv"], st["absmax_m"], st["absmax_v"], block_size=self.block_size,
-               clip_coef=clip_coef, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-               weight_decay=group["weight_decay"], step=int(st["step"].item()))
+        step = int(st["step"].item())
+        key = rounding_key(self.seed, self._index[p], step)
+        hparams = dict(block_size=self.block_size, clip_coef=clip_coef, lr=group["lr"], beta1=beta1, beta2=beta2,
+                       eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+        states = (st["qm"], st["qv"], st["absmax_m"], st["absmax_v"])
+        flat_copy = None if copy is None else copy.view(-1)
+        if not self.use_reference:
+            adamw8bit_step_(p.detach().view(-1), grad, *states, rounding_key=key, copy=flat_copy, **hparams)
+            return
+        # the plain-torch twin works on fp32: copies of bf16 weights, rounded back as the kernel rounds
+        w = p.detach().view(-1).float()
+        adamw8bit_reference_(w, grad.to(p.dtype).float(), *states, **hparams)
+        if p.dtype == torch.bfloat16:
+            stochastic_round_(p.detach().view(-1), w, key)
+        else:
+            p.detach().view(-1).copy_(w)
+        if flat_copy is not None:
+            flat_copy.copy_(w)
 
     def _step_chunked(self, p: torch.Tensor, grad: torch.Tensor, st: dict[str, Any], group: dict[str, Any],
-                      clip_coef: float, grad_scale: torch.Tensor | None) -> None:
-        """One tensor whose update needs fp32 copies, CHUNK_NUMEL elements at a time (step already counted)."""
+                      grad_scale: torch.Tensor | None, copy: torch.Tensor | None) -> None:
+        """torch's fused AdamW on a tensor with fp32 states whose update needs fp32 copies (bf16 weights or
+        gradient) or writes a bf16 copy, CHUNK_NUMEL elements at a time (step already counted)."""
         beta1, beta2 = group["betas"]
-        if not p.is_contiguous():  # fp32 masters laid out by someone else, so fp32 states: one whole-tensor cast
+        if not p.is_contiguous():  # fp32 masters laid out by someone else: one whole-tensor cast
             _fused_adamw([p], [grad.float()], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], group, beta1, beta2,
                          grad_scale)
+            if copy is not None:
+                copy.copy_(p)
             return
-        bs, bf16 = self.block_size, p.dtype == torch.bfloat16
-        step = int(st["step"].item())
+        bf16 = p.dtype == torch.bfloat16
+        key = rounding_key(self.seed, self._index[p], int(st["step"].item()))
         flat_p, flat_g = p.detach().view(-1), grad.detach().reshape(-1)
+        flat_m, flat_v = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
         for start, end in chunk_ranges(p.numel()):
             g = self._scratch.grad(flat_g[start:end], p.dtype)
             w = self._scratch.param(flat_p[start:end]) if bf16 else flat_p[start:end]
-            if st["eightbit"]:
-                first, last = start // bs, -(-end // bs)  # chunks start on block boundaries
-                chunk_states = {"qm": st["qm"][start:end], "qv": st["qv"][start:end],
-                                "absmax_m": st["absmax_m"][first:last], "absmax_v": st["absmax_v"][first:last],
-                                "step": st["step"]}
-                self._step_8bit(w, g, chunk_states, group, clip_coef)
-            else:
-                _fused_adamw([w], [g], [st["exp_avg"].view(-1)[start:end]], [st["exp_avg_sq"].view(-1)[start:end]],
-                             [st["step"]], group, beta1, beta2, grad_scale)
+            _fused_adamw([w], [g], [flat_m[start:end]], [flat_v[start:end]], [st["step"]], group, beta1, beta2,
+                         grad_scale)
             if bf16:
-                stochastic_round_(flat_p[start:end], w, rounding_key(self.seed, self._index[p], step), offset=start)
+                stochastic_round_(flat_p[start:end], w, key, offset=start)
+            if copy is not None:
+                copy.view(-1)[start:end].copy_(w)
 
     @torch.no_grad()
     def step(

@@ -33,7 +33,7 @@ import torch
 from llvmlite import ir as llvm_ir
 from numba import carray, cfunc, njit, types
 from numba.core.ccallback import CFunc
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel, target_cpu, wide_vectors
 
@@ -276,12 +276,129 @@ _ROUND_M = np.float32(2.0**23 + M_ZERO_CODE)
 _ROUND_V1 = np.int32(0x4B000001)  # bits of 2^23 + 1: the smallest nonzero v code
 
 
+# ---------------------------------------------------------------- element access of each layout
+# The step reads and writes each tensor in the dtype it is kept in, so one pass moves each byte once: fp32 or bf16
+# weights (bf16 given as their uint16 bits, written back with stochastic rounding), fp32 or bf16 gradients, and
+# optionally a bf16 copy of fp32 weights (the streamed one). Which code a call site gets follows the arrays' types.
+_I32 = llvm_ir.IntType(32)
+_I16T = llvm_ir.IntType(16)
+
+
+def _i32(value: int) -> llvm_ir.Constant:
+    return llvm_ir.Constant(_I32, value - (1 << 32) if value >= 1 << 31 else value)
+
+
+@intrinsic
+def _widen_bf16(typingctx, bits):  # pragma: no cover - compiled
+    """The fp32 value of bf16 bits (exact: the bits shifted up)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _i32(16)), llvm_ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _nearest_bf16(typingctx, x):  # pragma: no cover - compiled
+    """x rounded to the nearest bf16, ties to even, NaN to 0x7FC0: torch's fp32 -> bf16 cast (c10's
+    round_to_nearest_even), so a copy or a rounded gradient equals `.to(torch.bfloat16)`."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        u = builder.bitcast(args[0], _I32)
+        lsb = builder.and_(builder.lshr(u, _i32(16)), _i32(1))
+        r = builder.lshr(builder.add(builder.add(u, _i32(0x7FFF)), lsb), _i32(16))
+        r = builder.select(builder.fcmp_unordered("uno", args[0], args[0]), _i32(0x7FC0), r)
+        return builder.trunc(r, _I16T)
+
+    return sig, codegen
+
+
+@intrinsic
+def _stochastic_bf16(typingctx, x, index, key):  # pragma: no cover - compiled
+    """x rounded to bf16 stochastically: bf16.py's `_round_bits` for element `index` under `key`, in 32-bit lanes
+    (the hash is arithmetic modulo 2^32 there too, so the bits are the same)."""
+    sig = types.uint16(types.float32, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        h = builder.add(builder.mul(builder.trunc(args[1], _I32), _i32(0x9E3779B1)), builder.trunc(args[2], _I32))
+        h = builder.xor(h, builder.lshr(h, _i32(16)))
+        h = builder.mul(h, _i32(0x7FEB352D))
+        h = builder.xor(h, builder.lshr(h, _i32(15)))
+        h = builder.mul(h, _i32(0x846CA68B))
+        h = builder.xor(h, builder.lshr(h, _i32(16)))
+        u = builder.add(builder.bitcast(args[0], _I32), builder.and_(h, _i32(0xFFFF)))
+        return builder.trunc(builder.lshr(u, _i32(16)), _I16T)
+
+    return sig, codegen
+
+
+def _is_bf16(arr: types.Type) -> bool:
+    return isinstance(arr, types.Array) and arr.dtype == types.uint16
+
+
+def _load_param(p, j):  # pragma: no cover - typed by the overload below
+    """fp32 value of weight j."""
+
+
+@overload(_load_param, inline="always")
+def _load_param_impl(p, j):
+    if _is_bf16(p):
+        return lambda p, j: _widen_bf16(p[j])
+    return lambda p, j: p[j]
+
+
+def _load_grad(g, p, j):  # pragma: no cover - typed by the overload below
+    """fp32 gradient j as the optimizer takes it: the gradient in the weights' dtype (what autograd's `.grad` would
+    hold: a bf16 weight's fp32 sum rounds to bf16 first), then fp32."""
+
+
+@overload(_load_grad, inline="always")
+def _load_grad_impl(g, p, j):
+    if _is_bf16(g):
+        return lambda g, p, j: _widen_bf16(g[j])
+    if _is_bf16(p):
+        return lambda g, p, j: _widen_bf16(_nearest_bf16(g[j]))
+    return lambda g, p, j: g[j]
+
+
+def _store_param(p, j, value, index, key):  # pragma: no cover - typed by the overload below
+    """Weight j := value (bf16 weights: stochastically rounded, the bits of element `index` under `key`)."""
+
+
+@overload(_store_param, inline="always")
+def _store_param_impl(p, j, value, index, key):
+    if _is_bf16(p):
+        def store(p, j, value, index, key):
+            p[j] = _stochastic_bf16(value, index, key)
+        return store
+
+    def store(p, j, value, index, key):
+        p[j] = value
+    return store
+
+
+def _store_copy(c, j, value):  # pragma: no cover - typed by the overload below
+    """Copy j := value rounded to the nearest bf16; an int8 array stands for no copy (nothing written)."""
+
+
+@overload(_store_copy, inline="always")
+def _store_copy_impl(c, j, value):
+    if _is_bf16(c):
+        def store(c, j, value):
+            c[j] = _nearest_bf16(value)
+        return store
+    return lambda c, j, value: None
+
+
 @njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
 def _update_blocks(
-    b_first, b_last, p, g, qm, qv, absmax_m, absmax_v, fm, fs, block_size, beta1, beta2, clip_m, clip_v, eps,
-    decay, step_size, inv_bc2_sqrt,
+    b_first, b_last, p, g, copy, key, qm, qv, absmax_m, absmax_v, fm, fs, block_size, beta1, beta2, clip_m, clip_v,
+    eps, decay, step_size, inv_bc2_sqrt,
 ):  # pragma: no cover - compiled
-    """Blocks [b_first, b_last) of the fused step: decode, update, requantize.
+    """Blocks [b_first, b_last) of the fused step: decode, update, requantize; weights, gradients and the copy in
+    their own dtypes (the element access above), bf16 weights rounded with `key`.
 
     fm, fs: scratch of block_size floats (new m and sqrt(new v) of one block, between update and encode).
     clip_m = (1 - beta1) * clip and clip_v = sqrt(1 - beta2) * clip take the clip coefficient and the
@@ -294,6 +411,7 @@ def _update_blocks(
         cnt = end - start
         # slices: indexing with the nonnegative loop variable lets LLVM vectorize
         pb, gb, qmb, qvb = p[start:end], g[start:end], qm[start:end], qv[start:end]
+        cb = copy[start:end]  # empty where no copy is written
         scale_m = absmax_m[b] * (_INV_M_SQ * beta1)  # decodes beta1 * m
         scale_v = absmax_v[b] * (_INV_V_4 * beta2)  # decodes beta2 * v
         # -- decode, AdamW update with the fp32 moments, the clip coefficient fused in
@@ -306,12 +424,14 @@ def _update_blocks(
             cv = np.float32(qvb[j])
             c2 = cv * cv
             b2_v_old = c2 * c2 * scale_v
-            gj = gb[j]
+            gj = _load_grad(gb, pb, j)
             mj = b1_m_old + clip_m * gj
             hj = clip_v * gj
             vj = b2_v_old + hj * hj
             sj = np.sqrt(vj)  # >= +0: its bits order like its values
-            pb[j] = pb[j] * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
+            pj = _load_param(pb, j) * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
+            _store_param(pb, j, pj, start + j, key)
+            _store_copy(cb, j, pj)
             fm[j] = mj
             fs[j] = sj
             amax_m_bits = max(amax_m_bits, _bits(abs(mj)))
@@ -342,13 +462,17 @@ def _update_blocks(
             qvb[j] = np.uint8(codev & _I255)
 
 
+#: The layout bits of a step: bf16 weights (stochastic rounding), a bf16 gradient, a bf16 copy written.
+P_BF16, G_BF16, COPY_BF16 = 1, 2, 4
+
 #: The 8-bit step's arguments, one record shared by all threads (addresses from ndarray.ctypes.data).
 _STEP_ARGS = np.dtype(
     [
         ("next_item", np.int64),  # work counter: first block of the next item (run_parallel)
-        ("p", np.int64), ("g", np.int64), ("qm", np.int64), ("qv", np.int64),
+        ("p", np.int64), ("g", np.int64), ("copy", np.int64), ("qm", np.int64), ("qv", np.int64),
         ("absmax_m", np.int64), ("absmax_v", np.int64),
-        ("numel", np.int64), ("block_size", np.int64), ("blocks_per_item", np.int64),
+        ("numel", np.int64), ("block_size", np.int64), ("blocks_per_item", np.int64), ("layout", np.int64),
+        ("key", np.int64),
         ("beta1", np.float32), ("beta2", np.float32), ("clip_m", np.float32), ("clip_v", np.float32),
         ("eps", np.float32),
         ("decay", np.float32), ("step_size", np.float32), ("inv_bc2_sqrt", np.float32),
@@ -357,38 +481,63 @@ _STEP_ARGS = np.dtype(
 )  # fmt: skip
 
 
+@njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _work(data, p, g, copy, qm, qv, absmax_m, absmax_v, fm, fs):  # pragma: no cover - compiled
+    """Take work items (blocks_per_item blocks each) until none are left; one copy of the loops per layout."""
+    a = carray(data, 1, _STEP_ARGS)[0]
+    nblocks = absmax_m.size
+    while True:
+        first = fetch_add(data, a.blocks_per_item)
+        if first >= nblocks:
+            return
+        _update_blocks(
+            first, min(nblocks, first + a.blocks_per_item), p, g, copy, a.key, qm, qv, absmax_m, absmax_v, fm, fs,
+            a.block_size, a.beta1, a.beta2, a.clip_m, a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
+        )
+
+
+@njit(cache=True, fastmath=_FASTMATH, error_model="numpy", inline="always")
+def _work_layout(data, qm, qv, absmax_m, absmax_v, fm, fs):  # pragma: no cover - compiled
+    """`_work` with the weights, gradient and copy typed as the record's layout says."""
+    a = carray(data, 1, _STEP_ARGS)[0]
+    n = a.numel
+    no_copy = np.empty(0, np.int8)
+    if a.layout & P_BF16:  # bf16 weights: no copy (they are what streams)
+        p16 = carray(address(a.p), n, np.uint16)
+        if a.layout & G_BF16:
+            _work(data, p16, carray(address(a.g), n, np.uint16), no_copy, qm, qv, absmax_m, absmax_v, fm, fs)
+        else:
+            _work(data, p16, carray(address(a.g), n, np.float32), no_copy, qm, qv, absmax_m, absmax_v, fm, fs)
+        return
+    p32 = carray(address(a.p), n, np.float32)
+    if a.layout & COPY_BF16:
+        copy = carray(address(a.copy), n, np.uint16)
+        if a.layout & G_BF16:
+            _work(data, p32, carray(address(a.g), n, np.uint16), copy, qm, qv, absmax_m, absmax_v, fm, fs)
+        else:
+            _work(data, p32, carray(address(a.g), n, np.float32), copy, qm, qv, absmax_m, absmax_v, fm, fs)
+    elif a.layout & G_BF16:
+        _work(data, p32, carray(address(a.g), n, np.uint16), no_copy, qm, qv, absmax_m, absmax_v, fm, fs)
+    else:
+        _work(data, p32, carray(address(a.g), n, np.float32), no_copy, qm, qv, absmax_m, absmax_v, fm, fs)
+
+
 def _adamw8bit_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernels)
     a = carray(data, 1, _STEP_ARGS)[0]
-    n, bs, per_item = a.numel, a.block_size, a.blocks_per_item
+    n, bs = a.numel, a.block_size
     nblocks = (n + bs - 1) // bs
-    p = carray(address(a.p), n, np.float32)
-    g = carray(address(a.g), n, np.float32)
     qm = carray(address(a.qm), n, np.uint8)
     qv = carray(address(a.qv), n, np.uint8)
     absmax_m = carray(address(a.absmax_m), nblocks, np.float32)
     absmax_v = carray(address(a.absmax_v), nblocks, np.float32)
     # scratch for one block: on the stack when it fits (the two call sites below compile to two copies
     # of the loops, the stack one without most overlap checks), else on the heap
-    on_stack = bs <= STACK_SCRATCH_ELEMS
-    fm_stack = carray(_stack_scratch(), min(bs, STACK_SCRATCH_ELEMS), np.float32)
-    fs_stack = carray(_stack_scratch(), min(bs, STACK_SCRATCH_ELEMS), np.float32)
-    fm_heap = np.empty(0 if on_stack else bs, np.float32)
-    fs_heap = np.empty(0 if on_stack else bs, np.float32)
-    while True:
-        first = fetch_add(data, per_item)
-        if first >= nblocks:
-            return
-        last = min(nblocks, first + per_item)
-        if on_stack:
-            _update_blocks(
-                first, last, p, g, qm, qv, absmax_m, absmax_v, fm_stack, fs_stack, bs, a.beta1, a.beta2, a.clip_m,
-                a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
-            )
-        else:
-            _update_blocks(
-                first, last, p, g, qm, qv, absmax_m, absmax_v, fm_heap, fs_heap, bs, a.beta1, a.beta2, a.clip_m,
-                a.clip_v, a.eps, a.decay, a.step_size, a.inv_bc2_sqrt,
-            )
+    if bs <= STACK_SCRATCH_ELEMS:
+        fm = carray(_stack_scratch(), min(bs, STACK_SCRATCH_ELEMS), np.float32)
+        fs = carray(_stack_scratch(), min(bs, STACK_SCRATCH_ELEMS), np.float32)
+        _work_layout(data, qm, qv, absmax_m, absmax_v, fm, fs)
+    else:
+        _work_layout(data, qm, qv, absmax_m, absmax_v, np.empty(bs, np.float32), np.empty(bs, np.float32))
 
 
 def adamw8bit_step_(
@@ -407,29 +556,44 @@ def adamw8bit_step_(
     eps: float,
     weight_decay: float,
     step: int,
+    rounding_key: int = 0,
+    copy: torch.Tensor | None = None,
 ) -> None:
-    """One fused AdamW step on a contiguous fp32 tensor with 8-bit states, in place.
+    """One fused AdamW step on a contiguous tensor with 8-bit states, in place, in one pass over memory.
 
+    p: fp32 weights, or bf16 ones rounded back stochastically with `rounding_key` (bf16.py: each element draws
+    the bits of its index in p). g: the gradient, fp32 or bf16 (other dtypes are cast first); for bf16 weights an
+    fp32 gradient rounds to bf16 first (as autograd's `.grad` of a bf16 tensor would). copy: a bf16 tensor that
+    receives the new fp32 weights rounded to nearest (the streamed copy, as `copy.copy_(p)` would write it).
     Runs on torch.get_num_threads() threads (torch's OpenMP team, see parallel.py) for tensors >=
     PARALLEL_MIN_NUMEL. `step` is the 1-based step count after increment (bias correction as
     torch.optim.AdamW).
     """
-    g = g.detach().reshape(-1).to(torch.float32).contiguous()  # no copy when fp32 and contiguous
+    g = g.detach().reshape(-1)
+    if g.dtype not in (torch.float32, torch.bfloat16):
+        g = g.to(torch.float32)
+    g = g.contiguous()  # no copy when contiguous
     n = p.numel()
     nblocks = absmax_m.numel()
     # the kernel reads and writes through raw addresses: check what it will assume
-    tensors = [(p, torch.float32, n), (g, torch.float32, n), (qm, torch.uint8, n), (qv, torch.uint8, n),
+    tensors = [(p, p.dtype, n), (g, g.dtype, n), (qm, torch.uint8, n), (qv, torch.uint8, n),
                (absmax_m, torch.float32, -(-n // block_size)), (absmax_v, torch.float32, -(-n // block_size))]
-    if not all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype and t.numel() == numel
-               for t, dtype, numel in tensors):
+    if copy is not None:
+        tensors.append((copy, torch.bfloat16, n))
+    if not (all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype and t.numel() == numel
+                for t, dtype, numel in tensors)
+            and p.dtype in (torch.float32, torch.bfloat16) and not (copy is not None and p.dtype == torch.bfloat16)):
         raise ValueError(f"adamw8bit_step_: inconsistent host tensors for {n} params in blocks of {block_size}")
+    layout = (P_BF16 * (p.dtype == torch.bfloat16) + G_BF16 * (g.dtype == torch.bfloat16)
+              + COPY_BF16 * (copy is not None))
     n_threads = 1 if n < PARALLEL_MIN_NUMEL else num_threads()
     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
     args = np.array(
         [(
             0,
-            p.data_ptr(), g.data_ptr(), qm.data_ptr(), qv.data_ptr(), absmax_m.data_ptr(), absmax_v.data_ptr(),
-            n, block_size, -(-nblocks // (_ITEMS_PER_THREAD * n_threads)),
+            p.data_ptr(), g.data_ptr(), 0 if copy is None else copy.data_ptr(), qm.data_ptr(), qv.data_ptr(),
+            absmax_m.data_ptr(), absmax_v.data_ptr(),
+            n, block_size, -(-nblocks // (_ITEMS_PER_THREAD * n_threads)), layout, rounding_key & 0xFFFFFFFF,
             beta1, beta2,
             # in float64: float32(1) - float32(0.999) is off by 1e-5 relative
             (1.0 - beta1) * clip_coef, (1.0 - beta2) ** 0.5 * clip_coef,
