@@ -96,6 +96,7 @@ def assert_trainable_match(model: torch.nn.Module, loss: float, ref_loss: float,
         assert err <= TOL, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_lora_matches_peft(kind: str) -> None:
     model = make_model(kind)
@@ -110,6 +111,7 @@ def test_lora_matches_peft(kind: str) -> None:
     assert ex.last_step.peak_device_bytes == ex.last_step.predicted_peak_device_bytes
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_lora_dropout_draws_peft_masks(kind: str) -> None:
     """Dropout > 0: the same seed gives PEFT's masks, though the executor runs each layer's forward up to three
@@ -132,6 +134,7 @@ def test_lora_dropout_draws_peft_masks(kind: str) -> None:
     assert abs(other - ref_loss) > TOL * abs(ref_loss)
 
 
+@pytest.mark.exactness
 def test_rslora_and_additional_target_match_peft() -> None:
     model = make_model("qwen2")  # q/k/v biases, tied embeddings
     twin = peft_twin(model, rank=2, dropout=0.0, use_rslora=True, modules_to_save=["norm"])
@@ -142,6 +145,7 @@ def test_rslora_and_additional_target_match_peft() -> None:
     assert_trainable_match(ours, loss, ref_loss, ref_grads)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3_moe"])
 @pytest.mark.parametrize(("layers", "modules", "extra"), [(2, ("all",), ()), (-1, ("mlp",), ("embed_tokens",)),
                                                           (1, ("self_attn",), ("norm", "lm_head"))])
@@ -158,6 +162,7 @@ def test_freeze_tuning_matches_requires_grad_false(kind, layers, modules, extra)
     assert ex.param_groups()[ex.index_of(frozen[0])] == []  # nor has anything to update
 
 
+@pytest.mark.exactness
 def test_kept_layers_with_lora() -> None:
     model = make_model("llama")
     twin = peft_twin(model, rank=3, dropout=0.0)

@@ -55,6 +55,7 @@ def _two_pass_(p: torch.Tensor, grad: torch.Tensor, st: dict, index: int, step: 
         copy.copy_(w.view_as(copy))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("states", ["8-bit", "fp32"])
 @pytest.mark.parametrize(("masters", "kept", "copy"), [
     (torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float32, False),
@@ -91,6 +92,7 @@ def test_one_pass_equals_two_pass_bit_for_bit(two_threads, states, masters, kept
     assert not torch.equal(params[0].float(), start[0].float())  # it did train
 
 
+@pytest.mark.exactness
 @pytest.mark.slow
 def test_one_pass_equals_two_pass_in_avx2_code():
     """The same in the code an AVX2-only CPU gets (numba and torch both): a fresh process, compiled for haswell."""
