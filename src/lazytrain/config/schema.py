@@ -299,7 +299,8 @@ class RuntimeConfig:
     hybrid8bit optimizer: the streamed bf16 weights are the masters, updated with stochastic rounding; 4
     bytes/param). Gradient accumulation adds an fp32 gradient sum (4 bytes/param)."""
     h2d_gbps: float = EMULATED_LINK_GBPS["h2d_gbps"]  # the emulated preset's rates (costmodel/hardware.py)
-    """Emulated host -> device link rate, GB/s (> 0; `inf` = unthrottled). CUDA uses the real link."""
+    """Emulated host -> device link rate, GB/s (0.001..1e6, or `inf` = unthrottled; every `*_gbps` the same).
+    CUDA uses the real link."""
     d2h_gbps: float = EMULATED_LINK_GBPS["d2h_gbps"]
     """Emulated device -> host link rate, GB/s."""
     nvme_read_gbps: float = EMULATED_LINK_GBPS["nvme_read_gbps"]

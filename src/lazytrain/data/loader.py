@@ -196,9 +196,9 @@ class Loader:
         most = batches_drawn * self.batch_size * (self.seq_len if self.packing else 1)
         if not 0 <= position < len(self.examples) or not batches_drawn * self.batch_size <= taken <= most:
             raise LazyTrainError(f"the checkpoint's data position (epoch {epoch}, example {position}) does not fit "
-                                 f"the {batches_drawn} batches its step drew (step x gradient_accumulation_steps); "
-                                 "the checkpoint is damaged, or gradient_accumulation_steps changed: resume with "
-                                 "the checkpoint's")
+                                 f"the {batches_drawn} batches of {self.batch_size} rows its step drew (step x "
+                                 "gradient_accumulation_steps); the checkpoint is damaged, or the batch size or "
+                                 "gradient_accumulation_steps changed: resume with the checkpoint's")
         self.epoch, self.position = epoch, position
         self._order = self._permutation(self.epoch)
 
