@@ -83,7 +83,9 @@ def step_adamw(optimizer: torch.optim.AdamW, indices: list[int], grads: dict[tor
             torch._foreach_add_([state["step"]], 1)
             flat_p, flat_g = p.detach().view(-1), grad.detach().reshape(-1)
             flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-            for start, end in chunk_ranges(p.numel()):
+            # an fp32 gradient is clipped and read in place: no copy, so no chunks (each is a parallel region)
+            ranges = [(0, p.numel())] if grad.dtype == torch.float32 else chunk_ranges(p.numel())
+            for start, end in ranges:
                 g = flat_g[start:end] if grad.dtype == torch.float32 else scratch.grad(flat_g[start:end], torch.float32)
                 if clip_coef is not None:
                     g.mul_(clip_coef)
