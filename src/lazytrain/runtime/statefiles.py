@@ -214,7 +214,7 @@ class StateFiles:
             raise
         # one queue per direction, as the step program has one NVMe lane each: a write's requests never wait behind
         # a read's in a shared queue (where they did, the in-step writes ran at half the disk's rate:
-        # benchmarks/offload.py memory)
+        # benchmarks/offload.py state-ops)
         self._pools = {write: ThreadPoolExecutor(max_workers=queue_depth,
                                                  thread_name_prefix=f"lazytrain-state-{'write' if write else 'read'}")
                        for write in (False, True)}
