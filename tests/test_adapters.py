@@ -80,7 +80,7 @@ def reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
     ref = copy.deepcopy(model)
     out = ref(input_ids=ids, labels=labels)
     out.loss.backward()
-    return float(out.loss), {our_name(n): p.grad
+    return float(out.loss.detach()), {our_name(n): p.grad
                              for n, p in ref.named_parameters() if p.requires_grad}
 
 

@@ -5,6 +5,7 @@
   hardware.py    HardwareSpec: presets, files, this machine; the links and their rates
   workload.py    one step's batch, sequence length, dtype, masking
   topology.py    ranks and nodes: shared host bytes, collective rates
+  trainable.py   which parameters train (full, LoRA, freeze): what a frozen base costs
   cost.py        CostModel: every second and byte the planner and the simulator use
   presets/       config.json files of the named models
 """

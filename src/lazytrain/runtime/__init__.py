@@ -5,12 +5,14 @@
   step.py          one step in progress: runs the step program's actions on the device
   shapes.py        the bytes one step moves and holds at a batch shape (formulas or measured)
   hf.py            the transformers adapter (layers, rotary, masks, the chunked loss head)
+  adapters.py      LoRA adapters (PEFT's arithmetic, names and folder) and freeze tuning on a model
   store.py         host and NVMe homes of offloaded boundaries
   files.py         positioned file I/O on nameless files (spills and state files)
   statefiles.py    the optimizer's state files on NVMe, read and written whole
   live_bytes.py    the true device bytes of a step (a measuring device)
   weights.py       safetensors into fp32 host masters; the model's spec
   probe.py         the calibration probe: timed steps of an all-gpu plan
+  nvme_probe.py    the SSD under nvme_dir, measured as the state files use it
   calibrate.py     measured steps -> a CostModel
   replan.py        re-planning from measured steps while training
 

@@ -15,6 +15,7 @@ The package, in the order a run uses it (torchtitan's components behind a short 
   metrics.py     report lines, metrics.jsonl, trackers, loss.png
   signals.py     SIGINT / SIGTERM: finish the step, save, exit 130 / 143
   export.py      `lazytrain export`: a checkpoint (LoRA merged into its base) as an HF model folder
+  peak.py        the whole process's peak resident memory, beside what admission counted
 """
 
 from importlib import import_module

@@ -74,6 +74,8 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
     meta = meta_model(source.config)
     check_host_fits(job, built_spec(source.config, meta))
     masters = torch.bfloat16 if job.runtime.master_weights == "bf16" else torch.float32
+    if job.finetune.finetuning_type == "lora":  # the base is frozen: loaded straight into the compute dtype
+        masters = compute_dtype(job)
     if ranks is not None and ranks.local_rank != 0:
         model = meta.to(masters)  # shapes only: the node's copy is mapped below
     else:
