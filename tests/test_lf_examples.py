@@ -24,6 +24,8 @@ import transformers
 import yaml
 
 from lazytrain.config import load_job_config
+from lazytrain.data.loader import Example
+from lazytrain.data.sft import group_texts
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
 from lazytrain.train.metrics import plot_losses
@@ -91,11 +93,26 @@ def test_plot_loss_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, 
     assert "pip install 'lazytrain[viz]'" in capsys.readouterr().out and not (tmp_path / "loss.png").exists()
 
 
+@pytest.mark.slow  # 2 steps of 8 x 2048 tokens
 def test_pretraining_on_lfs_c4_demo(repo):
     """qwen3_lora_pretrain.yaml with its LoRA keys left out (the LoRA issue's): stage pt on c4_demo's text."""
     done = _run(repo, "examples/train_lora/qwen3_lora_pretrain.yaml", ("finetuning_type", "lora_rank", "lora_target"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "dataset  c4_demo (text: 6 train / 0 held-out examples" in done.stdout
+    # packing on, as LF's pt: the 6 documents end to end in blocks of cutoff_len 2048, none cut
+    line = next(line for line in done.stdout.splitlines() if line.startswith("dataset  c4_demo (text: "))
+    blocks = int(line.split("(text: ")[1].split(" train")[0])
+    assert blocks >= 1 and "0 truncated to cutoff_len" in line
+    assert f", {blocks * 2048:,} train tokens" in line
+
+
+def test_group_texts_lays_documents_end_to_end_in_blocks():
+    docs = [[RNG.randrange(1000) for _ in range(RNG.randrange(1, 30))] for _ in range(20)]
+    examples = [Example(d, d) for d in docs]
+    whole = [t for d in docs for t in d]
+    blocks = group_texts(examples, 16)
+    assert len(blocks) == len(whole) // 16
+    assert [t for b in blocks for t in b.input_ids] == whole[:len(blocks) * 16]
+    assert all(b.labels == b.input_ids and len(b.input_ids) == 16 for b in blocks)
 
 
 @pytest.mark.parametrize("example, line", [
