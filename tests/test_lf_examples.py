@@ -26,6 +26,7 @@ import yaml
 from lazytrain.config import load_job_config
 from lazytrain.data.loader import Example
 from lazytrain.data.sft import group_texts
+from lazytrain.data.sources import resolve
 from lazytrain.data.tokenizer import train_bpe_tokenizer
 from lazytrain.errors import LazyTrainError
 from lazytrain.train.metrics import plot_losses
@@ -168,3 +169,14 @@ def test_every_first_pass_problem_at_once(repo):
                           env={**env, "HF_HOME": str(repo / "empty-hf-home")}, timeout=120, cwd=repo)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "dataset someone/not-downloaded is not in the local HF datasets cache" in done.stderr
+
+
+def test_a_remote_dataset_dir_is_its_snapshot_in_the_hub_cache(tmp_path, monkeypatch):
+    """LF's `dataset_dir: REMOTE:llamafactory/demo_data` (qwen3_lora_sft_ray.yaml) reads the local hub cache only."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(LazyTrainError, match="llamafactory/demo_data is not in the local HF hub cache"):
+        resolve(("identity",), "REMOTE:llamafactory/demo_data")
+    snapshot = tmp_path / "hub" / "datasets--llamafactory--demo_data" / "snapshots" / "0123abc"
+    shutil.copytree(LF_REPO / "data", snapshot)
+    [source] = resolve(("identity",), "REMOTE:llamafactory/demo_data")
+    assert source.path == snapshot / "identity.json"
