@@ -364,7 +364,9 @@ def test_foreign_values(values, expected):
                                                                   "eval_strategy epoch"),
     ({"load_best_model_at_end": True, "eval_strategy": "no"}, "eval_strategy no, save_strategy steps"),
     ({"eval_strategy": "steps"}, "needs eval_steps"),
-    ({"pissa_iter": 8}, "pissa_iter = 8 (a LLaMA-Factory key): a LLaMA-Factory setting LazyTrain does not implement"),
+    ({"pissa_iter": 8}, "pissa_iter = 8 asks for PiSSA, which LazyTrain does not do"),
+    ({"module_dropout": 0.1}, "module_dropout = 0.1 (a LLaMA-Factory key): a LLaMA-Factory setting LazyTrain does not "
+                              "implement"),
     ({"push_to_hub": True}, "nothing leaves this machine"),
     ({"optim": "sgd"}, "LazyTrain's optimizers are adamw"),
     ({"bf16": "maybe"}, "expected true or false"),

@@ -311,6 +311,10 @@ TABLE: dict[str, Foreign] = {
                             "LLaMA Pro"),
     "use_dft_loss": refuse(LF, _LOSS, "the DFT loss"), "use_asft_loss": refuse(LF, _LOSS, "the ASFT loss"),
     "use_eaft_loss": refuse(LF, _LOSS, "the EAFT loss"),
+    **{key: refuse(LF, "LazyTrain's adapters are LoRA (finetuning_type lora); OFT is not implemented", "OFT")
+       for key in ("oft_rank", "oft_block_size", "oft_target")},
+    **{key: refuse(LF, "LazyTrain's LoRA adapters start from the standard initialization; PiSSA is not "
+                        "implemented", "PiSSA") for key in ("pissa_iter", "pissa_convert")},
     "mixture_of_depths": refuse(LF, "LazyTrain trains the model's own layers; mixture of depths is not implemented",
                                 "mixture of depths"),
     "use_swanlab": refuse(LF, "trackers are report_to wandb, mlflow or tensorboard; SwanLab is not integrated"),
@@ -421,8 +425,7 @@ TABLE: dict[str, Foreign] = {
 # off (None, false, 0), with one generic sentence.
 OTHER_KEYS: dict[str, str] = dict.fromkeys((
     "buffer_size eval_num_beams data_shared_file_system preserve_thinking "
-    "loraplus_lr_embedding pissa_iter pissa_convert create_new_adapter module_dropout oft_rank oft_block_size "
-    "oft_target pref_beta pref_ftx "
+    "loraplus_lr_embedding create_new_adapter module_dropout pref_beta pref_ftx "
     "pref_bco_weight pref_loss dpo_label_smoothing kto_chosen_weight kto_rejected_weight simpo_gamma ppo_buffer_size "
     "ppo_epochs ppo_score_norm ppo_target ppo_whiten_rewards ref_model ref_model_adapters ref_model_quantization_bit "
     "reward_model reward_model_adapters reward_model_quantization_bit reward_model_type ld_alpha galore_target "

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "Row", "SftData", "load_rows", "load_sft", "split_off", "tokenize_rows"]
 
+UNCUT = 2**31  # the cutoff of documents that group_texts lays end to end (none is cut)
 CACHE_VERSION = 2  # bump when the tokenization below changes what it writes
 FEATURES = datasets.Features({
     "kind": datasets.Value("string"),
@@ -250,6 +251,7 @@ class Tokenization:
     batch_size: int = 1000
     cache_dir: Path | None = None  # None: tokenize in memory, cache nothing
     overwrite_cache: bool = False
+    group_texts: bool = False  # plain text: the documents end to end, cut in blocks of cutoff_len (LF's pt packing)
 
 
 def load_rows(path: str | Path) -> list[Row]:
@@ -332,8 +334,9 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
               key: dict[str, Any] | None) -> SftData:
     """Tokenize `table` (through the cache when `how.cache_dir` is set and `key` names the rows) into SftData."""
     note = _use_template(tokenizer, how.template, table)
-    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt, cutoff_len=how.cutoff_len,
-                  template=how.template)
+    grouped = how.group_texts and set(table.unique("kind")) == {"text"}
+    kwargs = dict(tokenizer=tokenizer, train_on_prompt=how.train_on_prompt,
+                  cutoff_len=UNCUT if grouped else how.cutoff_len, template=how.template)
     datasets.disable_progress_bars()
     cached = False
     if how.cache_dir is None or key is None:
@@ -351,10 +354,25 @@ def _tokenize(table: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, how: 
                                  skipped, strict=True):
         if not skip:
             data.examples.append(Example(input_ids=ids, labels=labels))
+    if grouped:
+        tokens = sum(len(ex.input_ids) for ex in data.examples)
+        data.examples = group_texts(data.examples, how.cutoff_len)
+        if not data.examples:
+            raise LazyTrainError(f"the {len(table)} documents hold {tokens:,} tokens, less than one block of "
+                                 f"cutoff_len {how.cutoff_len}; lower cutoff_len or give more text")
     if not data.examples:
         raise LazyTrainError(f"none of the {len(table)} rows gives an example with a response token within "
                              f"cutoff_len {how.cutoff_len}; raise cutoff_len or check the dataset")
     return data
+
+
+def group_texts(examples: list[Example], block_len: int) -> list[Example]:
+    """The documents end to end (each ends with EOS), cut in blocks of `block_len` tokens, the remainder dropped:
+    LLaMA-Factory's pretraining with packing (as HF's run_clm); a block attends across the documents in it."""
+    ids = [t for ex in examples for t in ex.input_ids]
+    labels = [t for ex in examples for t in ex.labels]
+    return [Example(ids[i:i + block_len], labels[i:i + block_len])
+            for i in range(0, len(ids) - block_len + 1, block_len)]
 
 
 def _use_template(tokenizer: PreTrainedTokenizerBase, template: str | None, table: datasets.Dataset) -> str:
@@ -380,7 +398,8 @@ def _fingerprint(key: dict[str, Any], tokenizer: PreTrainedTokenizerBase, how: T
     described = {**key, "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
                  "specials": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token],
                  "chat_template": tokenizer.chat_template, "cutoff_len": how.cutoff_len,
-                 "train_on_prompt": how.train_on_prompt, "template": how.template, "version": CACHE_VERSION}
+                 "train_on_prompt": how.train_on_prompt, "template": how.template, "group_texts": how.group_texts,
+                 "version": CACHE_VERSION}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

@@ -101,7 +101,7 @@ def check_file_or_folder(path: Path, key: str = "dataset") -> None:
 def uncached(sources: list[Source]) -> list[str]:
     """The hub ids among `sources` with no folder in the local HF caches (datasets' `owner___name`, the hub's
     `datasets--owner--name`): read from disk, without importing datasets, so the first pass can name them."""
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    home = _hf_home()
     roots = {Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser(): "{}___{}",
              Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser(): "datasets--{}--{}"}
     missing = []
@@ -114,10 +114,31 @@ def uncached(sources: list[Source]) -> list[str]:
     return missing
 
 
+def _hf_home() -> Path:
+    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+
+
+def registry_dir(dataset_dir: str) -> Path:
+    """`dataset_dir`; LF's `REMOTE:owner/name` (a dataset repository holding dataset_info.json) is its snapshot in
+    the local HF hub cache, the newest: nothing is downloaded during a run."""
+    if not dataset_dir.startswith("REMOTE:"):
+        return Path(dataset_dir)
+    repo = dataset_dir.removeprefix("REMOTE:").strip("/")
+    hub = Path(os.environ.get("HF_HUB_CACHE", _hf_home() / "hub")).expanduser()
+    snapshots = sorted((hub / f"datasets--{repo.replace('/', '--')}" / "snapshots").glob("*/"),
+                       key=lambda p: p.stat().st_mtime)
+    if not snapshots:
+        raise LazyTrainError(f"dataset_dir {dataset_dir}: {repo} is not in the local HF hub cache ({hub}); nothing is "
+                             f"downloaded during a run: download it once with hf download {repo} --repo-type dataset, "
+                             "or set dataset_dir to a local folder")
+    return snapshots[-1]
+
+
 def resolve(names: tuple[str, ...], dataset_dir: str, key: str = "dataset") -> list[Source]:
     """Each name as a Source: an existing path first, then a `dataset_info.json` entry, then an id for the HF
     cache (a name of the form `owner/name` or one that is none of the others; whether it is cached is known only
     when it is read). A name that can be none of them is refused naming what was looked for."""
+    dataset_dir = str(registry_dir(dataset_dir))
     info = _dataset_info(Path(dataset_dir))
     sources = []
     for name in names:

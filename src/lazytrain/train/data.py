@@ -71,7 +71,8 @@ def load_data(job: JobConfig, world_size: int = 1, exact_match_file: Path | None
     d = job.data
     how = Tokenization(cutoff_len=seq_len, train_on_prompt=d.train_on_prompt, template=d.template,
                        num_proc=d.preprocessing_num_workers, batch_size=d.preprocessing_batch_size,
-                       cache_dir=cache_dir() / "tokenized", overwrite_cache=d.overwrite_cache)
+                       cache_dir=cache_dir() / "tokenized", overwrite_cache=d.overwrite_cache,
+                       group_texts=d.packing and d.dataset_format == "text")
     sft = load_sft(d.dataset, tokenizer, dataset_format=d.dataset_format, cutoff_len=seq_len, val_size=d.val_size,
                    eval_dataset=d.eval_dataset, seed=data_seed, max_samples=d.max_samples,
                    mix_strategy=d.mix_strategy, interleave_probs=d.interleave_probs, dataset_dir=d.dataset_dir,
