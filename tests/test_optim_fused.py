@@ -114,7 +114,7 @@ def _triad_gbps(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
     return 12 * a.numel() / (time.perf_counter() - t0) / 1e9
 
 
-@pytest.mark.slow
+@pytest.mark.perf  # a timing: CI's machine is shared, so it runs where asked (pytest -m perf), as a benchmark does
 @pytest.mark.parametrize(("optimizer", "dtype", "masters", "accumulation"), [
     ("8bit", "bf16", "bf16", 1),  # bf16 weights and gradient: 10 B/param
     ("8bit", "bf16", "bf16", 2),  # an fp32 sum: 12
