@@ -130,7 +130,7 @@ def reference(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[float, Gr
     exact_out = exact(**inputs)
     exact_out.loss.backward()
     grads.rounding = {n: float((grads[n].double() - p.grad).norm()) for n, p in exact.named_parameters()}
-    grads.loss_rounding = abs(float(out.loss) - float(exact_out.loss))
+    grads.loss_rounding = abs(float(out.loss.detach()) - float(exact_out.loss.detach()))
     return float(out.loss.detach()), grads
 
 
