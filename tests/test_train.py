@@ -207,11 +207,12 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
         assert not link._thread.is_alive()
 
 
-@pytest.mark.parametrize("masters", ["fp32", "bf16"])
-def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeypatch, tmp_path, masters):
-    """The run's states never sit in host memory together: its calibration steps the largest layer's alone (its
-    fp32 masters read from the model's file for it, the others left there), and the update's seconds are the
-    measured ones scaled to the whole model by its share of the parameters."""
+@pytest.mark.parametrize("masters, offload, world", [("fp32", "nvme", 1), ("bf16", "nvme", 1), ("bf16", "host", 2)])
+def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeypatch, tmp_path, masters, offload,
+                                                                         world):
+    """The run's states never sit in host memory together (on NVMe; or sharded over ranks): its calibration steps
+    the largest layer's alone (its fp32 masters read from the model's file for it, the others left there), and the
+    update's seconds are the measured ones scaled to the whole model by its share of the parameters."""
     import statistics
 
     from lazytrain.runtime import probe
@@ -228,8 +229,9 @@ def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeyp
     for p in saved.parameters():
         p.data.normal_(0, 0.05)
     saved.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    # (world 2: the states sharded over the ranks, rank 0 calibrating for all: the job as torchrun's ranks resolve it)
     cfg = job(**{**GOLDEN_CONFIG, "model": str(tmp_path / "model"), "dtype": "bf16"}, master_weights=masters,
-              optimizer="8bit", optimizer_offload="nvme", nvme_dir=str(tmp_path))
+              optimizer="8bit", optimizer_offload=offload, nvme_dir=str(tmp_path), world_size=world)
     data = load_data(cfg)
     model = build_model(cfg, model_source(cfg, data.vocab_size))
     built, probed = [], []
@@ -245,7 +247,7 @@ def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeyp
     share = sum(p.numel() for p in layer) / sum(p.numel() for p in model.parameters())
     assert cost.total_optimizer_s == pytest.approx(statistics.median(updates) / share, rel=QUANTUM)
     # fp32 masters bound for the state files are still only in the model's file, the stepped layer's included
-    assert [held_elsewhere(p) for p in model.parameters()] == [masters == "fp32" and p is not
+    assert [held_elsewhere(p) for p in model.parameters()] == [masters == "fp32" and offload == "nvme" and p is not
                                                                model.model.embed_tokens.weight
                                                                for p in model.parameters()]
 

@@ -10,7 +10,8 @@
   files.py         positioned file I/O on nameless files (spills and state files)
   statefiles.py    the optimizer's state files on NVMe, read and written whole
   live_bytes.py    the true device bytes of a step (a measuring device)
-  weights.py       safetensors into fp32 host masters; the model's spec
+  weights.py       safetensors straight into the run's layout (masters bound for NVMe left in the file)
+  nvme_probe.py    the disk under nvme_dir timed as the state files use it, remembered
   probe.py         the calibration probe: timed steps of an all-gpu plan
   nvme_probe.py    the SSD under nvme_dir, measured as the state files use it
   calibrate.py     measured steps -> a CostModel

@@ -13,6 +13,7 @@ The package, in the order a run uses it (torchtitan's components behind a short 
   state_data.py  optimizer, data-position and RNG states as data (safetensors + JSON), checked on the way back
   hf_state.py    trainer_state.json as the HF Trainer writes it
   metrics.py     report lines, metrics.jsonl, trackers, loss.png
+  peak.py        the whole process's peak RSS by phase, beside what admission counted
   signals.py     SIGINT / SIGTERM: finish the step, save, exit 130 / 143
   export.py      `lazytrain export`: a checkpoint (LoRA merged into its base) as an HF model folder
   peak.py        the whole process's peak resident memory, beside what admission counted

@@ -175,7 +175,9 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
     # masters read from the model's file for it, when they wait there for the state files: runtime/weights.py)
     spec = spec_of(model)
     largest = max(range(spec.num_layers), key=lambda j: spec.layer_params[j])
-    names = {f"layer{largest}"} if job.runtime.optimizer_offload == "nvme" else None
+    # (with ranks, likewise: the run shards the states over the node's ranks, and rank 0 calibrates for all of them)
+    sharded = job.parallel.world_size > 1
+    names = {f"layer{largest}"} if job.runtime.optimizer_offload == "nvme" or sharded else None
     share = spec.layer_params[largest] / spec.num_params if names else 1.0
     stepped = list(find_parts(model).layers[largest].parameters()) if names else []
 
