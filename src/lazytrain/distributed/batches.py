@@ -50,6 +50,19 @@ class RankBatches:
         self.source.load_state_dict({k: v for k, v in state.items() if k != "world_size"}, batches_drawn)
 
 
+def check_batches_drawn(data_state: dict[str, object], batches_drawn: int) -> None:
+    """A text corpus's position (`consumed`: batches given) is the batches the checkpoint's step drew (step x
+    gradient_accumulation_steps): checked as the checkpoint is read, before anything is built, since walking to it
+    draws every one of them. A dataset's position (epoch, example) is its loader's to check: it needs the data."""
+    if "consumed" not in data_state:
+        return
+    consumed = data_state["consumed"]
+    if consumed != batches_drawn or isinstance(consumed, bool) or set(data_state) - {"consumed", "world_size"}:
+        raise LazyTrainError(f"the checkpoint's data position {str(data_state)[:120]} is not the {batches_drawn} "
+                             "batches its step drew (step x gradient_accumulation_steps); the checkpoint is damaged, "
+                             "or gradient_accumulation_steps changed: resume with the checkpoint's")
+
+
 def check_world_size(data_state: dict[str, object], world_size: int) -> None:
     """Refuse to resume a checkpoint of another world size (its data position counts other global batches)."""
     saved = int(data_state.get("world_size", 1))  # type: ignore[call-overload]

@@ -139,7 +139,8 @@ def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path, Path | 
     resume_from = resume_checkpoint(job.checkpoint.resume_from_checkpoint, out,
                                     overwrite=job.checkpoint.overwrite_output_dir)
     saved = None if resume_from is None else read_checkpoint(
-        resume_from, optimizer_kind=job.optim.optimizer, world_size=1 if ranks is None else ranks.world_size)
+        resume_from, optimizer_kind=job.optim.optimizer, world_size=1 if ranks is None else ranks.world_size,
+        batches_per_step=job.optim.gradient_accumulation_steps)
     mine = out / f"rank-{ranks.rank}" if ranks is not None and not ranks.is_main else out  # made with the run's
     return out, mine, resume_from, saved
 

@@ -55,7 +55,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from lazytrain import jsonio
-from lazytrain.distributed.batches import check_world_size
+from lazytrain.distributed.batches import check_batches_drawn, check_world_size
 from lazytrain.distributed.ranks import RankLost
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
@@ -494,9 +494,10 @@ class Saved:
     rng: dict[str, Any]
 
 
-def read_checkpoint(path: Path, *, optimizer_kind: str, world_size: int) -> Saved:
+def read_checkpoint(path: Path, *, optimizer_kind: str, world_size: int, batches_per_step: int) -> Saved:
     """The JSON parts of checkpoint `path` (its files already matched the manifest), checked against what the run
-    can resume: its world size and optimizer. One line naming the checkpoint when they do not fit."""
+    can resume: its world size, optimizer and (a corpus's) data position, `batches_per_step` (micro-batches) a step.
+    One line naming the checkpoint when they do not fit."""
     state_dir = path / STATE_DIR
     try:
         docs = {name: json.loads((state_dir / f"{name}.json").read_text())
@@ -509,6 +510,7 @@ def read_checkpoint(path: Path, *, optimizer_kind: str, world_size: int) -> Save
             raise state_data.BadState(f"it was written with optimizer {saved.optimizer.get('kind')!r} and this run "
                                        f"has {optimizer_kind!r}; resume with optimizer {saved.optimizer.get('kind')}")
         check_world_size(saved.data, world_size)
+        check_batches_drawn(saved.data, saved.state.step * batches_per_step)
     except READ_ERRORS as err:
         raise _unreadable(path, err) from None
     return saved

@@ -27,6 +27,7 @@ from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens
 from lazytrain.data.sft import Row, SftData, Tokenization, load_sft
 from lazytrain.data.sources import check_names
 from lazytrain.data.tokenizer import load_tokenizer
+from lazytrain.distributed.batches import check_batches_drawn
 from lazytrain.errors import LazyTrainError
 from lazytrain.paths import cache_dir
 from lazytrain.runtime.weights import resolve_model
@@ -162,11 +163,10 @@ class CorpusBatches:
     def load_state_dict(self, state: dict[str, object], batches_drawn: int) -> None:
         """Draw up to the checkpoint's position, which must be the `batches_drawn` its step took (step x
         gradient_accumulation_steps): a position from a damaged or edited data.json is never walked to."""
-        consumed = state.get("consumed")
-        if consumed != batches_drawn or isinstance(consumed, bool) or len(state) != 1:
-            raise LazyTrainError(f"the checkpoint's data position {str(state)[:120]} is not the {batches_drawn} "
-                                 "batches its step drew (step x gradient_accumulation_steps); the checkpoint is "
-                                 "damaged, or gradient_accumulation_steps changed: resume with the checkpoint's")
+        if set(state) != {"consumed"}:
+            raise LazyTrainError(f"the checkpoint's data position {str(state)[:120]} is not a text corpus's "
+                                 "(consumed batches); the checkpoint is damaged")
+        check_batches_drawn(state, batches_drawn)
         for _ in range(batches_drawn - self.consumed):
             self.next()
 
