@@ -61,9 +61,9 @@ from lazytrain.plan.sim import op_seconds, simulate, step_seconds
 from lazytrain.runtime.calibrate import calibrate, probe_steps, rebuilt
 from lazytrain.runtime.executor import StepStats
 from lazytrain.train.build import build_device, build_executor, build_model, fit_device_cap, model_source
-from lazytrain.train.data import load_data
 from lazytrain.train.metrics import MetricsLog
 from lazytrain.train.planning import plan_run
+from lazytrain.train.run_data import load_data
 from lazytrain.train.trainer import Trainer
 
 KINDS = ("forward", "recompute", "keep", "head", "backward", "backprop", *LINKS, "update", "land", "embedding")

@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lazytrain.data.default_job import prepare_default_job, read_jsonl
+from lazytrain.data.default_job_files import prepare_default_job, read_jsonl
 from lazytrain.data.loader import Loader
 from lazytrain.data.math import exact_match, generate_answers
 from lazytrain.data.sft import load_sft

@@ -27,8 +27,8 @@ def once(overrides: list[str]) -> dict[str, object]:
     from lazytrain.job.batch import resolve_batch
     from lazytrain.job.resolve import with_math_dataset
     from lazytrain.train.build import build_model, model_source
-    from lazytrain.train.data import load_data
     from lazytrain.train.planning import plan_run
+    from lazytrain.train.run_data import load_data
 
     job = load_job_config(overrides=overrides)
     job = replace(job, runtime=replace(job.runtime, dtype=resolve_dtype(job.runtime.dtype, emulated=True)))

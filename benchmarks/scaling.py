@@ -3,7 +3,7 @@
     python benchmarks/scaling.py                          # both examples, markdown table on stdout
     python benchmarks/scaling.py --time-limit 20 --configs examples/qwen2.5-7b-sft-h800.yaml
 
-Each row is `lazytrain plan CONFIG --world-size N --nodes M` (lazytrain/plan/ranks.py): one rank's plan (the MILP
+Each row is `lazytrain plan CONFIG --world-size N --nodes M` (lazytrain/plan/rank_plan.py): one rank's plan (the MILP
 with the gradients' sums over the ranks on its optimizer lane, per-rank budgets of the example, the node's NVMe
 rate shared by its ranks), the MILP's step beside the simulated step with the sums (equal), the simulated step of
 the plan the MILP makes without them (the one-rank MILP), the tokens/s of all ranks, the seconds of the sums, the
@@ -19,7 +19,7 @@ import argparse
 from lazytrain.config import load_job_config
 from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
 from lazytrain.plan.planner import make_plan
-from lazytrain.plan.ranks import predict_ranks
+from lazytrain.plan.rank_plan import predict_ranks
 from lazytrain.plan.sim import simulate
 
 LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 2))  # (world_size, nodes)

@@ -227,7 +227,7 @@ def _probed_job(monkeypatch, model: str, batch: int, seq: int, config_gbps: floa
     from lazytrain.runtime import probe
     from lazytrain.train import planning
     from lazytrain.train.build import build_model, model_source
-    from lazytrain.train.data import load_data
+    from lazytrain.train.run_data import load_data
 
     job = load_job_config(dict(model=model, corpus="zen", batch_size=batch, seq_len=seq, dtype="fp32",
                                optimizer_mode="serial", eval_batches=0, progress=False,

@@ -294,7 +294,7 @@ def test_a_masked_workload_counts_each_sdpa_layers_mask_and_repeated_kv() -> Non
 
 def test_plan_and_train_count_masks_for_sft_data_not_for_a_corpus() -> None:
     """`lazytrain plan` sizes the job `lazytrain train` runs: an SFT dataset's batches are masked (padding or
-    packing), a byte-level corpus's are not (train/data.py)."""
+    packing), a byte-level corpus's are not (train/run_data.py)."""
     from lazytrain.config import CORPORA, DataConfig
 
     assert DataConfig().masked and DataConfig(dataset="sft.jsonl").masked

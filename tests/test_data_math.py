@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lazytrain.data.default_job import prepare_default_job, read_jsonl
+from lazytrain.data.default_job_files import prepare_default_job, read_jsonl
 from lazytrain.data.math import (
     MAX_NEW_TOKENS,
     exact_match,

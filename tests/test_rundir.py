@@ -15,7 +15,7 @@ from checks import cli_error
 from paused_run import ARGV, start, wait_for
 
 from lazytrain.cli import main
-from lazytrain.data.default_job import prepare_default_job
+from lazytrain.data.default_job_files import prepare_default_job
 from lazytrain.train.checkpoint import incomplete_reason
 from lazytrain.train.rundir import LOCK
 

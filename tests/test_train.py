@@ -184,7 +184,7 @@ def test_the_optimizer_is_calibrated_while_the_probe_device_lives(monkeypatch):
     machine the optimizer step measured 50x slower than it runs (docs/benchmarks.md)."""
     from lazytrain.train import planning
     from lazytrain.train.build import build_model, model_source
-    from lazytrain.train.data import load_data
+    from lazytrain.train.run_data import load_data
 
     cfg = job(**GOLDEN_CONFIG, optimizer_mode="serial")
     data = load_data(cfg)
@@ -220,7 +220,7 @@ def test_with_the_states_on_nvme_the_calibration_holds_one_layers_states(monkeyp
     from lazytrain.runtime.weights import held_elsewhere
     from lazytrain.train import planning
     from lazytrain.train.build import build_model, model_source
-    from lazytrain.train.data import load_data
+    from lazytrain.train.run_data import load_data
 
     torch.manual_seed(RNG.randrange(1 << 31))
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=RNG.choice([96, 128]),
@@ -263,7 +263,7 @@ def test_the_overlapped_update_is_calibrated_on_the_probes_optimizer_lane(monkey
     from lazytrain.runtime.calibrate import QUANTUM
     from lazytrain.train import planning
     from lazytrain.train.build import build_model, model_source
-    from lazytrain.train.data import load_data
+    from lazytrain.train.run_data import load_data
 
     cfg = job(**GOLDEN_CONFIG, optimizer=optimizer, weight_decay=0.1)
     assert cfg.optim.optimizer_mode == "overlap"

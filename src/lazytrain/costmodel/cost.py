@@ -196,11 +196,11 @@ class CostModel:
         self.embedding_grad_bytes = self.embedding_trainable_params * dtype_bytes
         self.working_bytes = [self._layer_working_bytes(j) for j in range(L)]
         # a kept layer's graph (Plan.kept_layers): the saved tensors its forward with autograd leaves, less its
-        # output -- the working set of the MLP's backward without the largest weight gradient and the backward's
-        # I-wide gradients, plus one h-wide tensor per token (SDPA's and the norms' small saved statistics); bounds
-        # the measured graph of every family (tests/test_live_bytes.py)
+        # output -- the working set of the MLP's backward without its weight gradient and the backward's I-wide
+        # gradients, plus one h-wide tensor per token (SDPA's and the norms' small saved statistics); bounds the
+        # measured graph of every family (tests/test_live_bytes.py)
         mlp_phase = [self._layer_working_bytes(j, mlp_phase=True) for j in range(L)]
-        self.graph_bytes = [min(w, w - self._largest_weight_bytes(j) - tokens * self._mlp_width(j) * dtype_bytes)
+        self.graph_bytes = [min(w, w - self._mlp_moment_weight_bytes(j) - tokens * self._mlp_width(j) * dtype_bytes)
                             for j, w in enumerate(mlp_phase)]
         # per chunk row: the logits (compute dtype) and three fp32 rows (log-softmax, its gradient, the logits'
         # gradient), the final norm's fp32 input and output (8 h), the row's loss; the chunk's fp32 loss scalars;
@@ -286,9 +286,10 @@ class CostModel:
         return per_token * self.dtype_bytes / 2 * self.workload.tokens
 
     def _layer_working_bytes(self, j: int, *, mlp_phase: bool = False) -> int:
-        """Layer j's device working set: per token (_working_bytes_per_token), the largest weight gradient, and
-        what does not scale with the tokens, at the larger of two moments: up to the MLP's backward, and after it
-        (_after_mlp_bytes). `mlp_phase`: the first only (what a kept layer's graph is sized from).
+        """Layer j's device working set: per token (_working_bytes_per_token), a weight gradient, and what does not
+        scale with the tokens, at the larger of two moments: up to the MLP's backward, beside the MLP's own weight
+        gradient (_mlp_moment_weight_bytes), and after it (_after_mlp_bytes, with the attention's). `mlp_phase`: the
+        first only (what a kept layer's graph is sized from).
 
         The torch fallback's chunked Gated DeltaNet pads every sequence to whole chunks of C = 64 and holds, per
         padded token and value head, fp32 C x C blocks (the decay, UT system, intra-chunk attention and their
@@ -309,7 +310,8 @@ class CostModel:
         broadcast over the batch is materialized), and saves it for its backward."""
         spec, workload = self.spec, self.workload
         batch, seq, c = workload.batch_size, workload.seq_len, self.dtype_bytes
-        up_to_mlp = workload.tokens * self._working_bytes_per_token(j) + self._largest_weight_bytes(j)
+        per_token = workload.tokens * self._working_bytes_per_token(j)
+        up_to_mlp = per_token + self._mlp_moment_weight_bytes(j)
         working = up_to_mlp if mlp_phase else max(up_to_mlp, self._after_mlp_bytes(j))
         if spec.layer_types[j] == "linear_attention" and self.linear_attention_kernel == "torch":
             per_chunk, per_key, per_value = LINEAR_ATTN_TORCH_BYTES[c]
@@ -326,7 +328,7 @@ class CostModel:
             saved, peak = ((2 * c, 3 * c) if spec.model_type == "gpt_oss"  # GPT-OSS's softmax in the compute dtype
                            else (EAGER_SAVED_BYTES[c], EAGER_SCORE_BYTES))
             mlp = workload.tokens * self._mlp_bytes_per_token(j)
-            working = max(working + saved * scores, up_to_mlp - mlp + peak * scores)
+            working = max(working + saved * scores, per_token + self._largest_weight_bytes(j) - mlp + peak * scores)
         elif self._masked_attention(j):  # SDPA's float copy of the bool mask, made per call and saved for its backward
             working += batch * seq * seq * c
         return working
@@ -411,18 +413,31 @@ class CostModel:
         router = spec.num_experts * (c + 8) + k * ROUTER_ROW_BYTES
         return routed + shared + router
 
+    def _mlp_moment_weight_bytes(self, j: int) -> int:
+        """The weight gradient beside the MLP's backward: the MLP's own, not the attention's, whose backward runs
+        after it (_after_mlp_bytes counts that one; charged here as well, it overstated the working set of a layer of
+        few tokens whose attention is wide against its MLP). A linear-attention layer's bound adds its chunked terms
+        to this moment, so its projections' gradient counts here as well."""
+        if self.spec.layer_types[j] == "linear_attention":
+            return self._largest_weight_bytes(j)
+        return self._mlp_weight_bytes(j)
+
+    def _mlp_weight_bytes(self, j: int) -> int:
+        """The MLP's largest weight gradient: gate_up, every expert's at once (grouped_mm's weight gradient)."""
+        spec = self.spec
+        return spec.hidden_size * self.dtype_bytes * (2 * spec.num_experts * spec.expert_intermediate_size
+                                                       if spec.moe_layers[j] else spec.intermediate_size)
+
     def _largest_weight_bytes(self, j: int) -> int:
         """The largest single weight gradient of layer j: autograd makes it before adding it into the gradient
         slot (runtime/hf.py layer_backward), so it exists beside the slot for a moment."""
         spec = self.spec
         h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
-        mlp = h * (2 * spec.num_experts * spec.expert_intermediate_size if spec.moe_layers[j]  # every expert's
-                   else spec.intermediate_size)  # gate_up at once: grouped_mm's weight gradient
         if spec.layer_types[j] == "linear_attention":
             key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
             value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
-            return max(mlp, h * (2 * key_dim + 2 * value_dim)) * self.dtype_bytes
-        return max(mlp, h * q) * self.dtype_bytes
+            return max(self._mlp_weight_bytes(j), h * (2 * key_dim + 2 * value_dim) * self.dtype_bytes)
+        return max(self._mlp_weight_bytes(j), h * q * self.dtype_bytes)
 
     def update_bytes_per_param(self, group: str = "layer") -> float:
         """Host memory bytes one update of a `group` ("layer", "head", "embedding") reads and writes per parameter,

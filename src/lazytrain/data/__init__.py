@@ -10,6 +10,6 @@ Modules (import the one you need; `sft` and `tokenizer` pull in `datasets` / `tr
 - `sft`: local json/jsonl/parquet/arrow files in the alpaca, sharegpt, messages, prompt_completion or text
   format -> `Example`s with labels only on assistant turns (`load_sft`).
 - `math`: the embedded MetaMathQA-like problem set and exact match of the final number.
-- `default_job`: the small HF model directory and math data files of `lazytrain train` with no arguments.
+- `default_job_files`: the small HF model directory and math data files of `lazytrain train` with no arguments.
 
 """

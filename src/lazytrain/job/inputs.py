@@ -29,7 +29,7 @@ from lazytrain.costmodel.trainable import Trainable
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.planner import admitted, default_budgets
-from lazytrain.plan.ranks import rank_budgets
+from lazytrain.plan.rank_plan import rank_budgets
 
 if TYPE_CHECKING:
     from lazytrain.plan.admission import Admission

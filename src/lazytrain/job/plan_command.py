@@ -34,7 +34,7 @@ from lazytrain.paths import ram_backed
 from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need, nvme_write_bytes, wear_line
 from lazytrain.plan.milp import instance_from_cost, milp_step_s
 from lazytrain.plan.planner import Deadline, make_plan
-from lazytrain.plan.ranks import predict_ranks
+from lazytrain.plan.rank_plan import predict_ranks
 from lazytrain.plan.rules import RULES, make_rule_plan
 from lazytrain.plan.sim import SimResult, simulate
 from lazytrain.units import format_bytes

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from lazytrain.config import MAX_STEPS, JobConfig
 from lazytrain.costmodel.model import BUILT_IN_SHAPES
-from lazytrain.data.default_job import prepare_default_job
+from lazytrain.data.default_job_files import prepare_default_job
 from lazytrain.data.loader import Loader
 from lazytrain.distributed import Ranks, init_ranks, launched_local_world_size, launched_world_size
 from lazytrain.errors import LazyTrainError
@@ -31,11 +31,11 @@ from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.train import rundir
 from lazytrain.train.build import pick_device_kind
 from lazytrain.train.checkpoint import Saved, read_checkpoint, resume_checkpoint
-from lazytrain.train.data import MATH
 from lazytrain.train.metrics import say
+from lazytrain.train.run_data import MATH
 
 if TYPE_CHECKING:
-    from lazytrain.train.data import CorpusBatches, RunData
+    from lazytrain.train.run_data import CorpusBatches, RunData
 
 T = TypeVar("T")
 
@@ -148,7 +148,7 @@ def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path, Path | 
 def with_math_dataset(job: JobConfig, ranks: Ranks | None) -> tuple[JobConfig, Path | None]:
     """`dataset: math` (the embedded set) with a built-in shape: the default job's model directory (a BPE tokenizer
     trained on the set, a Llama config of that shape, a seeded random init), its training and held-out files
-    (data/default_job.py; made once, cached), and the held-out file exact match is measured on."""
+    (data/default_job_files.py; made once, cached), and the held-out file exact match is measured on."""
     if job.data.dataset != MATH:
         return job, None
     if job.model.model not in BUILT_IN_SHAPES:

@@ -8,6 +8,6 @@
   planner.py     the dispatcher of both commands: budgets, admission, MILP or rule, the time limit
   budgets.py     the device / host / NVMe budgets
   admission.py   refusing what no plan fits
-  ranks.py       one rank's plan and prediction of a data-parallel job
+  rank_plan.py   one rank's plan and prediction of a data-parallel job
   cache.py       remembered plans
 """

@@ -61,7 +61,6 @@ from lazytrain.train.checkpoint import (
     save_checkpoint,
     stopped,
 )
-from lazytrain.train.data import CorpusBatches, RunData, load_data
 from lazytrain.train.hf_state import trainer_state
 from lazytrain.train.metrics import (
     CONSOLE,
@@ -87,6 +86,7 @@ from lazytrain.train.optimizer import (
 )
 from lazytrain.train.peak import PeakRss
 from lazytrain.train.planning import PlannedRun, plan_run, replace_plan, replanner_for, say_host
+from lazytrain.train.run_data import CorpusBatches, RunData, load_data
 from lazytrain.train.signals import Interrupted, StopSignals, saving
 from lazytrain.units import format_bytes
 from lazytrain.viz import write_trace

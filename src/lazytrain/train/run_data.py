@@ -1,7 +1,7 @@
 """The run's data: what `dataset` names, turned into the loader, the held-out batches and the tokenizer.
 
 - `math` (the default): the embedded MetaMathQA-like set, which job/resolve.py has already turned into the
-  default job's model directory and files (`lazytrain.data.default_job`: a BPE tokenizer trained on the set,
+  default job's model directory and files (`lazytrain.data.default_job_files`: a BPE tokenizer trained on the set,
   digits split, ChatML template, a Llama config of the built-in shape, a seeded random init). Exact match of
   the final number is measured on its held-out problems (`exact_match_file`).
 - `stdlib`, `zen` or a `.txt` file: the byte-level corpus of the built-in shapes (random windows, loss on every
@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from lazytrain.config import JobConfig
 from lazytrain.costmodel.model import BUILT_IN_SHAPES
 from lazytrain.data.corpus import ByteTokenizer, TokenData
-from lazytrain.data.default_job import read_jsonl
+from lazytrain.data.default_job_files import read_jsonl
 from lazytrain.data.loader import IGNORE_INDEX, Batch, Loader, count_loss_tokens, eval_batches, eval_rows
 from lazytrain.data.sft import Row, SftData, Tokenization, load_sft
 from lazytrain.data.sources import check_names
