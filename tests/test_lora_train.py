@@ -67,9 +67,11 @@ def test_lora_run_writes_an_adapter_peft_loads_and_export_merges_it(tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "8bit"])
-def test_lora_resume_is_bit_for_bit(tmp_path, optimizer):
-    config, _ = _job(tmp_path, max_steps=4, save_steps=2, dtype="bf16", optimizer=optimizer)
+@pytest.mark.parametrize(("optimizer", "quantization_bit"), [("adamw", None), ("8bit", None), ("adamw", 4)])
+def test_lora_resume_is_bit_for_bit(tmp_path, optimizer, quantization_bit):
+    """(quantization_bit 4: QLoRA's NF4 base, its bytes streamed as bf16 elements)"""
+    config, _ = _job(tmp_path, max_steps=4, save_steps=2, dtype="bf16", optimizer=optimizer,
+                     quantization_bit=quantization_bit)
     assert main(["train", str(config)]) == 0
     whole = tmp_path / "run"
     straight = (whole / "checkpoint-4" / "adapter_model.safetensors").read_bytes()

@@ -13,6 +13,7 @@ from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.trainable import Trainable
 from lazytrain.costmodel.workload import Workload
+from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import Shapes, build_program
 
 JOB_70B = ["plan", "model=llama-3.1-70b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4",
@@ -71,3 +72,32 @@ def test_14b_lora_step_is_at_most_0_8_of_full(capsys) -> None:
     out = capsys.readouterr().out
     assert _step_s(out) <= 0.8 * full, (_step_s(out), full)
     assert "gradients d2h" in out and "host update" in out  # the reason, in plan's breakdown
+
+
+def test_qlora_holds_and_streams_the_base_linears_as_nf4() -> None:
+    lora, qlora = cost(Trainable("lora", rank=16)), cost(Trainable("lora", rank=16, quantized=True))
+    spec = lora.spec
+    h, kv, inter = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.intermediate_size
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    n = sum(i * o for i, o in linears)
+    assert qlora.quantized_params[0] == n
+    # per linear of w weights: w/2 B of indices, w/64 B of absmax codes, 4 B per 256 absmaxes, a 4 B offset
+    per_linear = [i * o // 2 + i * o // 64 + 4 * -(-(i * o // 64) // 256) + 4 for i, o in linears]
+    assert qlora.quantized_bytes[0] == sum(-(-b // 4) * 4 for b in per_linear)
+    assert 0.515 < qlora.quantized_bytes[0] / n < 0.517  # 0.5 + 1/64 + 1/4096, and the padding
+    assert qlora.param_bytes[0] == lora.param_bytes[0] - 2 * n + qlora.quantized_bytes[0]  # what crosses the link
+    host, qhost = lora.host_breakdown(), qlora.host_breakdown()
+    assert qhost["weights"] == host["weights"] - 2 * sum(qlora.quantized_params) + sum(qlora.quantized_bytes)
+    assert qlora.grad_bytes == lora.grad_bytes and qhost["optimizer_states"] == host["optimizer_states"]
+    with pytest.raises(LazyTrainError, match="set finetuning_type lora"):
+        Trainable("full", quantized=True)
+
+
+def test_70b_qlora_fits_one_3090_with_64_gib_of_host_memory(capsys) -> None:
+    assert main([*JOB_70B[:-1], "cpu_mem=64GiB", *LORA, "quantization_bit=4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"host: .* fits 64 GiB", out)
+    assert "the layers' linears NF4 0.516 B" in out
+    assert main([*JOB_70B[:-1], "cpu_mem=64GiB", *LORA, "quantization_bit=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "quantization_bit 8: only 4 (QLoRA's NF4 base) is implemented" in err

@@ -97,8 +97,9 @@ class FinetuneConfig:
     adapter_name_or_path: str | None = None
     """LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to continue training."""
     quantization_bit: int | None = None
-    """LoRA: the frozen base quantized on the host (QLoRA); refused (not implemented: the base streams in the
-    compute dtype)."""
+    """LoRA: 4 = QLoRA, the decoder layers' frozen linears held on the host and streamed as bitsandbytes' NF4
+    (block 64, double quantization), dequantized on the device; None = the base in the compute dtype (8, LLM.int8,
+    is refused: not implemented)."""
     freeze_trainable_layers: int = 2
     """freeze: the last n decoder layers train (the first -n when negative)."""
     freeze_trainable_modules: Names = "all"
@@ -119,9 +120,9 @@ class FinetuneConfig:
                         ("loraplus_lr_ratio", self.loraplus_lr_ratio is not None)):
             if on:
                 raise LazyTrainError(f"{key} is not implemented (LoRA trains plain low-rank adapters); remove it")
-        if self.quantization_bit is not None:
-            raise LazyTrainError(f"quantization_bit {self.quantization_bit}: a quantized base (QLoRA) is not "
-                                 "implemented yet; the base streams in the compute dtype: remove quantization_bit")
+        if self.quantization_bit not in (None, 4):
+            raise LazyTrainError(f"quantization_bit {self.quantization_bit}: only 4 (QLoRA's NF4 base) is "
+                                 "implemented; use quantization_bit 4 or remove it")
 
     def ignored(self) -> list[str]:
         """The keys set away from their defaults that this finetuning_type does not use (LLaMA-Factory ignores

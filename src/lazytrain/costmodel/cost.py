@@ -162,6 +162,8 @@ class CostModel:
         self.layer_trainable_params = trainable.layer_trainable_params(spec)
         self.head_trainable_params = spec.head_params if trainable.head_trains() else 0
         self.embedding_trainable_params = spec.embedding_params if trainable.embedding_trains(spec) else 0
+        self.quantized_params = trainable.quantized_params(spec)  # QLoRA's NF4 linears, per layer (else 0)
+        self.quantized_bytes = trainable.quantized_bytes(spec)
         tokens, dtype_bytes = workload.tokens, workload.dtype_bytes
         self.dtype_bytes = dtype_bytes
         self.head_chunk_tokens = min(head_chunk_tokens, tokens)
@@ -186,8 +188,10 @@ class CostModel:
         # ---- bytes ------------------------------------------------------------------------------
         act = tokens * spec.hidden_size * dtype_bytes
         self.boundary_bytes = [act] * (L + 1)  # A_i
-        # every expert streams, and LoRA's adapters with their layer
-        self.param_bytes = [(p + a) * dtype_bytes for p, a in zip(spec.layer_params, self.adapter_params, strict=True)]
+        # every expert streams, and LoRA's adapters with their layer; QLoRA's linears as their NF4 bytes
+        self.param_bytes = [(p + a - qp) * dtype_bytes + qb for p, a, qp, qb in
+                            zip(spec.layer_params, self.adapter_params, self.quantized_params, self.quantized_bytes,
+                                strict=True)]
         self.grad_bytes = [p * dtype_bytes for p in self.layer_trainable_params]  # a frozen layer's: 0
         self.head_param_bytes = (spec.vocab_size * spec.hidden_size + spec.hidden_size) * dtype_bytes
         # tied heads still send the full LM-head gradient
@@ -423,21 +427,29 @@ class CostModel:
         return self._mlp_weight_bytes(j)
 
     def _mlp_weight_bytes(self, j: int) -> int:
-        """The MLP's largest weight gradient: gate_up, every expert's at once (grouped_mm's weight gradient)."""
+        """The MLP's largest weight gradient: gate_up, every expert's at once (grouped_mm's weight gradient); with
+        QLoRA its largest dequantization (_largest_weight_bytes)."""
         spec = self.spec
-        return spec.hidden_size * self.dtype_bytes * (2 * spec.num_experts * spec.expert_intermediate_size
+        return spec.hidden_size * self._weight_transient_bytes * (2 * spec.num_experts * spec.expert_intermediate_size
                                                        if spec.moe_layers[j] else spec.intermediate_size)
 
     def _largest_weight_bytes(self, j: int) -> int:
         """The largest single weight gradient of layer j: autograd makes it before adding it into the gradient
-        slot (runtime/hf.py layer_backward), so it exists beside the slot for a moment."""
+        slot (runtime/hf.py layer_backward), so it exists beside the slot for a moment. With QLoRA the largest
+        dequantization instead (runtime/nf4.py): int32 indices and fp32 values, then the weight in the compute
+        dtype beside the fp32 values (a gate_up pair counted at once, an upper bound)."""
         spec = self.spec
         h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
         if spec.layer_types[j] == "linear_attention":
             key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
             value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
-            return max(self._mlp_weight_bytes(j), h * (2 * key_dim + 2 * value_dim) * self.dtype_bytes)
-        return max(self._mlp_weight_bytes(j), h * q * self.dtype_bytes)
+            return max(self._mlp_weight_bytes(j), h * (2 * key_dim + 2 * value_dim) * self._weight_transient_bytes)
+        return max(self._mlp_weight_bytes(j), h * q * self._weight_transient_bytes)
+
+    @property
+    def _weight_transient_bytes(self) -> int:
+        """Bytes per weight of a weight gradient, or with QLoRA of a dequantization (its transients)."""
+        return self.dtype_bytes + (8 if any(self.quantized_params) else 0)
 
     def update_bytes_per_param(self, group: str = "layer") -> float:
         """Host memory bytes one update of a `group` ("layer", "head", "embedding") reads and writes per parameter,
@@ -565,7 +577,7 @@ class CostModel:
         weights          the masters: fp32 (4 B/param), or bf16 (2) that are the streamed buffers themselves;
                          with optimizer_offload nvme and `masters_offloaded` only the embedding matrix's (the
                          forward gathers from it), the rest in the state files; frozen parameters (LoRA's base,
-                         freeze tuning) once, in the compute dtype
+                         freeze tuning) once, in the compute dtype (QLoRA's linears: their NF4 bytes)
         (grads, grad_sum, update_scratch, optimizer_states and staging count the trainable parameters alone)
         streamed_copy    bf16 compute with fp32 masters: the packed bf16 copy each step streams (2 B/param)
         grads            where each streamed group's gradient lands (compute dtype) and stays; an untied
@@ -584,7 +596,8 @@ class CostModel:
         spec, c = self.spec, self.dtype_bytes
         m = 2 if self.master_weights == "bf16" else 4
         n = self.trainable_params
-        frozen = spec.num_params + sum(self.adapter_params) - n  # held once, in the compute dtype
+        # held once, in the compute dtype (QLoRA's linears as their NF4 bytes)
+        frozen = spec.num_params + sum(self.adapter_params) - n - sum(self.quantized_params)
         tied = spec.tie_word_embeddings
         embedding = 0 if tied else self.embedding_trainable_params  # stays on the host, unpacked
         # what trains of each streamed group: layers 0..L-1, the head (with a tied embedding)
@@ -604,7 +617,8 @@ class CostModel:
         per_element = 4 * grad_chunks + (4 + 2 * bool(fp32_sum_groups) if m == 2 else 0)
         offload = self.optimizer_offload == "nvme"
         return {
-            "weights": m * (self.embedding_trainable_params if self.masters_offloaded else n) + c * frozen,
+            "weights": (m * (self.embedding_trainable_params if self.masters_offloaded else n) + c * frozen
+                        + sum(self.quantized_bytes)),
             "streamed_copy": streamed * c if c != m else 0,
             "grads": streamed * c + embedding * m,
             "grad_sum": 4 * summed,

@@ -5,6 +5,11 @@ A frozen parameter streams to the device like any other, but its layer's backwar
 for it, sends no gradient back, and the host keeps no master, gradient or optimizer state of it: the host holds
 it once, in the compute dtype. LoRA adds its adapters (rank r: r x (in + out) per targeted linear) to each
 layer's streamed group; they are the layer's only trainable parameters.
+
+QLoRA (`quantized`) holds and streams the decoder layers' linears as bitsandbytes' NF4 with double quantization
+(runtime/nf4.py): per linear of n weights, n/2 bytes of 4-bit indices, n/64 bytes of 8-bit absmax codes, an fp32
+scale per 256 absmaxes (n/4096 bytes) and an fp32 offset, padded to 4 bytes (`nf4_bytes`): 0.5 + 1/64 + 1/4096 =
+~0.516 byte per weight, against bf16's 2. The norms (and an attention's biases) stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ class Trainable:
     targets: tuple[str, ...] = ("all",)
     layers: int = 0
     extra: tuple[str, ...] = ()
+    quantized: bool = False  # lora: the frozen linears of the decoder layers as NF4 (QLoRA)
 
     def __post_init__(self) -> None:
         if self.kind not in FINETUNING_TYPES:
             raise LazyTrainError(f"finetuning_type {self.kind!r} is not one of {', '.join(FINETUNING_TYPES)}")
+        if self.quantized and self.kind != "lora":
+            raise LazyTrainError("quantization_bit 4 quantizes a LoRA base: set finetuning_type lora")
 
     @property
     def full(self) -> bool:
@@ -45,6 +53,18 @@ class Trainable:
         return [self.rank * sum(i + o for name, i, o in layer_linears(spec, j)
                                 if "all" in self.targets or name in self.targets)
                 for j in range(spec.num_layers)]
+
+    def quantized_params(self, spec: ModelSpec) -> list[int]:
+        """Per layer, the base weights held as NF4 (0 unless QLoRA): every linear of the layer."""
+        if not self.quantized:
+            return [0] * spec.num_layers
+        return [sum(i * o for _, i, o in layer_linears(spec, j)) for j in range(spec.num_layers)]
+
+    def quantized_bytes(self, spec: ModelSpec) -> list[int]:
+        """Per layer, the bytes of its NF4 linears (`nf4_bytes` of each)."""
+        if not self.quantized:
+            return [0] * spec.num_layers
+        return [sum(nf4_bytes(i * o) for _, i, o in layer_linears(spec, j)) for j in range(spec.num_layers)]
 
     def layer_trainable_params(self, spec: ModelSpec) -> list[int]:
         """Per layer, the parameters that get gradients (and masters, optimizer state)."""
@@ -63,6 +83,14 @@ class Trainable:
     def embedding_trains(self, spec: ModelSpec) -> bool:
         return self.kind == "full" or "embed_tokens" in self.extra or (spec.tie_word_embeddings
                                                                         and "lm_head" in self.extra)
+
+
+def nf4_bytes(numel: int, block: int = 64, absmax_block: int = 256) -> int:
+    """Bytes of one NF4 weight of `numel` elements with double quantization (bitsandbytes' block sizes): the 4-bit
+    indices, the absmaxes' 8-bit codes, their fp32 scales and the fp32 offset, padded to 4 bytes."""
+    blocks = -(-numel // block)
+    raw = -(-numel // 2) + blocks + 4 * -(-blocks // absmax_block) + 4
+    return -(-raw // 4) * 4
 
 
 def layer_linears(spec: ModelSpec, j: int) -> list[tuple[str, int, int]]:

@@ -136,7 +136,8 @@ def trainable_of(job: JobConfig) -> Trainable:
     """The job's finetuning_type as the cost model prices it (which parameters train)."""
     f = job.finetune
     if f.finetuning_type == "lora":
-        return Trainable("lora", rank=f.lora_rank, targets=names(f.lora_target), extra=names(f.additional_target))
+        return Trainable("lora", rank=f.lora_rank, targets=names(f.lora_target), extra=names(f.additional_target),
+                         quantized=f.quantization_bit == 4)
     if f.finetuning_type == "freeze":
         return Trainable("freeze", layers=f.freeze_trainable_layers, extra=names(f.freeze_extra_modules))
     return Trainable()

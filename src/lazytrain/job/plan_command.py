@@ -252,9 +252,12 @@ def _print_trainable(cost: CostModel, host_bytes: int) -> None:
     base = spec.num_params
     sent = sum(cost.grad_bytes) + cost.head_grad_bytes + cost.embedding_grad_bytes
     full_sent = sum(cost.param_bytes) + cost.head_param_bytes + spec.embedding_params * cost.dtype_bytes
+    quantized = sum(cost.quantized_params)
+    frozen = (f"frozen: the layers' linears NF4 {sum(cost.quantized_bytes) / quantized:.3f} B, the rest "
+              f"{cost.dtype_bytes} B" if quantized else f"frozen: {cost.dtype_bytes} B")
     print(f"trainable: {what}: {cost.trainable_params / 1e6:.1f} M of {(base + adapters) / 1e9:.2f} B params "
           f"({cost.trainable_params / (base + adapters):.2%}); host {host_bytes / base:.2f} B per base parameter "
-          f"(frozen: {cost.dtype_bytes} B, no master, gradient or state)")
+          f"({frozen}, no master, gradient or state)")
     print(f"  backward: {sum(cost.backward_s) / sum(cost.forward_s):.2f} x forward (full training 3.00: no weight "
           f"gradient of a frozen weight); gradients d2h {format_bytes(sent)} per step (full "
           f"{format_bytes(full_sent)}); host update {cost.total_optimizer_s:.3f} s")

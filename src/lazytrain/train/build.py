@@ -20,6 +20,7 @@ from lazytrain.runtime.adapters import LoraSettings, add_lora, cast_frozen, free
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.hf import find_parts
+from lazytrain.runtime.nf4 import quantize_base
 from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
 from lazytrain.train.metrics import say
 from lazytrain.units import format_bytes
@@ -112,6 +113,10 @@ def choose_trainable(job: JobConfig, model: PreTrainedModel, source: ModelSource
         freeze(model, f.freeze_trainable_layers, names(f.freeze_trainable_modules), names(f.freeze_extra_modules))
     if job.runtime.master_weights == "bf16":
         model.to(torch.bfloat16)  # the adapters too: bf16 masters are the streamed buffers
+    if f.finetuning_type == "lora" and f.quantization_bit == 4:  # QLoRA: the frozen linears as NF4 bytes
+        count, weights = quantize_base(model, compute_dtype(job))
+        say(f"base     quantization_bit 4: the decoder layers' {count} frozen linears ({weights:,} weights) held and "
+            "streamed as NF4 (bitsandbytes' nf4, block 64, double quantization), dequantized on the device")
     cast_frozen(model, compute_dtype(job))
 def masters_in_files(job: JobConfig) -> bool:
     """Whether the fp32 masters live in the NVMe state files (CostModel.masters_offloaded): a bf16 copy streams."""
