@@ -346,7 +346,9 @@ def test_foreign_values(values, expected):
     ({"finetuning_type": "oft"}, "finetuning_type = 'oft': expected one of full, lora, freeze"),
     ({"use_dora": True}, "use_dora is not implemented (LoRA trains plain low-rank adapters); remove it"),
     ({"do_train": False}, "`lazytrain train` always trains"),
-    ({"quantization_bit": 4}, "quantization_bit 4: a quantized base (QLoRA) is not implemented yet"),
+    ({"quantization_bit": 4}, "quantizes the frozen base of LoRA (QLoRA), not of finetuning_type full"),
+    ({"finetuning_type": "lora", "quantization_bit": 8}, "quantization_bit 8: only 4 (QLoRA's NF4 base) is "
+                                                         "implemented"),
     ({"deepspeed": "ds.json"}, "deepspeed = 'ds.json' (an HF Trainer key): no such file ds.json"),
     ({"flash_attn": "fa4"}, "flash_attn is auto, sdpa, fa2, fa3 or disabled; LazyTrain runs sdpa"),
     ({"stage": "dpo"}, "stage = 'dpo' asks for DPO, which LazyTrain does not do: LazyTrain trains with the "

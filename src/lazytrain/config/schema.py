@@ -123,6 +123,10 @@ class FinetuneConfig:
         if self.quantization_bit not in (None, 4):
             raise LazyTrainError(f"quantization_bit {self.quantization_bit}: only 4 (QLoRA's NF4 base) is "
                                  "implemented; use quantization_bit 4 or remove it")
+        if self.quantization_bit is not None and self.finetuning_type != "lora":  # as LLaMA-Factory
+            raise LazyTrainError(f"quantization_bit {self.quantization_bit} quantizes the frozen base of LoRA "
+                                 f"(QLoRA), not of finetuning_type {self.finetuning_type}: set finetuning_type lora "
+                                 "or remove quantization_bit")
 
     def ignored(self) -> list[str]:
         """The keys set away from their defaults that this finetuning_type does not use (LLaMA-Factory ignores
