@@ -238,6 +238,44 @@ def test_resume_from_a_named_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3_moe"])  # qwen2: a tied head; qwen3_moe: experts saved
+def test_a_save_holds_one_shard_of_casts_not_the_model(tmp_path, kind, monkeypatch):  # one tensor each
+    """With fp32 masters the HF folder is bf16: each shard's tensors are cast when it is written, so while a shard
+    is written the bf16 tensors alive are that shard's (and, where the saved names are converted, one layer's),
+    never a bf16 copy of the whole model. Counted at every write: the distinct bf16 buffers in memory that Python
+    can reach."""
+    import gc
+    import warnings
+
+    model = make_model(kind, num_layers=6, seed=RNG.randrange(1000))
+    total_bytes = sum(p.numel() for p in model.parameters()) * 2
+    monkeypatch.setattr(checkpoint_module, "SHARD_BYTES", total_bytes // 6)  # about six shards
+    layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers) * 2
+    # a converted layer is held as its casts and the tensors reverted from them: twice its bytes at most
+    held_bytes = 2 * layer_bytes if kind == "qwen3_moe" else 0
+    writes = []
+    real_save = checkpoint_module.save_file
+
+    def counting_save(tensors, filename, metadata=None):
+        with warnings.catch_warnings():  # (isinstance on every object reaches deprecated torch aliases)
+            warnings.simplefilter("ignore", FutureWarning)
+            alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+                     if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.device.type == "cpu"}
+        writes.append((sum(t.numel() * 2 for t in tensors.values()), sum(alive.values())))
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint_module, "save_file", counting_save)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", counting_save)
+    checkpoint_module._write_model(tmp_path, model, torch.bfloat16)
+    monkeypatch.undo()
+    assert len(writes) >= 4
+    for shard_bytes, alive_bytes in writes:
+        assert alive_bytes <= shard_bytes + held_bytes < total_bytes
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value.to(torch.bfloat16), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a tied head (the export keeps one copy)
 def test_the_export_writes_packed_parameters_without_a_copy(tmp_path, kind, monkeypatch):
     """The executor (and, with ranks, the node's shared mapping) packs a layer's parameters in one buffer, which

@@ -49,10 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
+from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
-from transformers.utils import logging as hf_logging
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from lazytrain import jsonio
 from lazytrain.distributed.batches import check_batches_drawn, check_world_size
@@ -406,22 +408,73 @@ def _cannot_write(out: Path, step: int, err: BaseException) -> WriteFailed:
 
 
 def _write_model(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
-    """The HF folder in the compute dtype, sharded with an index (config and generation config included)."""
-    state = {k: _unshared(v.to(compute_dtype)) for k, v in model.state_dict().items()}
-    total_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    """The HF folder in the compute dtype, sharded with an index (config and generation config included), as
+    save_pretrained lays it out (its tensor names and order, shard names, index; a tied weight once) but written
+    shard by shard: each tensor is cast when its shard is written, so a save holds one shard's casts (and, for a
+    model whose saved names differ from its own, as MoE experts, one layer's), never a cast copy of the whole model
+    beside fp32 masters."""
+    state = model.state_dict()
+    total_bytes = sum(t.numel() for t in state.values()) * compute_dtype.itemsize  # a tied weight counted twice
     shard_bytes = min(SHARD_BYTES, max(1, total_bytes // 2 + 1))  # at least two shards: always an index
-    bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # its progress bar is noise under ours
-    try:
-        model.save_pretrained(path, state_dict=state, max_shard_size=shard_bytes)
-    finally:
-        if bar_was_on:
-            hf_logging.enable_progress_bar()
-    # config.json names the dtype of the weights beside it (save_pretrained writes the fp32 masters' dtype)
+    sources = remove_tied_weights_from_state_dict({k: _unshared(v) for k, v in state.items()}, model)
+    layout = revert_weight_conversion(model, {k: _meta(v, compute_dtype) for k, v in sources.items()})
+    groups = _conversion_groups(model, sources, compute_dtype, layout)
+    split = split_state_dict_into_shards_factory(  # sized by their own bytes: a meta view's storage is its base's
+        layout, get_storage_size=lambda t: t.numel() * t.element_size(),
+        filename_pattern="model{suffix}.safetensors", max_shard_size=shard_bytes)
+    held: tuple[str | None, dict[str, torch.Tensor]] = (None, {})  # the converted group shards take tensors from
+    for file, names in split.filename_to_tensors.items():
+        shard = {}
+        for name in names:
+            group = groups.get(name)
+            if group is None:  # saved under its own name: cast alone
+                shard[name] = _unshared(sources[name].to(compute_dtype))
+                continue
+            if held[0] != group[0]:
+                held = (group[0], {})  # the previous group's tensors go before this one's are made
+                held = (group[0], revert_weight_conversion(
+                    model, {k: sources[k].to(compute_dtype) for k in group[1]}))
+            shard[name] = _unshared(held[1][name])
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        del shard
+    index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+             "weight_map": split.tensor_to_filename}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    if model.can_generate():
+        model.generation_config.save_pretrained(path)
+    # config.json names the dtype of the weights beside it
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     config["dtype"] = str(compute_dtype).removeprefix("torch.")
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _meta(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t`'s shape in `dtype`, without its bytes: what the layout (names, sizes, shards) is planned from."""
+    return torch.empty(t.shape, dtype=dtype, device="meta")
+
+
+def _conversion_groups(model: PreTrainedModel, sources: dict[str, torch.Tensor], compute_dtype: torch.dtype,
+                       layout: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[str]]]:
+    """For each saved name that is not a parameter's own (transformers converts some on save, as fused MoE experts
+    into one tensor per expert): the layer it is made from and that layer's parameter names. A conversion is
+    reverted one layer at a time, so only one layer's converted tensors are held."""
+    if layout.keys() == sources.keys():
+        return {}
+    by_layer: dict[str, list[str]] = {}
+    for name in sources:
+        match = re.match(r".*?\.layers\.\d+\.", name)
+        by_layer.setdefault(match.group(0) if match else name, []).append(name)
+    groups: dict[str, tuple[str, list[str]]] = {}
+    for layer, names in by_layer.items():
+        reverted = revert_weight_conversion(model, {k: _meta(sources[k], compute_dtype) for k in names})
+        if reverted.keys() != set(names):
+            groups.update((k, (layer, names)) for k in reverted)
+    if not layout.keys() <= {*groups, *sources}:  # a conversion across layers: revert the model at once
+        return dict.fromkeys(layout, ("", list(sources)))
+    return groups
 
 
 def _write_adapter(path: Path, model: PreTrainedModel, compute_dtype: torch.dtype) -> None:
