@@ -55,5 +55,6 @@ def test_on_cuda_the_plan_uses_the_measured_rates_of_both_directions_at_once(tmp
     if kind == "cpu":  # the emulated device's links are its throttle
         assert got == preset
     else:
-        assert got == dataclasses.replace(preset, nvme_read_gbps=1.9, nvme_write_gbps=1.1,
+        # each direction alone, and the slower one beside the other as the rate both keep at once
+        assert got == dataclasses.replace(preset, nvme_read_gbps=3.1, nvme_write_gbps=2.2, nvme_mixed_gbps=1.1,
                                           nvme_state_read_gbps=None, nvme_state_write_gbps=None)

@@ -233,3 +233,22 @@ def test_a_stated_nvme_write_rate_replaces_the_presets_and_the_plan_adapts(capsy
     assert preset > 1.5 and ratios[1.5] > ratios[None] and depths[1.5] < depths[None], (ratios, depths)
     assert main(argv + ["--h2d-gbps", "5"]) == 2
     assert "hardware YAML file" in capsys.readouterr().err
+
+
+def test_a_stated_mixed_nvme_rate_slows_the_14b_step(tmp_path, capsys) -> None:
+    """A hardware file's nvme_mixed_gbps (the rate each direction keeps beside the other) caps both NVMe lanes of a
+    step with the states on NVMe: the 14B example's predicted step grows as it falls, and the plan's MILP step is
+    still its simulated one."""
+    argv = ["plan", "--model", "qwen2.5-14b", "--seq-len", "1024", "--batch-size", "4", "--gpu-mem-cap", "22GB",
+            "--optimizer", "8bit", "--master-weights", "bf16", "--cpu-mem", "64GiB", "--optimizer-offload", "nvme"]
+    steps = {}
+    for mixed in (None, 2.0, 1.0):
+        hardware = tmp_path / f"ssd-{mixed}.yaml"
+        hardware.write_text("base: rtx3090\n" + ("" if mixed is None else f"nvme_mixed_gbps: {mixed}\n"))
+        assert main([*argv, "--hardware", str(hardware), "--json", str(tmp_path / "plan.json")]) == 0
+        out = capsys.readouterr().out
+        steps[mixed] = float(re.search(r"^step: MILP ([\d.]+) s", out, re.M).group(1))
+        prediction = Plan.load(tmp_path / "plan.json", spec=ModelSpec.load("qwen2.5-14b")).prediction
+        assert prediction is not None and prediction.milp_step_s == pytest.approx(prediction.simulated_step_s,
+                                                                                   rel=1e-6)
+    assert steps[None] < steps[2.0] < steps[1.0], steps

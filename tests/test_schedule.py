@@ -135,6 +135,8 @@ offloads = st.fixed_dictionaries({
     "update_gbps": st.sampled_from([1.0, 10.0, 100.0, math.inf]),  # host bytes an update moves per second
     # the state files' rates on the NVMe links against the spills' (None: the same; calibration measures both)
     "state_links": st.tuples(*(st.sampled_from([None, 0.5, 1.5, 4.0]) for _ in range(2))),
+    # the rate each NVMe direction keeps beside the other, against the slower one alone (None: not stated)
+    "mixed": st.sampled_from([None, 0.25, 0.5, 1.0, 2.0]),
 })
 
 
@@ -143,13 +145,15 @@ offloads = st.fixed_dictionaries({
 def test_the_milp_step_is_the_simulated_step_with_the_states_on_nvme(case: dict, offload: dict) -> None:
     """The same property with the optimizer's state on NVMe: a drawn staging depth, 8-bit or fp32
     states with or without the fp32 masters, updates from free to slower than the forward, the NVMe link from
-    very slow to free and shared with the activations', the state files at the spills' rate or their own; the
-    MILP's step of its plan is the simulated one."""
+    very slow to free and shared with the activations', the state files at the spills' rate or their own, the disk's
+    rate with both directions at once stated or not; the MILP's step of its plan is the simulated one."""
     L, mode = case["L"], case["mode"]
     base = _cost(L, case["rate_gbps"], case["links"])
     hw = base.hardware
     hardware = hw.with_overrides(**{f"nvme_state_{d}_gbps": None if f is None else f * getattr(hw, f"nvme_{d}_gbps")
-                                    for d, f in zip(("read", "write"), offload["state_links"], strict=True)})
+                                    for d, f in zip(("read", "write"), offload["state_links"], strict=True)},
+                                 nvme_mixed_gbps=None if offload["mixed"] is None
+                                 else offload["mixed"] * min(hw.nvme_read_gbps, hw.nvme_write_gbps))
     master = "bf16" if offload["optimizer"] == "8bit" else offload["masters"]
     cost = CostModel(base.spec, hardware, base.workload, offload["optimizer"], master_weights=master,
                      optimizer_offload="nvme")
@@ -172,6 +176,9 @@ def test_the_milp_step_is_the_simulated_step_with_the_states_on_nvme(case: dict,
     assert plan.report.options["step_s"] == pytest.approx(sim.step_s, rel=1e-6)
     inst = instance_from_cost(cost, budgets, optimizer_mode=mode, staging_depth=depth)
     assert milp_step_s(plan.tiers, inst, plan.kept_layers) == pytest.approx(sim.step_s, rel=1e-6)
+    if hardware.nvme_mixed_gbps is not None:  # both NVMe lanes, spills' and state files', at most the mixed rate
+        rates = (inst.nvme_read_bytes_per_s, inst.nvme_write_bytes_per_s, *inst.state_rates)
+        assert max(rates) <= hardware.nvme_mixed_gbps * 1e9
 
 
 ranks = st.fixed_dictionaries({

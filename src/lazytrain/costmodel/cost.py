@@ -232,11 +232,16 @@ class CostModel:
         # ---- link rates -------------------------------------------------------------------------
         self.h2d_bytes_per_s = _rate(hardware.h2d_gbps)
         self.d2h_bytes_per_s = _rate(hardware.d2h_gbps)
-        self.nvme_read_bytes_per_s = _rate(hardware.nvme_read_gbps)
-        self.nvme_write_bytes_per_s = _rate(hardware.nvme_write_gbps)
+        # With the state files on NVMe every step reads and writes them, for most of the step beside each other:
+        # both NVMe lanes at the disk's mixed rate (HardwareSpec.nvme_mixed_gbps) for the whole step, the one rate
+        # the simulator and the MILP both take from here. Activation spills alone write in the forward and read in
+        # the backward: their own rates.
+        mixed = hardware.nvme_mixed_gbps if optimizer_offload == "nvme" and hardware.nvme_mixed_gbps else math.inf
+        self.nvme_read_bytes_per_s = _rate(min(hardware.nvme_read_gbps, mixed))
+        self.nvme_write_bytes_per_s = _rate(min(hardware.nvme_write_gbps, mixed))
         # the optimizer's state files on those links (optimizer_offload nvme; HardwareSpec.nvme_state_*_gbps)
-        self.state_read_bytes_per_s = _rate(hardware.nvme_state_read_gbps or hardware.nvme_read_gbps)
-        self.state_write_bytes_per_s = _rate(hardware.nvme_state_write_gbps or hardware.nvme_write_gbps)
+        self.state_read_bytes_per_s = _rate(min(hardware.nvme_state_read_gbps or hardware.nvme_read_gbps, mixed))
+        self.state_write_bytes_per_s = _rate(min(hardware.nvme_state_write_gbps or hardware.nvme_write_gbps, mixed))
 
     # ---- FLOPs and bytes of one layer --------------------------------------------------------------
     def _layer_forward_flops(self, j: int) -> float:

@@ -60,6 +60,10 @@ class HardwareSpec:
     # emulated device's calibration measures both (runtime/probe.py).
     nvme_state_read_gbps: float | None = None
     nvme_state_write_gbps: float | None = None
+    # The rate each NVMe direction keeps while the other also runs, GB/s (many SSDs share one budget between reads
+    # and writes); None = each direction at its own rate regardless. It caps both NVMe lanes of a step whose
+    # state files are on NVMe (CostModel: reads and writes run beside each other for most of such a step).
+    nvme_mixed_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -92,7 +92,7 @@ class Topology:
             return hardware
         g = self.local_ranks
         rates = {f: getattr(hardware, f) for f in ("nvme_read_gbps", "nvme_write_gbps", "nvme_state_read_gbps",
-                                                    "nvme_state_write_gbps")}
+                                                    "nvme_state_write_gbps", "nvme_mixed_gbps")}
         return hardware.with_overrides(**{f: rate / g for f, rate in rates.items() if rate is not None})
 
 

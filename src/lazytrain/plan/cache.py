@@ -42,7 +42,7 @@ def remembered_plan_path(cost: CostModel, budgets: dict[str, int], *, device: st
         spec=cost.spec.fingerprint(), workload=[cost.workload.batch_size, cost.workload.seq_len, cost.workload.dtype],
         masked=cost.workload.masked, budgets=budgets, device=device, hardware=hardware.name,
         links=[hardware.h2d_gbps, hardware.d2h_gbps, hardware.nvme_read_gbps, hardware.nvme_write_gbps,
-               hardware.nvme_state_read_gbps, hardware.nvme_state_write_gbps],
+               hardware.nvme_state_read_gbps, hardware.nvme_state_write_gbps, hardware.nvme_mixed_gbps],
         optimizer=optimizer, constant_bytes=cost.constant_device_bytes, offload=cost.optimizer_offload,
         trainable=cost.trainable,  # a LoRA job's plan is not a full one's (a frozen base's backward is shorter)
         plan={k: v for k, v in plan_options.items() if k != "time_limit_s"},
