@@ -147,6 +147,46 @@ def test_bf16_gradients_step_fp32_masters_bit_for_bit_like_fp32_grad(kind: str, 
     assert all(p.grad is None for p in model.parameters())  # dropped after the step
 
 
+@pytest.mark.exactness
+@pytest.mark.parametrize("min_8bit_size", [0, 4096])  # every tensor 8-bit; the small ones on fp32 states
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_update_writes_the_streamed_copy_of_fp32_masters_and_nothing_re_packs_it(
+        min_8bit_size: int, accumulation: int, monkeypatch) -> None:
+    """bf16 compute, fp32 masters, Hybrid8bitAdamW: each group's update writes its bf16 streamed copy in its own
+    pass, bit for bit the round-to-nearest cast a pack writes, and no pack copies those masters again -- neither
+    after the update nor at the next step's start; a master changed otherwise (a load: its version moves) is."""
+    seed = RNG.randrange(1000)
+    model, ex = setup("qwen2", "bf16-fp32-masters", seed=seed)
+    opt = Hybrid8bitAdamW([{"params": g} for g in ex.param_groups()], lr=1e-2, weight_decay=0.1, max_grad_norm=1.0,
+                          min_8bit_size=min_8bit_size)
+    packed: list[torch.Tensor] = []
+    real_host_value = store.host_value
+
+    def host_value(p):
+        packed.append(p)
+        return real_host_value(p)
+
+    monkeypatch.setattr(store, "host_value", host_value)
+    groups = [*ex.layer_groups, ex.head_group]
+    masters = [p for g in groups for p in g.copies()]
+    assert masters and all(p.dtype == torch.float32 for p in masters)
+    for step in range(2):
+        steps(ex, accumulation, seed=seed + 10 * step)
+        if step == 0:
+            packed.clear()  # (that step's start packed them: no update had written their copies yet)
+        before = {p: p.detach().clone() for p in masters}
+        optimizer_step(job(optimizer="8bit"), opt, ex, grad_norm=ex.last_step.grad_norm)
+        assert all(not torch.equal(before[p], p) for p in masters)  # every master moved
+        for g in groups:  # the copy the next step streams is the masters' nearest bf16, bit for bit
+            for p, view in g.copies().items():
+                assert torch.equal(view.view(torch.int16), p.detach().to(torch.bfloat16).view(torch.int16))
+    assert not any(p is q for p in packed for q in masters)  # no pack copied them after an update
+    with torch.no_grad():  # a load into a master (checkpoint resume) bumps its version: the next pack copies it
+        masters[0].copy_(torch.randn_like(masters[0]))
+    steps(ex, 1, seed=seed + 99)
+    assert [p for p in packed if any(p is q for q in masters)] == [masters[0]]
+
+
 def test_bf16_master_weights_are_the_streamed_buffers_and_train() -> None:
     model, ex = setup("llama", "bf16-masters", seed=RNG.randrange(1000))
     assert all(g.aliased for g in [*ex.layer_groups, ex.head_group])  # no second copy

@@ -470,8 +470,9 @@ class CostModel:
             fp32 states  torch's fused AdamW: weights (2 m) and moments (16) read and written; fp32 gradients of
                        fp32 masters are clipped in memory first -- torch's AdamW: a clip pass (4 + 4) before the
                        step; Hybrid8bitAdamW: the step divides them and writes them back (+ 4)
-            refresh    bf16 compute, fp32 masters, a streamed group: its bf16 copy re-packed after the update
-                       (4 + 2); `Hybrid8bitAdamW.step_group(copies=...)` writes it in the 8-bit pass instead (2)
+            refresh    bf16 compute, fp32 masters, a streamed group: its bf16 copy written (2) in the update's
+                       pass (`Hybrid8bitAdamW.step_group(copies=...)`: its fp32 slice then goes chunk by chunk,
+                       so fp32 gradients are not written back); torch's AdamW: re-packed after it (4 + 2)
 
         The update streams through memory (10 to 50 bytes per parameter, a few operations per byte), so its seconds
         are these bytes over the host's memory bandwidth (`host_mem_gbps`, a STREAM-like triad's rate;
@@ -483,13 +484,14 @@ class CostModel:
         summed = self.grad_accumulation > 1 or (group != "layer" and spec.tie_word_embeddings and c < 4)
         kept = m if not streamed else 4 if summed else c
         in_place = kept == 4 and m == 4  # fp32 gradients of fp32 masters: clipped in memory, no chunk
+        copied = streamed and c == 2 and m == 4  # a bf16 streamed copy of fp32 masters to refresh
         eight_bit = kept + 2 * m + 4 + 16 / QUANT_BLOCK
         fp32_states = kept + 2 * m + 16
         kernel = {"adamw": fp32_states + (8 if in_place else 0),
                   "8bit": eight_bit,
-                  "hybrid8bit": (1 - HYBRID_8BIT_FRACTION) * (fp32_states + (4 if in_place else 0))
+                  "hybrid8bit": (1 - HYBRID_8BIT_FRACTION) * (fp32_states + (4 if in_place and not copied else 0))
                   + HYBRID_8BIT_FRACTION * eight_bit}[self.optimizer]
-        refresh = 6 if streamed and c == 2 and m == 4 else 0
+        refresh = 0 if not copied else 6 if self.optimizer == "adamw" else 2
         return kernel + refresh
 
     def _trained_share(self, j: int) -> float:

@@ -7,7 +7,10 @@
   packed so (a node's shared mapping, another executor's buffer) stay where they are. Otherwise (bf16 compute,
   fp32 masters) the buffer is a compute-dtype copy of the fp32 master parameters, re-packed before every step:
   fused optimizers (torch's fused AdamW, our 8-bit kernel) write parameters in place without bumping tensor
-  version counters, so no cheaper staleness test is reliable. A copy shared by a node's ranks (`adopt`) is
+  version counters, so no cheaper staleness test is reliable. Where the update writes the copy itself in its
+  pass over the masters (`copies`, `Hybrid8bitAdamW.step_group(copies=...)`: the same round-to-nearest cast),
+  `written` records it and `pack` leaves those copies alone while their masters stay where they were, at the
+  version the update left (a load into them bumps it). A copy shared by a node's ranks (`adopt`) is
   the exception: whoever updates the group refreshes it (`pack(force=True)`) and nothing else writes it.
   Gradients land (d2h) in the group's `landing` buffer, in the compute dtype, and stay there: with one
   micro-batch per step that buffer *is* the group's gradient, and no whole-model fp32 `.grad` exists. A step
@@ -88,6 +91,7 @@ class WeightGroup:
         # a compute-dtype copy that only the group's update refreshes (`pack(force=True)` after it): a node's shared
         # copy, refreshed by its owner rank (`adopt`), or the copy of masters that live on NVMe (train/offload.py)
         self.packed_by_update = False
+        self._written: dict[int, tuple[int, int]] = {}  # slot -> (data_ptr, version) of the master its update copied
         self._ptrs: list[int] = []
         in_place = packed_region(self.params) if self.aliased else None
         if in_place is not None:  # already packed as this group packs them: no copy
@@ -145,8 +149,8 @@ class WeightGroup:
             return False
         every = force or self._views_moved()
         with torch.no_grad():
-            for s, p, viewed in zip(self.slots, self.params, self._viewed, strict=True):
-                if viewed and not every:
+            for i, (s, p, viewed) in enumerate(zip(self.slots, self.params, self._viewed, strict=True)):
+                if (viewed and not every) or self._written.get(i) == (p.data_ptr(), p._version):
                     continue
                 view = self.buffer[s.offset:s.offset + s.numel].view(s.shape)
                 view.copy_(host_value(p))  # (a master still in the model's file is read from it here)
@@ -154,6 +158,21 @@ class WeightGroup:
                     p.data = view  # the parameter *is* the streamed buffer
         self._ptrs = [p.data_ptr() for p, v in zip(self.params, self._viewed, strict=True) if v]
         return True
+
+    def copies(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Each trainable fp32 master streamed as a bf16 copy -> its slot of the buffer (contiguous): where an
+        update writes the copy in its own pass (`Hybrid8bitAdamW.step_group(copies=...)`); `written` after it."""
+        if self.dtype != torch.bfloat16:
+            return {}
+        return {p: self.buffer[s.offset:s.offset + s.numel].view(s.shape)
+                for s, p, viewed in zip(self.slots, self.params, self._viewed, strict=True)
+                if not viewed and p.requires_grad and p.dtype == torch.float32}
+
+    def written(self, params: list[torch.nn.Parameter]) -> None:
+        """The update just wrote the copies of `params` (keys of `copies`) and left the other masters alone:
+        `pack` skips those copies until their masters move or change otherwise."""
+        ids = {id(p) for p in params}
+        self._written = {i: (p.data_ptr(), p._version) for i, p in enumerate(self.params) if id(p) in ids}
 
     def adopt(self, buffer: torch.Tensor) -> None:
         """Use `buffer` (this group's packed weights already in it: a node's shared-memory copy) as the host

@@ -262,12 +262,17 @@ def group_update(job: JobConfig, optimizer: torch.optim.Optimizer, executor: Exe
         if lr is not None:
             for k in ks:
                 optimizer.param_groups[k]["lr"] = lr
+        group = executor.group_at(index)
+        # the bf16 streamed copies of fp32 masters: Hybrid8bitAdamW writes them in its own pass (no re-pack after it)
+        copies = group.copies() if hybrid and group is not None else {}
         if hybrid:
             if coef is not None:  # None: not finite (the trainer skips such steps before; kept for direct callers)
                 for k in ks:
-                    optimizer.step_group(k, coef, grads=grads)
+                    optimizer.step_group(k, coef, grads=grads, copies=copies)
         else:
             step_adamw(optimizer, ks, grads, clip, scratch)
+        if group is not None:
+            group.written([p for p in copies if p in grads] if coef is not None else [])
         for p in executor.param_groups()[index]:
             p.grad = None  # the step is taken: no `.grad` view of the kept gradient stays behind
 
