@@ -6,6 +6,7 @@
   shapes.py        the bytes one step moves and holds at a batch shape (formulas or measured)
   hf.py            the transformers adapter (layers, rotary, masks, the chunked loss head)
   adapters.py      LoRA adapters (PEFT's arithmetic, names and folder) and freeze tuning on a model
+  nf4.py           QLoRA's base: linears as bitsandbytes' NF4 bytes, dequantized in the matmul
   store.py         host and NVMe homes of offloaded boundaries
   files.py         positioned file I/O on nameless files (spills and state files)
   statefiles.py    the optimizer's state files on NVMe, read and written whole
@@ -13,7 +14,6 @@
   weights.py       safetensors straight into the run's layout (masters bound for NVMe left in the file)
   nvme_probe.py    the disk under nvme_dir timed as the state files use it, remembered
   probe.py         the calibration probe: timed steps of an all-gpu plan
-  nvme_probe.py    the SSD under nvme_dir, measured as the state files use it
   calibrate.py     measured steps -> a CostModel
   replan.py        re-planning from measured steps while training
 
