@@ -440,3 +440,16 @@ def test_a_resumed_runs_summary_counts_its_own_steps(tmp_path):
     assert resumed.summary["total_train_s"] == pytest.approx(rows[3]["step_s"] + rows[4]["step_s"], rel=1e-12)
     state = transformers.TrainerState.load_from_json(str(resumed.output_dir / "checkpoint-4" / "trainer_state.json"))
     assert state.global_step == 4 and [e["step"] for e in state.log_history] == [1, 2, 3, 4]  # across the resume
+
+
+def test_a_failed_run_stops_its_peak_rss_sampler(tmp_path):
+    """The sampler thread of the run's peak RSS ends with the run, also when the run fails (it read
+    /proc/self/status every 5 ms for the life of the process after a failed in-process run)."""
+    (tmp_path / "data.jsonl").write_text("this is no JSON line\n")
+    golden = {k: v for k, v in GOLDEN_CONFIG.items() if k != "corpus"}
+    failing = job(**{**golden, "dataset": str(tmp_path / "data.jsonl"), "output_dir": str(tmp_path / "run")})
+    with pytest.raises(LazyTrainError, match="data.jsonl"):  # read in the run, after the sampler started
+        train(failing)
+    import threading
+
+    assert [t for t in threading.enumerate() if t.name == "lazytrain-peak-rss"] == []

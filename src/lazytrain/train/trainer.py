@@ -122,15 +122,16 @@ class TrainResult:
 def train(job: JobConfig) -> TrainResult:
     """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary; the output
     directory is this run's until it returns or raises (rundir.py)."""
+    peak = PeakRss().start()  # the whole run's peak RSS, beside what admission counted (summary.json)
     try:
-        return _train(job)
+        return _train(job, peak)
     finally:
+        peak.stop()  # the sampler thread ends with the run, also when the run fails
         rundir.release_all()
 
 
-def _train(job: JobConfig) -> TrainResult:
+def _train(job: JobConfig, peak: PeakRss) -> TrainResult:
     t_start = time.perf_counter()
-    peak = PeakRss().start()  # the whole run's peak RSS, beside what admission counted (summary.json)
     # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
     run = resolve_job(job)
     job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
