@@ -137,15 +137,6 @@ def test_outlier_then_silence_keeps_steps_bounded(use_reference: bool) -> None:
 
 
 # ---------------------------------------------------------------- kernel == reference
-@pytest.fixture
-def two_threads():
-    """The multi-thread path needs torch.get_num_threads() > 1 (it is 1 on a one-core CI runner)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.mark.exactness
 @pytest.mark.parametrize("block_size", [256, 2 * q.STACK_SCRATCH_ELEMS])  # block scratch on the stack, on the heap
 def test_kernel_matches_torch_reference_step_by_step(two_threads, block_size: int) -> None:

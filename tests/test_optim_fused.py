@@ -27,14 +27,6 @@ SHAPES = [(70_001,), (300, 77), (5,), (4097, 3), (256 * 700 + 17,)]
 SEED, LR, WD, STEPS = 7, 3e-3, 0.1, 4
 
 
-@pytest.fixture
-def two_threads():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(saved)
-
-
 def _two_pass_(p: torch.Tensor, grad: torch.Tensor, st: dict, index: int, step: int, coef: float,
                copy: torch.Tensor | None) -> None:
     """The update as it ran before one pass per layout: the gradient cast to the weights' dtype and into an fp32
