@@ -256,11 +256,17 @@ def test_a_save_holds_one_shard_of_casts_not_the_model(tmp_path, kind, monkeypat
     writes = []
     real_save = checkpoint_module.save_file
 
-    def counting_save(tensors, filename, metadata=None):
+    def bf16_buffers() -> dict[int, int]:
         with warnings.catch_warnings():  # (isinstance on every object reaches deprecated torch aliases)
             warnings.simplefilter("ignore", FutureWarning)
-            alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-                     if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.device.type == "cpu"}
+            return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+                    if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.device.type == "cpu"}
+
+    # bf16 tensors other tests left alive in this process are not the save's: only buffers made since count
+    before = bf16_buffers()
+
+    def counting_save(tensors, filename, metadata=None):
+        alive = {ptr: size for ptr, size in bf16_buffers().items() if ptr not in before}
         writes.append((sum(t.numel() * 2 for t in tensors.values()), sum(alive.values())))
         real_save(tensors, filename, metadata=metadata)
 

@@ -4,6 +4,7 @@ forward/backward every executor test compares with (loss and every gradient)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 import transformers as tf
@@ -129,9 +130,21 @@ def reference(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[float, Gr
         exact.set_experts_implementation("eager")  # the grouped-mm kernels take no float64
     exact_out = exact(**inputs)
     exact_out.loss.backward()
-    grads.rounding = {n: float((grads[n].double() - p.grad).norm()) for n, p in exact.named_parameters()}
+    rounding = {n: float((grads[n].double() - p.grad).norm()) for n, p in exact.named_parameters()}
+    # One draw of rounding on a tensor of a few elements (dt_bias: one per head) can come out far below its typical
+    # size, and LazyTrain's draw far above it. The same parameter of every layer rounds alike relative to its size,
+    # so each gets the largest relative rounding of its kind across the layers (4 to 6 draws instead of one).
+    relative: dict[str, float] = {}
+    for n, r in rounding.items():
+        relative[_role(n)] = max(relative.get(_role(n), 0.0), r / max(float(grads[n].norm()), 1e-30))
+    grads.rounding = {n: max(r, relative[_role(n)] * float(grads[n].norm())) for n, r in rounding.items()}
     grads.loss_rounding = abs(float(out.loss.detach()) - float(exact_out.loss.detach()))
     return float(out.loss.detach()), grads
+
+
+def _role(name: str) -> str:
+    """A parameter's name without its layer index: the same tensor of every layer."""
+    return re.sub(r"\.\d+\.", ".#.", name)
 
 
 # LazyTrain's fp32 rounding in its own summation order is a few times transformers' at most (the same operations,
