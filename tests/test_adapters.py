@@ -8,8 +8,9 @@ import copy
 import dataclasses
 
 import pytest
+import tiny_models
 import torch
-from tiny_models import FAMILIES, make_batch, make_model
+from tiny_models import FAMILIES, Gradients, assert_matches, make_batch, make_model
 
 from lazytrain import EmulatedDevice, Executor, Plan
 from lazytrain.errors import LazyTrainError
@@ -17,10 +18,6 @@ from lazytrain.runtime.adapters import LoraSettings, add_lora, freeze, linear_na
 
 MIXED = ["gpu", "nvme", "recompute", "cpu", "recompute", "gpu", "gpu"]  # every tier, two recompute segments
 KEPT = ["gpu", "recompute", "recompute", "cpu", "gpu", "gpu", "gpu"]  # with the last two layers kept (graphs)
-# fp32 throughout: the executor runs the model's own modules in another grouping of the same sums (the loss head in
-# chunks, boundary gradients through layer-by-layer autograd); the differences are a few fp32 ulps per sum over
-# ~100 terms, ~1e-6 relative at worst, so 1e-5 leaves a factor 10
-TOL = 1e-5
 
 
 def our_name(peft_name: str) -> str:
@@ -73,27 +70,11 @@ def run(model: torch.nn.Module, tiers: list[str], ids: torch.Tensor, labels: tor
     return ex, loss
 
 
-def reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
-              ) -> tuple[float, dict[str, torch.Tensor]]:
-    """The model's own forward and backward on a copy: the loss and each trainable parameter's gradient, by the
-    name `add_lora` gives it."""
-    ref = copy.deepcopy(model)
-    out = ref(input_ids=ids, labels=labels)
-    out.loss.backward()
-    return float(out.loss.detach()), {our_name(n): p.grad
-                             for n, p in ref.named_parameters() if p.requires_grad}
-
-
-def assert_trainable_match(model: torch.nn.Module, loss: float, ref_loss: float,
-                           ref_grads: dict[str, torch.Tensor]) -> None:
-    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            assert p.grad is None, f"{name} is frozen but has a gradient"
-            continue
-        assert p.grad is not None, name
-        err = float((p.grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-30))
-        assert err <= TOL, f"{name}: relative error {err:.2e}"
+def reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, Gradients]:
+    """tiny_models' reference (the model's own forward and backward, and fp32 rounding's size measured against
+    float64) with each trainable parameter's gradient under the name `add_lora` gives it."""
+    loss, grads = tiny_models.reference(model, input_ids=ids, labels=labels)
+    return loss, grads.renamed(our_name)
 
 
 @pytest.mark.exactness
@@ -105,7 +86,7 @@ def test_lora_matches_peft(kind: str) -> None:
     ids, labels = make_batch(2, 9, seed=5)
     ref_loss, ref_grads = reference(twin, ids, labels)
     ex, loss = run(ours, MIXED, ids, labels)
-    assert_trainable_match(ours, loss, ref_loss, ref_grads)
+    assert_matches(ours, loss, ref_loss, ref_grads)
     # only the adapters cross the link back: no gradient of the frozen head or embedding, no boundary-0 d2h
     assert {op.kind for op in ex.program(2, 9).ops if op.lane == "d2h"} == {"grads", "offload"}
     assert ex.last_step.peak_device_bytes == ex.last_step.predicted_peak_device_bytes
@@ -128,10 +109,13 @@ def test_lora_dropout_draws_peft_masks(kind: str) -> None:
     torch.manual_seed(123)
     _, loss = run(ours, MIXED, ids, labels)
     assert torch.equal(torch.rand(1), after_ref)  # the step drew exactly the model's draws
-    assert_trainable_match(ours, loss, ref_loss, ref_grads)
+    assert_matches(ours, loss, ref_loss, ref_grads)
     torch.manual_seed(124)  # another seed: other masks, another loss (the test can fail)
-    _, other = run(copy.deepcopy(ours), MIXED, ids, labels)
-    assert abs(other - ref_loss) > TOL * abs(ref_loss)
+    other_model = copy.deepcopy(ours)
+    other_model.zero_grad(set_to_none=True)
+    _, other = run(other_model, MIXED, ids, labels)
+    with pytest.raises(AssertionError):
+        assert_matches(other_model, other, ref_loss, ref_grads)
 
 
 @pytest.mark.exactness
@@ -142,7 +126,7 @@ def test_rslora_and_additional_target_match_peft() -> None:
     ids, labels = make_batch(2, 9, seed=8)
     ref_loss, ref_grads = reference(twin, ids, labels)
     _, loss = run(ours, MIXED, ids, labels)
-    assert_trainable_match(ours, loss, ref_loss, ref_grads)
+    assert_matches(ours, loss, ref_loss, ref_grads)
 
 
 @pytest.mark.exactness
@@ -155,7 +139,7 @@ def test_freeze_tuning_matches_requires_grad_false(kind, layers, modules, extra)
     ids, labels = make_batch(2, 9, seed=9)
     ref_loss, ref_grads = reference(model, ids, labels)
     ex, loss = run(model, MIXED, ids, labels)
-    assert_trainable_match(model, loss, ref_loss, ref_grads)
+    assert_matches(model, loss, ref_loss, ref_grads)
     frozen = [j for j, g in enumerate(ex.layer_groups) if not g.grad_numel]
     sent = {op.target for op in ex.program(2, 9).ops if op.kind == "grads"}
     assert frozen and not sent & set(frozen)  # a frozen layer sends no gradient
@@ -170,7 +154,7 @@ def test_kept_layers_with_lora() -> None:
     ids, labels = make_batch(2, 9, seed=10)
     ref_loss, ref_grads = reference(twin, ids, labels)
     _, loss = run(ours, KEPT, ids, labels, kept=2)
-    assert_trainable_match(ours, loss, ref_loss, ref_grads)
+    assert_matches(ours, loss, ref_loss, ref_grads)
 
 
 def test_unknown_targets_are_refused_in_one_line() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 import torch
 import transformers as tf
@@ -116,21 +117,33 @@ class Gradients(dict):
     rounding: dict[str, float]
     loss_rounding: float
 
+    def renamed(self, rename: Callable[[str], str]) -> Gradients:
+        """The same gradients and rounding under other names (PEFT's wrapper names -> the executor model's)."""
+        out = Gradients((rename(n), g) for n, g in self.items())
+        out.rounding = {rename(n): r for n, r in self.rounding.items()}
+        out.loss_rounding = self.loss_rounding
+        return out
+
 
 def reference(model: torch.nn.Module, **inputs: torch.Tensor) -> tuple[float, Gradients]:
-    """The loss and every parameter's gradient of the model's own forward/backward, on a copy of it; run again in
-    float64 on another copy for how far fp32 rounding alone moves each one (a gradient that is the small residue of
-    terms that cancel, as Gated DeltaNet's dt_bias, is off by 1e-4 of its size in transformers' own fp32)."""
+    """The loss and every trainable parameter's gradient of the model's own forward/backward, on a copy of it; run
+    again in float64 on another copy (dropout drawing the same masks) for how far fp32 rounding alone moves each one
+    (a gradient that is the small residue of terms that cancel, as Gated DeltaNet's dt_bias, is off by 1e-4 of its
+    size in transformers' own fp32)."""
     ref = copy.deepcopy(model)
+    before = torch.get_rng_state()
     out = ref(**inputs)
     out.loss.backward()
-    grads = Gradients((n, p.grad.clone()) for n, p in ref.named_parameters())
+    after = torch.get_rng_state()
+    grads = Gradients((n, p.grad.clone()) for n, p in ref.named_parameters() if p.requires_grad)
     exact = copy.deepcopy(model).double()
     if exact._can_set_experts_implementation():
         exact.set_experts_implementation("eager")  # the grouped-mm kernels take no float64
+    torch.set_rng_state(before)  # dropout: the float64 run draws the fp32 run's masks ...
     exact_out = exact(**inputs)
     exact_out.loss.backward()
-    rounding = {n: float((grads[n].double() - p.grad).norm()) for n, p in exact.named_parameters()}
+    torch.set_rng_state(after)  # ... and the caller's generator is where the fp32 run alone left it
+    rounding = {n: float((grads[n].double() - p.grad).norm()) for n, p in exact.named_parameters() if p.requires_grad}
     # One draw of rounding on a tensor of a few elements (dt_bias: one per head) can come out far below its typical
     # size, and LazyTrain's draw far above it. The same parameter of every layer rounds alike relative to its size,
     # so each gets the largest relative rounding of its kind across the layers (4 to 6 draws instead of one).
@@ -160,6 +173,9 @@ def assert_matches(model: torch.nn.Module, loss: float, ref_loss: float, ref_gra
     loss_bound = max(tol * abs(ref_loss), ROUNDING_FACTOR * getattr(ref_grads, "loss_rounding", 0.0))
     assert abs(float(loss) - ref_loss) <= loss_bound, (float(loss), ref_loss)
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"{name} is frozen but has a gradient"
+            continue
         assert p.grad is not None, name
         scale = float(ref_grads[name].norm())
         err = float((p.grad - ref_grads[name]).norm())
