@@ -67,6 +67,7 @@ def test_lora_run_writes_an_adapter_peft_loads_and_export_merges_it(tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize(("optimizer", "quantization_bit"), [("adamw", None), ("8bit", None), ("adamw", 4)])
 def test_lora_resume_is_bit_for_bit(tmp_path, optimizer, quantization_bit):
     """(quantization_bit 4: QLoRA's NF4 base, its bytes streamed as bf16 elements)"""

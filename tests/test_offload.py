@@ -140,6 +140,7 @@ def test_offloaded_states_give_the_in_ram_run_bit_for_bit(tmp_path, optimizer, d
                      gradient_accumulation_steps=accum, optimizer_mode=mode, depth=depth, **model)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer, masters", [("8bit", "fp32"), ("adamw", "fp32"), ("8bit", "bf16")])
 def test_a_model_directory_loads_into_the_offloaded_layout_and_trains_as_in_ram(tmp_path, optimizer, masters):
     """Weights from a model directory: with fp32 masters the state files get them from the model's file, never a
@@ -393,6 +394,7 @@ def _open_files_in(pid: int, directory: Path) -> list[str]:
     return links
 
 
+@pytest.mark.exactness
 @pytest.mark.slow  # four runs, three of them subprocesses: ~1 min on a loaded machine
 def test_sigkill_mid_state_write_and_mid_save_then_auto_resume_equals_the_run_never_stopped(tmp_path):
     import signal
@@ -506,6 +508,7 @@ def test_without_o_tmpfile_the_next_run_removes_a_state_file_its_killed_predeces
 
 
 # ---- a disk that fails or fills up mid-run -------------------------------------------------------------------------
+@pytest.mark.exactness
 def test_a_state_write_failing_mid_run_stops_in_one_line_and_the_last_checkpoint_resumes_exactly(tmp_path, capsys):
     """ENOSPC (or EIO) on a state file mid-step -- injected: the files are preallocated, so a full disk cannot do it
     -- stops the run in one line naming the intact checkpoint and how to continue; the half-written state dies with

@@ -238,6 +238,7 @@ def test_rank_0_alone_prints_and_the_others_write_their_console_log(two_rank_run
     assert not any(line in output for line in console if "rank 1" in line)  # rank 1's own lines stay in its file
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer", ["8bit", pytest.param("adamw", marks=pytest.mark.slow)])
 def test_two_ranks_with_offloaded_states_give_the_in_ram_run_each_rank_holding_only_its_groups(tmp_path, optimizer):
     """optimizer_offload nvme under torchrun: each rank makes state files for the layer groups it
@@ -409,6 +410,7 @@ def _spawn_ranks(config: Path, out: Path, *extra: str, nodes: int = 1, program: 
     return procs
 
 
+@pytest.mark.exactness
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_other_naming_it_and_the_run_resumes_exactly(tmp_path):
     import signal
@@ -763,6 +765,7 @@ def test_one_rank_per_node_loads_the_model_into_shared_memory_the_others_map_it(
     ("overlap", 1, None, "adamw"), ("serial", 2, 3, "adamw"),
     ("serial", 2, 3, "8bit"),  # the owner's update writes the shared copy in its pass: no re-pack after it
 ])
+@pytest.mark.exactness
 def test_bf16_two_ranks_stay_within_rounding_of_one_process(tmp_path, mode, accumulation, resume_at, optimizer):
     """bf16 compute with fp32 masters: the node's one bf16 streamed copy, refreshed by each group's owner (after
     its update; serial: before the step's barrier; after a resume's load), and the gradients summed over the ranks
