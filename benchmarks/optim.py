@@ -193,7 +193,8 @@ def layouts(args: argparse.Namespace) -> list[str]:
                 times.append(dt)
             else:
                 triad_gbps = triad_gbps[-1:]  # warm-up rounds keep only the triad after them
-        ratios = [moved / t / 1e9 / ((a + b) / 2) for t, a, b in zip(times, triad_gbps, triad_gbps[1:], strict=True)]
+        pairs = zip(times, triad_gbps[:-1], triad_gbps[1:], strict=True)  # each update and the triads around it
+        ratios = [moved / t / 1e9 / ((a + b) / 2) for t, a, b in pairs]
         t = statistics.median(times)
         lines.append(f"layout {lay.name}: {moved / n:.2f} B/param, {n / t / 1e9:.2f} Gparams/s, {moved / t / 1e9:.1f} "
                      f"GB/s = {100 * statistics.median(ratios):.0f}% of triad {statistics.median(triad_gbps):.1f} "
