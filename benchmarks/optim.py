@@ -13,8 +13,9 @@ bitsandbytes AdamW8bit, side by side in one run.
 `--layouts` times the update as the executor runs it, one layout at a time (bf16 or fp32 masters, 8-bit or fp32
 states, the kept bf16 gradient or an fp32 sum, the streamed bf16 copy written in the same pass), on one Qwen2.5-7B
 layer's tensors (233 M params), against a STREAM-like triad (a = b + s c over three 256 MiB fp32 arrays, far past
-the last-level cache, on the same torch threads) timed in between, and prints per layout the bytes its tensors
-move per parameter (each read or written once, as STREAM counts), its rate and that rate's share of the triad's.
+the last-level cache, on the same torch threads) timed before and after every update, and prints per layout the
+bytes its tensors move per parameter (each read or written once, as STREAM counts), its rate and the median of
+its per-update shares of the adjacent triads' rate (`--threads 1`: one core each, less exposed to other processes).
 
 `--isas` runs the table in fresh processes, alternating the instruction sets run by run (native, avx2, native,
 ...): `avx2` compiles the 8-bit kernels for an AVX2-only CPU (NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2) and
@@ -72,14 +73,18 @@ NONE, INSIDE, HANDED_IN = "none", "norm inside", "norm handed in"
 
 
 def _cpu_name() -> str:
+    """The model name with its family and model numbers (a VM's "AMD EPYC" alone names no generation)."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    if "model name" not in info:
+        return platform.processor() or "unknown CPU"
+    return f"{info['model name']} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -155,14 +160,19 @@ def triad_seconds(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
 
 
 def layouts(args: argparse.Namespace) -> list[str]:
-    """Time each layout's update, interleaved with triads; print and return one line per layout."""
+    """Time each layout's update between two triads; print and return one line per layout.
+
+    Each update's rate is divided by the mean rate of the triads just before and just after it (a few hundred ms
+    apart, so other processes' load hits both alike), and the line gives the median of these per-update ratios
+    (their range in brackets) beside the medians of the rates.
+    """
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     shapes = QWEN7B_LAYER_SHAPES
     gen = torch.Generator().manual_seed(0)
     tri = [torch.rand(TRIAD_NUMEL, generator=gen) for _ in range(3)]
-    triad_s: list[float] = []
-    lines = []
+    triad_bytes = 3 * 4 * TRIAD_NUMEL
+    lines, loads = [], [os.getloadavg()[0]]
     for lay in LAYOUTS:
         params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(lay.masters)) for s in shapes]
         grads = {p: (torch.randn(p.shape, generator=gen) * 0.01).to(lay.grad) for p in params}
@@ -173,24 +183,29 @@ def layouts(args: argparse.Namespace) -> list[str]:
         moved = sum(2 * nbytes(p) + nbytes(grads[p]) + (nbytes(copies[p]) if copies else 0)
                     + sum(2 * nbytes(v) for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim())
                     for p in params)  # weights and states read and written, gradient read, copy written
-        times = []
+        times, triad_gbps = [], [triad_bytes / triad_seconds(*tri) / 1e9]
         for r in range(args.warmup + args.rounds):
-            triad_s.append(triad_seconds(*tri))
             t0 = time.perf_counter()
             opt.step_group(0, 0.5, grads=grads, copies=copies)  # clipping on, as every step with a max norm
+            dt = time.perf_counter() - t0
+            triad_gbps.append(triad_bytes / triad_seconds(*tri) / 1e9)
             if r >= args.warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
+            else:
+                triad_gbps = triad_gbps[-1:]  # warm-up rounds keep only the triad after them
+        pairs = zip(times, triad_gbps[:-1], triad_gbps[1:], strict=True)  # each update and the triads around it
+        ratios = [moved / t / 1e9 / ((a + b) / 2) for t, a, b in pairs]
         t = statistics.median(times)
-        triad_gbps = 3 * 4 * TRIAD_NUMEL / statistics.median(triad_s) / 1e9
-        gbps = moved / t / 1e9
-        lines.append(f"layout {lay.name}: {moved / n:.2f} B/param, {n / t / 1e9:.2f} Gparams/s, {gbps:.1f} GB/s = "
-                     f"{100 * gbps / triad_gbps:.0f}% of triad {triad_gbps:.1f} GB/s")
+        lines.append(f"layout {lay.name}: {moved / n:.2f} B/param, {n / t / 1e9:.2f} Gparams/s, {moved / t / 1e9:.1f} "
+                     f"GB/s = {100 * statistics.median(ratios):.0f}% of triad {statistics.median(triad_gbps):.1f} "
+                     f"GB/s (per update {100 * min(ratios):.0f}-{100 * max(ratios):.0f}%)")
         print(lines[-1], flush=True)
+        loads.append(os.getloadavg()[0])
         del params, grads, copies, opt
     print(f"{sum(map(math.prod, shapes)) / 1e6:.0f} M params (one Qwen2.5-7B layer), {torch.get_num_threads()} "
-          f"threads, median of {args.rounds} updates and of {len(triad_s)} triads; {_cpu_name()}, numba CPU "
+          f"threads, {args.rounds} updates per layout, each between two triads; {_cpu_name()}, numba CPU "
           f"{numba.config.CPU_NAME or 'host'}, torch {torch.backends.cpu.get_cpu_capability()}; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"load average {min(loads):.1f}-{max(loads):.1f}", flush=True)
     return lines
 
 

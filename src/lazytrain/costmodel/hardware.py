@@ -280,9 +280,10 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 _H800_NVLINK_GBPS, _IB_NDR_GBPS = 160.0, 50.0
 _NVLINK4_GBPS = 450 * 0.8
 _H800_MATMUL_TFLOPS = 298.0  # calibrated (benchmarks/calibrate.py)
-# calibrated (benchmarks/calibrate.py): 6.6 Gparams/s of MegaTrain's fp32 Adam step at the 48 B/param our model
-# counts for it; two sockets of 8-channel DDR5-4800 are 614 GB/s on the wire, so ~52% of it
-_H800_HOST_MEM_GBPS = 316.8
+# calibrated (benchmarks/calibrate.py): 6.6 Gparams/s of MegaTrain's fp32 Adam step at the 32 B/param our model
+# counts for it (fused AdamW, cast chunks in cache); two sockets of 8-channel DDR5-4800 are 614 GB/s on the wire,
+# so ~34% of it: a floor (that step is DeepSpeed's CPUAdam, not a triad)
+_H800_HOST_MEM_GBPS = 211.2
 
 # The emulated device's link rates, GB/s: what `lazytrain train` throttles its EmulatedDevice to and `lazytrain
 # plan` plans for unless the job sets its own (RuntimeConfig's *_gbps defaults are these).

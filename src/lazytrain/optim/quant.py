@@ -174,6 +174,7 @@ _I255 = np.int32(255)
 _I16 = np.int32(16)
 _I31 = np.int32(31)
 _IV = np.int32(V_LEVELS)
+_HASH_MUL = np.int64(0x9E3779B1)  # bf16.py's counter multiplier
 
 
 @intrinsic
@@ -316,9 +317,10 @@ def _nearest_bf16(typingctx, x):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _stochastic_bf16(typingctx, x, index, key):  # pragma: no cover - compiled
-    """x rounded to bf16 stochastically: bf16.py's `_round_bits` for element `index` under `key`, in 32-bit lanes
-    (the hash is arithmetic modulo 2^32 there too, so the bits are the same)."""
+def _stochastic_bf16(typingctx, x, j, base):  # pragma: no cover - compiled
+    """x rounded to bf16 stochastically: bf16.py's `_round_bits` for element `start + j` under `key`, given
+    base = start * 0x9E3779B1 + key, in 32-bit lanes (the hash is arithmetic modulo 2^32 there too, so the bits are
+    the same). Why j and a base: the hash input is then a 32-bit induction of the loop (no 64-bit index vectors)."""
     sig = types.uint16(types.float32, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -363,18 +365,19 @@ def _load_grad_impl(g, p, j):
     return lambda g, p, j: g[j]
 
 
-def _store_param(p, j, value, index, key):  # pragma: no cover - typed by the overload below
-    """Weight j := value (bf16 weights: stochastically rounded, the bits of element `index` under `key`)."""
+def _store_param(p, j, value, base):  # pragma: no cover - typed by the overload below
+    """Weight j := value (bf16 weights: stochastically rounded, the bits of element start + j under `key`, with
+    base = start * 0x9E3779B1 + key: `_stochastic_bf16`)."""
 
 
 @overload(_store_param, inline="always")
-def _store_param_impl(p, j, value, index, key):
+def _store_param_impl(p, j, value, base):
     if _is_bf16(p):
-        def store(p, j, value, index, key):
-            p[j] = _stochastic_bf16(value, index, key)
+        def store(p, j, value, base):
+            p[j] = _stochastic_bf16(value, j, base)
         return store
 
-    def store(p, j, value, index, key):
+    def store(p, j, value, base):
         p[j] = value
     return store
 
@@ -412,6 +415,7 @@ def _update_blocks(
         # slices: indexing with the nonnegative loop variable lets LLVM vectorize
         pb, gb, qmb, qvb = p[start:end], g[start:end], qm[start:end], qv[start:end]
         cb = copy[start:end]  # empty where no copy is written
+        hash_base = start * _HASH_MUL + key  # the rounding hash's input of element start + j, less j's share
         scale_m = absmax_m[b] * (_INV_M_SQ * beta1)  # decodes beta1 * m
         scale_v = absmax_v[b] * (_INV_V_4 * beta2)  # decodes beta2 * v
         # -- decode, AdamW update with the fp32 moments, the clip coefficient fused in
@@ -430,7 +434,7 @@ def _update_blocks(
             vj = b2_v_old + hj * hj
             sj = np.sqrt(vj)  # >= +0: its bits order like its values
             pj = _load_param(pb, j) * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
-            _store_param(pb, j, pj, start + j, key)
+            _store_param(pb, j, pj, hash_base)
             _store_copy(cb, j, pj)
             fm[j] = mj
             fs[j] = sj
