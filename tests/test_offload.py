@@ -322,6 +322,51 @@ def test_a_disk_without_room_for_the_states_is_one_line_before_any_file(tmp_path
     assert code == 2 and "\n" not in err and "optimizer state files need" in err and str(path) in err, err
 
 
+@pytest.mark.parametrize("optimizer, masters, tied", [("8bit", "fp32", False), ("8bit", "bf16", True),
+                                                      ("adamw", "fp32", True)])
+def test_the_free_space_check_counts_the_state_files_headers_not_a_mebibyte_each(tmp_path, optimizer, masters,
+                                                                                  tied, monkeypatch):
+    """Before any state exists the check asks for each file's data and a bound of its header from the group's
+    parameters: at least the headers the files get, at most two pages a group more (a fixed 1 MiB a file asked
+    for 50 MiB more than a 48-layer model writes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lazytrain.costmodel.cost import CostModel
+    from lazytrain.costmodel.hardware import HardwareSpec
+    from lazytrain.costmodel.model import ModelSpec
+    from lazytrain.costmodel.workload import Workload
+    from lazytrain.plan.plan import Plan
+    from lazytrain.runtime.device import EmulatedDevice
+    from lazytrain.runtime.executor import Executor
+    from lazytrain.runtime.statefiles import StateFiles
+    from lazytrain.train.offload import NvmeStates
+    from lazytrain.train.optimizer import build_optimizer
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=RNG.randrange(2, 5),
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    if masters == "bf16":
+        model.to(torch.bfloat16)
+    L = config.num_hidden_layers
+    ex = Executor(model, Plan.from_tiers(model, ["gpu"] * (L + 1)), EmulatedDevice(nvme_dir=tmp_path),
+                  compute_dtype=torch.bfloat16)
+    cost = CostModel(ModelSpec.from_config(config), HardwareSpec.load("emulated"), Workload(1, 16, "bf16"),
+                     optimizer, master_weights=masters, optimizer_offload="nvme")
+    asked: list[int] = []
+    real_check = StateFiles.check_room
+    monkeypatch.setattr(StateFiles, "check_room", lambda self, need: (asked.append(need), real_check(self, need)))
+    nvme = NvmeStates(tmp_path, ex, group_bytes=cost.state_group_bytes())
+    try:
+        build_optimizer(load_job_config({**BASE, "optimizer": optimizer, "dtype": "bf16",
+                                         "master_weights": masters}), model, nvme)
+        headers = sum(layout.data_offset for layout in nvme.files.layouts.values())
+        counted = asked[1] - sum(cost.state_group_bytes())  # (asked[0]: StateFiles made empty)
+        groups = sum(1 for b in cost.state_group_bytes() if b)
+        assert headers <= counted <= headers + 2 * 4096 * groups, (headers, counted, groups)
+    finally:
+        nvme.close()
+
+
 # ---- checkpoints and resume -------------------------------------------------------------------------------------
 def _train(out: Path, offload: str, **values) -> trainer_module.TrainResult:
     return train(load_job_config({**BASE, **values, "optimizer_offload": offload, "output_dir": str(out)}))
