@@ -109,6 +109,30 @@ def test_resume_continues_exactly(tmp_path, optimizer):
         assert torch.equal(b, a)
 
 
+def test_a_resume_loads_the_states_into_those_the_optimizer_holds(tmp_path, monkeypatch):
+    """8-bit states exist from the optimizer's making: a resume copies each group file into them (the states once
+    plus one file in memory) instead of holding every loaded state beside them until load_state_dict swaps; and
+    the resumed step is the uninterrupted one's."""
+    from lazytrain.train import state_data
+
+    whole = _run(steps=3, optimizer="8bit", output_dir=str(tmp_path / "whole"))
+    out = tmp_path / "parts"
+    _run(steps=3, optimizer="8bit", save_steps=2, output_dir=str(out))
+    shutil.rmtree(out / "checkpoint-3")
+    real, given = state_data.load_optimizer, []
+
+    def load_optimizer(opt, kind, saved, tensors):
+        held = {t.data_ptr() for st in opt.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0}
+        given.extend(t.data_ptr() in held for t in tensors.values() if t.dim() > 0)
+        return real(opt, kind, saved, tensors)
+
+    monkeypatch.setattr(state_data, "load_optimizer", load_optimizer)
+    resumed = _run(steps=3, optimizer="8bit", save_steps=2, output_dir=str(out), resume_from_checkpoint="auto")
+    assert given and all(given), f"{given.count(False)} of {len(given)} loaded states are second copies"
+    assert resumed.losses == pytest.approx(whole.losses, rel=0, abs=1e-6)
+
+
 @pytest.mark.exactness
 def test_two_identical_runs_write_identical_checkpoints(tmp_path):
     """Every generator a checkpoint saves (Python's `random`, numpy's global one, torch's) is seeded from `seed`:

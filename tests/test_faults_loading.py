@@ -18,6 +18,8 @@ import torch
 import transformers
 from checks import raises_one_line
 from safetensors.torch import load_file, save_file
+from tiny_models import FAMILIES, make_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazytrain.cli import main
 from lazytrain.costmodel.model import MAX_LAYERS, PRESET_DIR, ModelSpec
@@ -204,6 +206,36 @@ def test_init_random_builds_from_the_config_alone(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == ModelSpec.from_config(config).num_params
     _load(tmp_path / "config.json")  # a config.json names a shape: random init without asking
 
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_random_init_in_bf16_is_built_in_bf16_with_fp32s_values(tmp_path, kind):
+    """No fp32 model on the way to bf16 masters (a 14B model's would be 55 GiB beside its 27.5 GiB bf16 copy): the
+    tensors made while building are bf16 but the rotary frequencies, and hold fp32's seeded init rounded."""
+    config = make_model(kind, num_layers=3).config
+    config.save_pretrained(tmp_path)
+    made: list[torch.Tensor] = []
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(t for t in (out if isinstance(out, tuple | list) else [out]) if isinstance(t, torch.Tensor))
+            return out
+
+    with Made():
+        model = load_model(resolve_model(str(tmp_path)), init="random", seed=5, dtype=torch.bfloat16)
+    fp32 = sum(t.numel() for t in made if t.dtype == torch.float32 and not t.is_meta)
+    buffers = sum(b.numel() for b in model.buffers() if b.dtype == torch.float32)
+    assert fp32 <= 2 * buffers + 1000, f"{fp32:,} fp32 elements made for a model of " \
+                                       f"{sum(p.numel() for p in model.parameters()):,} parameters"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    reference = load_model(resolve_model(str(tmp_path)), init="random", seed=5, dtype=torch.float32)
+    computed_in_bf16 = {"A_log"}  # Qwen3.5's log(uniform) is taken in the parameter's dtype
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if name.rsplit(".", 1)[-1] in computed_in_bf16:  # one bf16 rounding of log's value apart
+            torch.testing.assert_close(p.float(), q.bfloat16().float(), rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(p, q.bfloat16()), name
 
 # ---- broken weight files ----------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage header"])

@@ -242,19 +242,22 @@ def test_a_stated_nvme_write_rate_replaces_the_presets_and_the_plan_adapts(capsy
 
 
 def test_a_stated_mixed_nvme_rate_slows_the_14b_step(tmp_path, capsys) -> None:
-    """A hardware file's nvme_mixed_gbps (the rate each direction keeps beside the other) caps both NVMe lanes of a
-    step with the states on NVMe: the 14B example's predicted step grows as it falls, and the plan's MILP step is
-    still its simulated one."""
+    """A hardware file's nvme_mixed_gbps (the rate each direction keeps beside the other), or the flag
+    --nvme-mixed-gbps on the preset, caps both NVMe lanes of a step with the states on NVMe: the 14B example's
+    predicted step grows as it falls, and the plan's MILP step is still its simulated one."""
     argv = ["plan", "--model", "qwen2.5-14b", "--seq-len", "1024", "--batch-size", "4", "--gpu-mem-cap", "22GB",
             "--optimizer", "8bit", "--master-weights", "bf16", "--cpu-mem", "64GiB", "--optimizer-offload", "nvme"]
     steps = {}
-    for mixed in (None, 2.0, 1.0):
+    for mixed, how in ((None, "file"), (2.0, "file"), (1.0, "file"), (2.0, "flag")):
         hardware = tmp_path / f"ssd-{mixed}.yaml"
-        hardware.write_text("base: rtx3090\n" + ("" if mixed is None else f"nvme_mixed_gbps: {mixed}\n"))
-        assert main([*argv, "--hardware", str(hardware), "--json", str(tmp_path / "plan.json")]) == 0
+        hardware.write_text("base: rtx3090\n" + ("" if mixed is None or how == "flag" else
+                                                 f"nvme_mixed_gbps: {mixed}\n"))
+        flag = ["--nvme-mixed-gbps", str(mixed)] if how == "flag" else []
+        assert main([*argv, "--hardware", str(hardware), *flag, "--json", str(tmp_path / "plan.json")]) == 0
         out = capsys.readouterr().out
-        steps[mixed] = float(re.search(r"^step: MILP ([\d.]+) s", out, re.M).group(1))
+        steps[mixed, how] = float(re.search(r"^step: MILP ([\d.]+) s", out, re.M).group(1))
         prediction = Plan.load(tmp_path / "plan.json", spec=ModelSpec.load("qwen2.5-14b")).prediction
         assert prediction is not None and prediction.milp_step_s == pytest.approx(prediction.simulated_step_s,
                                                                                    rel=1e-6)
-    assert steps[None] < steps[2.0] < steps[1.0], steps
+    assert steps[None, "file"] < steps[2.0, "file"] < steps[1.0, "file"], steps
+    assert steps[2.0, "flag"] == steps[2.0, "file"], steps  # --nvme-mixed-gbps: the flag of the file's figure

@@ -312,6 +312,11 @@ class RuntimeConfig:
     """Emulated NVMe read rate, GB/s."""
     nvme_write_gbps: float = EMULATED_LINK_GBPS["nvme_write_gbps"]
     """Emulated NVMe write rate, GB/s."""
+    nvme_mixed_gbps: float | None = None
+    """The NVMe rate each direction keeps while the other runs, GB/s (many SSDs share one budget: this VM's wrote at
+    half its solo rate beside a read). With optimizer_offload nvme the plan caps both NVMe lanes at it; any
+    hardware (`--nvme-read-gbps` and `--nvme-write-gbps` too: on a preset they are the user's SSD, not a
+    throttle). None = the hardware's figure (the presets state none) or, on CUDA, the probe's of nvme_dir."""
     optimizer_offload: Literal["host", "nvme"] = "host"
     """Where the optimizer's state lives between updates: `host` (RAM) or `nvme` (one file per layer group under
     nvme_dir: the 8-bit or fp32 moments and, with master_weights fp32 and bf16 compute, the fp32 masters but the
@@ -343,6 +348,7 @@ class RuntimeConfig:
               (bool(self.hardware.strip()), "hardware", "auto, a preset name or a file"),
               *((getattr(self, knob) > 0, knob, "a rate > 0 in GB/s (inf = unthrottled)")
                 for knob in ("h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps")),
+              (self.nvme_mixed_gbps is None or self.nvme_mixed_gbps > 0, "nvme_mixed_gbps", "a rate > 0 in GB/s"),
               (self.nvme_probe_s > 0, "nvme_probe_s", "seconds > 0"),
               (self.nvme_tbw is None or self.nvme_tbw > 0, "nvme_tbw", "the drive's rated TB written, > 0"),
               (self.seed >= 0, "seed", "an integer in 0..2**63-1"),

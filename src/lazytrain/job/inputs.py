@@ -60,7 +60,7 @@ def resolve_hardware(runtime: RuntimeConfig, *, kind: str | None = None, measure
     """`hardware: auto` = this machine: the CUDA GPU's preset, else the emulated device with the job's link
     rates; a preset or a file otherwise. PCIe link rates set for a machine that is not emulated are refused; NVMe
     rates (`--nvme-read-gbps`, `--nvme-write-gbps`: the user's SSD, e.g. its sustained write rate once its cache is
-    full) replace the preset's.
+    full; `--nvme-mixed-gbps`, any hardware: each direction's rate beside the other) replace the preset's.
 
     `kind`: the device the run was given (`cuda` or `cpu`, train's `pick_device_kind`) instead of looking;
     `measured`: the emulated device's host rates measured on this CPU (`HardwareSpec.profile`), the figures
@@ -79,6 +79,8 @@ def resolve_hardware(runtime: RuntimeConfig, *, kind: str | None = None, measure
             hardware = HardwareSpec.profile("emulated", seconds=0.1) if measured else HardwareSpec.load("emulated")
     else:
         hardware = HardwareSpec.load(runtime.hardware)
+    if runtime.nvme_mixed_gbps is not None:
+        hardware = hardware.with_overrides(nvme_mixed_gbps=runtime.nvme_mixed_gbps)
     if hardware.emulated:
         return hardware.with_overrides(**links)
     changed = [k for k, v in links.items() if v != EMULATED_LINK_GBPS[k]]

@@ -151,6 +151,20 @@ def safetensors_header(extents: Sequence[Extent]) -> bytes:
     return struct.pack("<Q", size) + text + b" " * (size - len(text))
 
 
+def header_bytes_bound(shapes: Iterable[Sequence[int]], names: Iterable[str], data_bytes: int) -> int:
+    """At least the header (`safetensors_header`, page-padded) of a file whose tensors are named `names` and each
+    shaped at most as one of `shapes` as text (a parameter's shape: its flat states and block scales print
+    shorter), with up to `data_bytes` of data: every name beside every shape, the longest dtype name, offsets of
+    data_bytes' digits. What a free-space check counts before the states exist (a page or two a layer, where
+    a fixed 1 MiB a file asked for 50 MiB more than a 48-layer model writes)."""
+    widest = max((list(shape) for shape in shapes), key=lambda shape: len(json.dumps(shape)), default=[])
+    big = 10 ** len(str(data_bytes)) - 1  # no offset prints longer
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    for name in names:
+        header[name] = {"dtype": "BF16", "shape": widest, "data_offsets": [big, big]}
+    return _round_up(8 + len(json.dumps(header, separators=(",", ":"))))
+
+
 class IOEvent:
     """One submitted read or write of a group: `wait()` returns once every block of it is done (then the buffer
     is free again) and raises a one-line LazyTrainError if any block failed."""

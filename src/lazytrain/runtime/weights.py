@@ -209,7 +209,8 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0, model:
                dtype: torch.dtype = torch.float32, defer: Callable[[PreTrainedModel], set[str]] | None = None
                ) -> PreTrainedModel:
     """The host model of `source` with `dtype` parameters, in train mode: its weights, or a seeded random init
-    from the config (made in fp32, then rounded: the same values whatever `dtype`).
+    from the config built straight in `dtype` (no fp32 copy on the way: the values of fp32's init rounded, for
+    every family but Qwen3.5's `A_log`, whose log the init computes in `dtype`; tests/test_faults_loading.py).
 
     `model`: the meta model `built_spec` already checked (built again when None). `defer(model)`: the names of
     the parameters whose values stay in the file until `host_value` reads them (masters kept on NVMe).
@@ -219,8 +220,7 @@ def load_model(source: ModelSource, *, init: str = "auto", seed: int = 0, model:
     check_init(source, init)
     if init == "random" or not source.weight_files:
         torch.manual_seed(seed)
-        built = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32, **attention_kwargs(source.config))
-        built.to(dtype)  # tensor by tensor
+        built = AutoModelForCausalLM.from_config(source.config, dtype=dtype, **attention_kwargs(source.config))
     else:
         meta = model if model is not None else meta_model(source.config)
         built = materialize(meta, source.weight_files, source.name, dtype=dtype,

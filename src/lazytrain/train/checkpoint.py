@@ -585,7 +585,8 @@ def load_checkpoint(saved: Saved, *, model: PreTrainedModel, optimizer: torch.op
         for name, indices in state_data.group_params(optimizer).items():
             if (owned is None or all(id(params[i]) in owned for i in indices)) and (nvme is None or
                                                                                    name not in nvme.groups):
-                tensors.update(load_file(str(state_dir / "optimizer" / f"{name}.safetensors")))
+                tensors.update(_into_held_states(optimizer, params, load_file(
+                    str(state_dir / "optimizer" / f"{name}.safetensors"))))
         state_data.load_optimizer(optimizer, optimizer_kind, saved.optimizer, tensors)
         if nvme is not None:
             nvme.load(path)
@@ -593,6 +594,23 @@ def load_checkpoint(saved: Saved, *, model: PreTrainedModel, optimizer: torch.op
     except READ_ERRORS as err:
         raise _unreadable(path, err) from None
     return saved.state, saved.data
+
+
+def _into_held_states(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], loaded: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+    """A group file's tensors copied into the states the optimizer already holds (8bit and hybrid8bit make theirs
+    when built), so that a resume holds the states once plus one group file, not twice; one that fits no held state
+    (AdamW's lazy moments; a wrong shape or dtype, which load_optimizer refuses) stays as loaded."""
+    out = {}
+    for name, t in loaded.items():
+        head, _, key = name.partition(".")
+        p = params[int(head)] if head.isdigit() and int(head) < len(params) else None
+        held = optimizer.state.get(p, {}).get(key) if p is not None else None
+        if isinstance(held, torch.Tensor) and held.shape == t.shape and held.dtype == t.dtype:
+            out[name] = held.copy_(t)
+        else:
+            out[name] = t
+    return out
 
 
 def _load_weights(path: Path, model: PreTrainedModel, skip: set[str]) -> None:

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lazytrain.costmodel.cost import STATE_HEADER_BYTES
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.schedule import update_order
 from lazytrain.runtime.device import return_freed_host_memory
-from lazytrain.runtime.statefiles import GroupLayout, StateFiles, safetensors_names
+from lazytrain.runtime.files import ALIGN_BYTES
+from lazytrain.runtime.statefiles import GroupLayout, StateFiles, header_bytes_bound, safetensors_names
 from lazytrain.runtime.store import aligned_empty
 from lazytrain.runtime.weights import deferred, host_value, placeholder, settle
 from lazytrain.train.metrics import say
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 ParamGroup = dict[str, object]
 MASTER_FILE = "master.safetensors"  # the checkpoint's fp32 masters (train/checkpoint.py's name)
+# the most and the longest-named state tensors a parameter has here (8-bit: qv, absmax_m, absmax_v; AdamW's two)
+STATE_KEYS_BOUND = ("exp_avg_sq", "absmax_m", "absmax_v")
 
 
 def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -90,13 +92,14 @@ class NvmeStates:
         self._owner = {id(p): i for i, params in enumerate(executor.param_groups()) for p in params}
         self._owned = owned
         self.files = StateFiles(directory, {}, host_empty=executor.device.host_empty, note=say)
-        L = executor.parts.num_layers
-        mine = [b for t, b in zip(range(-1, L + 1), group_bytes, strict=False)
-                if b and (owned is None or executor.index_of(t) in owned)]
-        self.files.check_room(sum(b + STATE_HEADER_BYTES for b in mine))
         self.groups: dict[str, FileGroup] = {}
         self._names = {id(p): n for n, p in executor.model.named_parameters()}
         self._gathered = executor.parts.embedding.weight  # its master stays in RAM (module docstring)
+        L, params = executor.parts.num_layers, executor.param_groups()
+        mine = [(executor.index_of(t), b) for t, b in zip(range(-1, L + 1), group_bytes, strict=False)
+                if b and (owned is None or executor.index_of(t) in owned)]
+        count = sum(len(ps) for ps in params)
+        self.files.check_room(sum(b + self._headers_bound(params[i], count, b) for i, b in mine))
         self._targets: list[list[str]] = []  # executor group index -> its checkpoint groups
         self.slots: list[torch.Tensor] = []  # the staging slots (`bind`)
         self._lock = threading.Lock()  # reads, updates and writes run on three lanes' threads
@@ -108,6 +111,16 @@ class NvmeStates:
             group = executor.group_at(index)
             if masters and group is not None and not group.aliased:
                 group.packed_by_update = True
+
+    def _headers_bound(self, params: list[torch.nn.Parameter], count: int, data_bytes: int) -> int:
+        """At least the headers of an executor group's files, from its parameters before any state exists: each
+        with STATE_KEYS_BOUND's states (names as long as the longest index's) and its master where it goes to the
+        file; a page more for a tied head's second file (the embedding's param group)."""
+        digits = len(str(count))
+        names = [f"{k:0{digits}d}.{key}" for k in range(len(params)) for key in STATE_KEYS_BOUND]
+        names += [self._names[id(p)] for p in params
+                  if self.masters and p.dtype != self.compute_dtype and p is not self._gathered]
+        return header_bytes_bound([p.shape for p in params], names, data_bytes) + ALIGN_BYTES
 
     # ---- building ---------------------------------------------------------------------------------
     def build(self, make: Callable[[list[ParamGroup]], torch.optim.Optimizer], groups: list[ParamGroup]

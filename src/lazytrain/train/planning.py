@@ -148,8 +148,8 @@ def disk_rates(job: JobConfig, hardware: HardwareSpec, kind: str) -> HardwareSpe
     from an earlier probe of it; nvme_probe false: as it is), said in one line. On CUDA the plan uses them: each
     direction alone, and the slower direction's rate beside the other as nvme_mixed_gbps, which the cost model
     gives both NVMe lanes (the state reads of the next groups run beside the write-backs of the last ones for most
-    of a step). The emulated device's links are its throttle (probed only when unthrottled, for the line): its
-    calibration measures them through the same files."""
+    of a step), unless the job states it (nvme_mixed_gbps). The emulated device's links are its throttle (probed
+    only when unthrottled, for the line): its calibration measures them through the same files."""
     throttled = math.isfinite(job.runtime.nvme_read_gbps) and math.isfinite(job.runtime.nvme_write_gbps)
     if job.runtime.optimizer_offload != "nvme" or not job.runtime.nvme_probe or (kind != "cuda" and throttled):
         return hardware  # (a throttled emulated link is slower than the disk: the throttle is its rate)
@@ -161,7 +161,8 @@ def disk_rates(job: JobConfig, hardware: HardwareSpec, kind: str) -> HardwareSpe
     if kind != "cuda":
         return hardware
     return hardware.with_overrides(nvme_read_gbps=rates.read_gbps, nvme_write_gbps=rates.write_gbps,
-                                   nvme_mixed_gbps=min(rates.mixed_read_gbps, rates.mixed_write_gbps),
+                                   nvme_mixed_gbps=job.runtime.nvme_mixed_gbps or min(rates.mixed_read_gbps,
+                                                                                       rates.mixed_write_gbps),
                                    nvme_state_read_gbps=None, nvme_state_write_gbps=None)
 
 
