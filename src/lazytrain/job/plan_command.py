@@ -261,6 +261,10 @@ def _print_trainable(cost: CostModel, host_bytes: int) -> None:
     print(f"  backward: {sum(cost.backward_s) / sum(cost.forward_s):.2f} x forward (full training 3.00: no weight "
           f"gradient of a frozen weight); gradients d2h {format_bytes(sent)} per step (full "
           f"{format_bytes(full_sent)}); host update {cost.total_optimizer_s:.3f} s")
+    if quantized:
+        print(f"  dequantization: {sum(cost.dequant_s):.3f} s a pass over the NF4 linears on the device "
+              f"({cost.dequant_bytes_per_weight} B per weight at {cost.hardware.mem_gbps:g} GB/s), 3 passes a "
+              "micro-batch (forward, re-forward, backward; 2 for a kept layer)")
 
 
 def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan, topology: Topology
