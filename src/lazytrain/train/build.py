@@ -129,13 +129,13 @@ def choose_trainable(job: JobConfig, model: PreTrainedModel, source: ModelSource
     if quantized_base(job):  # QLoRA: the frozen linears as NF4 bytes
         t0 = time.perf_counter()
         count, weights = quantize_base(model, compute_dtype(job))
-        for p in model.parameters():  # a linear additional_target trains whole: read now
-            if deferred(p):
-                p.data = host_value(p)
-                settle(p)
         say(f"base     quantization_bit 4: the decoder layers' {count} frozen linears ({weights:,} weights) held and "
             "streamed as NF4 (bitsandbytes' nf4, block 64, double quantization), dequantized on the device; "
             f"quantized in {time.perf_counter() - t0:.1f} s")
+    for p in model.parameters():  # what stays in the model's file: masters bound for the state files alone
+        if deferred(p) and not (p.requires_grad and masters_in_files(job)):
+            p.data = host_value(p)  # (a frozen one has no master; a linear additional_target of QLoRA trains)
+            settle(p)
     cast_frozen(model, compute_dtype(job))
 
 
