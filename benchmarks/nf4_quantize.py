@@ -34,16 +34,18 @@ def torch_quantize(weight: torch.Tensor) -> torch.Tensor:
     return nf4.layout((q[::2] << 4) | q[1::2], nf4._nearest(scaled2, nf4.dynamic_code()), absmax2, offset)
 
 
-def rate_gbps(fn, weights: list[torch.Tensor], repeats: int) -> float:
-    """bf16 GB quantized per second, the median of `repeats` passes over `weights`."""
+def rate_gbps(fn, weights: list[torch.Tensor], repeats: int) -> tuple[float, float]:
+    """bf16 GB quantized per second of wall time and per CPU-second of this process (all its threads; on a shared
+    machine the wall rate falls with the load, the CPU rate much less), medians of `repeats` passes."""
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    seconds = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for w in weights:
             fn(w)
-        seconds.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(seconds) / 1e9
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return nbytes / statistics.median(wall) / 1e9, nbytes / statistics.median(cpu) / 1e9
 
 
 def main() -> None:
@@ -57,16 +59,19 @@ def main() -> None:
     nf4.quantize(square[0][:1])  # the kernel compiled (or loaded from numba's cache) first
     print(f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, {args.threads} threads; "
           f"load {os.getloadavg()[0]:.1f}")
-    old, new = rate_gbps(torch_quantize, square, args.repeats), rate_gbps(nf4.quantize, square, args.repeats)
+    (old, old_cpu), (new, new_cpu) = (rate_gbps(f, square, args.repeats) for f in (torch_quantize, nf4.quantize))
     assert torch.equal(torch_quantize(square[0]), nf4.quantize(square[0]))
-    print(f"8192 x 8192 bf16: torch formulation {old:.3f} GB/s, compiled kernel {new:.3f} GB/s ({new / old:.1f}x)")
+    print(f"8192 x 8192 bf16: torch formulation {old:.3f} GB/s ({old_cpu:.3f} per CPU-second), compiled kernel "
+          f"{new:.3f} GB/s ({new_cpu:.3f} per CPU-second): {new / old:.1f}x")
     del square
     layer = [torch.randn(o, i, generator=gen).mul_(0.02).bfloat16() for o, i in LAYER_70B]
-    layer_rate = rate_gbps(nf4.quantize, layer, args.repeats)
+    rate, cpu_rate = rate_gbps(nf4.quantize, layer, args.repeats)
     base_gb = LAYERS_70B * sum(o * i for o, i in LAYER_70B) * 2 / 1e9
-    print(f"a llama-3.1-70b layer's linears: {layer_rate:.3f} GB/s; its 80 layers ({base_gb:.0f} GB of bf16) in "
-          f"{base_gb / layer_rate / 60:.1f} min")
-
+    print(f"a llama-3.1-70b layer's linears: {rate:.3f} GB/s ({cpu_rate:.3f} per CPU-second); its 80 layers "
+          f"({base_gb:.0f} GB of bf16) in {base_gb / rate / 60:.1f} min here, "
+          f"{base_gb / cpu_rate / 60:.1f} CPU-minutes ({base_gb / cpu_rate / 60 / os.cpu_count():.1f} min on "
+          f"{os.cpu_count()} idle cores)")
+    print(f"load {os.getloadavg()[0]:.1f} at the end")
 
 if __name__ == "__main__":
     main()

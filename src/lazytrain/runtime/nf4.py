@@ -12,8 +12,9 @@ The quantized linear keeps its bytes in one frozen parameter, the bytes reinterp
 never values), and the forward reads it back as bytes. The backward dequantizes again rather than keeping the
 dequantized weight alive between the passes (bitsandbytes' MatMul4Bit does the same), so a layer on the device
 holds its packed bytes and one dequantized linear at a time. The arithmetic is bitsandbytes' reference
-(`backends/default/ops.py`), in torch, so it runs wherever the executor does; the tests check it against
-bitsandbytes' own `quantize_4bit` / `dequantize_4bit`.
+(`backends/default/ops.py`): the dequantization in torch, so it runs wherever the executor does; the quantization,
+once per weight at load, in a compiled host kernel for the blocks of 64 (the rest in torch). The tests check both
+against bitsandbytes' own `quantize_4bit` / `dequantize_4bit`.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.7229568362236023, 1.0)  # bitsandbytes' NF4 table (normal quantiles), ascending
 
 
+@cache
 def dynamic_code() -> torch.Tensor:
     """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map()`): the double quantization's code, 256 values
-    ascending, each exponent decade split linearly."""
+    ascending, each exponent decade split linearly. Made once (read-only)."""
     data: list[float] = []
     for i in range(7):  # 7 exponent bits: decades 1e-6 .. 1, 2**i fraction steps in decade i
         bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
