@@ -567,14 +567,16 @@ class CostModel:
         optimizer_offload nvme, at index target + 1 as `sim.update_seconds`: the untied embedding (0 when tied:
         a tied head's group owns it), layers 0..L-1, the head. A group's file holds its Adam moments and, where
         `masters_offloaded`, its fp32 masters -- but not the embedding matrix's, which the forward gathers rows
-        from every step and so stays in RAM --, rounded up to whole pages (reads and writes move whole pages)."""
+        from every step and so stays in RAM --, rounded up to whole pages (reads and writes move whole pages).
+        Trainable parameters alone (freeze tuning: a frozen layer's group has no file)."""
         spec = self.spec
         masters = 4 if self.masters_offloaded else 0
         tied = spec.tie_word_embeddings
-        embedding = 0 if tied else spec.embedding_params * self.state_bytes_per_param
-        layers = [p * (self.state_bytes_per_param + masters) for p in spec.layer_params]
-        head = (spec.head_params + (spec.embedding_params if tied else 0)) * self.state_bytes_per_param \
-            + spec.head_params * masters  # a tied head's matrix is the embedding's (its master in RAM)
+        embedding = 0 if tied else self.embedding_trainable_params * self.state_bytes_per_param
+        layers = [p * (self.state_bytes_per_param + masters) for p in self.layer_trainable_params]
+        tied_embedding = self.embedding_trainable_params if tied else 0
+        head = (self.head_trainable_params + tied_embedding) * self.state_bytes_per_param \
+            + self.head_trainable_params * masters  # a tied head's matrix is the embedding's (its master in RAM)
         return tuple(-(-int(math.ceil(b)) // STATE_PAGE_BYTES) * STATE_PAGE_BYTES
                      for b in (embedding, *layers, head))
 

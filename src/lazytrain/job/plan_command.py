@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from lazytrain.config import JobConfig, add_job_arguments, job_config_from_args
 from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
-from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
+from lazytrain.job.inputs import adapter_states_in_ram, model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
 from lazytrain.paths import ram_backed
 from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need, nvme_write_bytes, wear_line
@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         if args.max_batch:
             _print_max_batch(job, spec, hardware, deadline)
             return 0
+        job, note = adapter_states_in_ram(job)
+        if note:
+            print(note)
         job, note = resolve_batch(job, deadline=deadline)
         if note:
             print(note)

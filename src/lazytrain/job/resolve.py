@@ -25,7 +25,7 @@ from lazytrain.data.loader import Loader
 from lazytrain.distributed import Ranks, init_ranks, launched_local_world_size, launched_world_size
 from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import resolve_batch
-from lazytrain.job.inputs import resolved_dtype
+from lazytrain.job.inputs import adapter_states_in_ram, resolved_dtype
 from lazytrain.paths import cache_dir
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.train import rundir
@@ -64,7 +64,9 @@ def resolve_job(job: JobConfig) -> ResolvedJob:
     check_job(job)
     device = pick_device_kind(job.runtime.device)
     job = with_dtype(replace(job, runtime=replace(job.runtime, device=device)))
-    job = with_adapter_states_in_ram(job)
+    job, note = adapter_states_in_ram(job)
+    if note:
+        say(note)
     # Data parallelism (torchrun): None for one process. The job then names the launched layout (its world_size
     # 1 meant "as many as launched"): the planner plans one rank of it, and rank 0 decides the batch and the plan.
     ranks = init_ranks(backend=job.parallel.backend, timeout_s=job.parallel.collective_timeout_s,
@@ -119,17 +121,6 @@ def with_dtype(job: JobConfig) -> JobConfig:
     if dtype == "fp32":
         say("dtype    auto -> fp32: this CPU has no native bf16 (no avx512_bf16 / AMX), fp32 computes faster")
     return replace(job, runtime=replace(job.runtime, dtype=dtype))
-
-
-def with_adapter_states_in_ram(job: JobConfig) -> JobConfig:
-    """LoRA with `optimizer_offload: nvme`: the adapters' masters and states stay in RAM (a rank-16 adapter of a
-    70B model is ~0.2 B parameters: ~3 GB of fp32 master, moments and gradient, against the base's bytes), said in
-    one note; freeze tuning's trained layers go to the state files as full training's do."""
-    if job.finetune.finetuning_type != "lora" or job.runtime.optimizer_offload != "nvme":
-        return job
-    say("note     finetuning_type lora: the adapters' optimizer states stay in RAM (they are small); "
-        "optimizer_offload nvme -> host")
-    return replace(job, runtime=replace(job.runtime, optimizer_offload="host"))
 
 
 def output_dir(job: JobConfig, ranks: Ranks | None) -> tuple[Path, Path, Path | None, Saved | None]:
