@@ -5,6 +5,7 @@ adapter, and `lazytrain export` merges it into an HF folder whose logits are PEF
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,10 +147,18 @@ def test_two_ranks_train_as_one_process_with_the_global_batch(tmp_path, case):
     owners like any layer group's; QLoRA's second rank quantizes nothing (it maps rank 0's NF4 bytes)."""
     from test_parallel import _torchrun
 
-    config, model_dir = _job(tmp_path, **PARALLEL, **PARALLEL_CASES[case])
+    config, model_dir = _job(tmp_path, **PARALLEL, **PARALLEL_CASES[case], save_steps=2)
     proc = _torchrun(config, tmp_path / "two", "per_device_train_batch_size=1")
     output = "".join(proc.communicate(timeout=900))
     assert proc.returncode == 0, output[-3000:]
+    if case == "lora":  # resumed from checkpoint-2 on 2 ranks: the run never stopped, bit for bit
+        shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+        proc = _torchrun(config, tmp_path / "resumed", "per_device_train_batch_size=1", "resume_from_checkpoint=auto")
+        output = "".join(proc.communicate(timeout=900))
+        assert proc.returncode == 0, output[-3000:]
+        for part in ("adapter_model.safetensors", "trainer_state/master.safetensors"):
+            assert (tmp_path / "resumed" / "checkpoint-4" / part).read_bytes() == \
+                (tmp_path / "two" / "checkpoint-4" / part).read_bytes(), part
     assert main(["train", str(config), f"output_dir={tmp_path / 'one'}", "per_device_train_batch_size=2"]) == 0
     rows_one, rows_two = read_rows(tmp_path / "one" / "metrics.jsonl"), read_rows(tmp_path / "two" / "metrics.jsonl")
     assert [r["step"] for r in rows_two] == [1, 2, 3, 4]

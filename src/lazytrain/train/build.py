@@ -74,7 +74,8 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
     masters' dtype (fp32, or bf16 with master_weights bf16: the streamed weights themselves), or a seeded random
     init (built-in shapes, a bare config.json, init random). Masters the run keeps in its NVMe state files
     (`deferred_masters`) are placeholders read from the model's files when the streamed copy and the state files
-    are made (runtime/weights.py): the process never holds a whole fp32 model beside its bf16 copy.
+    are made (runtime/weights.py): the process never holds a whole fp32 model beside its bf16 copy. QLoRA's base
+    linears likewise stay in the file until each is quantized (never the whole bf16 base beside its NF4 bytes).
 
     With ranks the node holds one copy (`distributed.share_model`): local rank 0 loads it and moves it into the
     node's shared memory; the other local ranks load nothing and map it."""
@@ -141,6 +142,8 @@ def choose_trainable(job: JobConfig, model: PreTrainedModel, source: ModelSource
 
 def quantized_base(job: JobConfig) -> bool:
     return job.finetune.finetuning_type == "lora" and job.finetune.quantization_bit == 4
+
+
 def masters_in_files(job: JobConfig) -> bool:
     """Whether the fp32 masters live in the NVMe state files (CostModel.masters_offloaded): a bf16 copy streams."""
     return (job.runtime.optimizer_offload == "nvme" and job.runtime.master_weights == "fp32"
