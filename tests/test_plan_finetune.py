@@ -122,3 +122,17 @@ def test_qlora_prices_each_dequantization_on_the_device(capsys) -> None:
     assert main([*job, "quantization_bit=4"]) == 0
     assert re.search(r"dequantization: [\d.]+ s a pass over the NF4 linears on the device \(31 B per weight",
                      capsys.readouterr().out)
+
+
+def test_on_nvme_freeze_tuning_files_its_trained_layers_alone_and_lora_keeps_its_states_in_ram(capsys) -> None:
+    freeze = CostModel(ModelSpec.load("qwen2.5-14b"), HardwareSpec.load("rtx3090"), Workload(4, 1024, "bf16"),
+                       optimizer_offload="nvme", trainable=Trainable("freeze", layers=2))
+    groups, L = freeze.state_group_bytes(), freeze.num_layers  # (embedding, layers 0..L-1, head)
+    assert groups[:L - 1] == (0,) * (L - 1) and groups[-1] == 0  # the frozen embedding, layers and head: no file
+    per_param = freeze.state_bytes_per_param + 4  # Adam's moments and the fp32 master (bf16 compute)
+    assert groups[L - 1:L + 1] == tuple(-(-p * int(per_param) // 4096) * 4096 for p in freeze.spec.layer_params[-2:])
+    assert main(["plan", "model=qwen2.5-14b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4",
+                 *LORA, "optimizer_offload=nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "the adapters' optimizer states stay in RAM (they are small); optimizer_offload nvme -> host" in out
+    assert "staging" not in out.split("\n")[2]  # the host line: no staging slots

@@ -71,15 +71,15 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--trace", args.trace), ("--timeline", args.timeline)):
         if path:
             check_writable(path, flag)
+    job, note = adapter_states_in_ram(job)
+    if note:
+        print(note)
     with Deadline(job.plan.time_limit_s) as deadline:  # from here on, planning counts against the limit
         spec = model_spec(job.model.model)
         hardware = resolve_hardware(job.runtime)
         if args.max_batch:
             _print_max_batch(job, spec, hardware, deadline)
             return 0
-        job, note = adapter_states_in_ram(job)
-        if note:
-            print(note)
         job, note = resolve_batch(job, deadline=deadline)
         if note:
             print(note)
