@@ -5,6 +5,7 @@ adapter, and `lazytrain export` merges it into an HF folder whose logits are PEF
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,67 @@ def test_freeze_tuning_trains_the_last_layer_only(tmp_path):
     after = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.startswith("model.layers.1.") for k in changed)
+
+
+def test_lora_with_optimizer_offload_nvme_keeps_the_adapter_states_in_ram(tmp_path, capsys):
+    config, _ = _job(tmp_path, max_steps=2, optimizer_offload="nvme", nvme_dir=str(tmp_path), dtype="bf16")
+    assert main(["train", str(config)]) == 0
+    assert "the adapters' optimizer states stay in RAM (they are small); optimizer_offload nvme -> host" in \
+        capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["optimizer_offload"] == "host"
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors")
+    assert adapter and all(bool(torch.isfinite(t).all()) for t in adapter.values())
+
+
+# Data parallel: 2 ranks of 1 row each against one process of 2 rows, clipping on (the norms are ~0.2-0.5), gradient
+# accumulation 2. The ranks sum each row's gradient apart and then over the ranks, one process in one GEMM: ~1e-7
+# relative noise in every gradient. Adam's step is lr-sized whatever |g| where |g| >> adam_epsilon, so the noise
+# moves it by ~1e-7 x lr there; epsilon 1e-6 bounds the step of a near-zero gradient element by |g| / 1e-6 x lr, so
+# noise of 1e-13 there (1e-7 of |g| ~1e-6) moves it by 1e-7 x lr too: far below atol 1e-6 after 4 steps of lr 1e-3.
+PARALLEL = dict(max_steps=4, gradient_accumulation_steps=2, max_grad_norm=0.1, learning_rate=1e-3,
+                adam_epsilon=1e-6)
+PARALLEL_CASES = {"lora": {}, "freeze": dict(finetuning_type="freeze", freeze_trainable_layers=1),
+                  "qlora": dict(quantization_bit=4)}
+
+
+def _final_tensors(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    final = max(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return {k: v for f in sorted(final.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("case", ["lora", "freeze", pytest.param("qlora", marks=pytest.mark.slow)])
+def test_two_ranks_train_as_one_process_with_the_global_batch(tmp_path, case):
+    """torchrun, 2 ranks: the adapters' (freeze tuning: the trained layer's) gradients are summed into their
+    owners like any layer group's; QLoRA's second rank quantizes nothing (it maps rank 0's NF4 bytes)."""
+    from test_parallel import _torchrun
+
+    config, model_dir = _job(tmp_path, **PARALLEL, **PARALLEL_CASES[case], save_steps=2)
+    proc = _torchrun(config, tmp_path / "two", "per_device_train_batch_size=1")
+    output = "".join(proc.communicate(timeout=900))
+    assert proc.returncode == 0, output[-3000:]
+    if case == "lora":  # resumed from checkpoint-2 on 2 ranks: the run never stopped, bit for bit
+        shutil.copytree(tmp_path / "two" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+        proc = _torchrun(config, tmp_path / "resumed", "per_device_train_batch_size=1", "resume_from_checkpoint=auto")
+        output = "".join(proc.communicate(timeout=900))
+        assert proc.returncode == 0, output[-3000:]
+        for part in ("adapter_model.safetensors", "trainer_state/master.safetensors"):
+            assert (tmp_path / "resumed" / "checkpoint-4" / part).read_bytes() == \
+                (tmp_path / "two" / "checkpoint-4" / part).read_bytes(), part
+    assert main(["train", str(config), f"output_dir={tmp_path / 'one'}", "per_device_train_batch_size=2"]) == 0
+    rows_one, rows_two = read_rows(tmp_path / "one" / "metrics.jsonl"), read_rows(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows_two] == [1, 2, 3, 4]
+    for a, b in zip(rows_one, rows_two, strict=True):
+        assert b["tokens"] == a["tokens"] and b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6) and a["grad_norm"] > PARALLEL["max_grad_norm"]
+    one, two = _final_tensors(tmp_path / "one"), _final_tensors(tmp_path / "two")
+    assert two.keys() == one.keys() and one
+    for name, value in one.items():
+        torch.testing.assert_close(two[name], value, rtol=0, atol=1e-6)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    trained = [k for k in one if k.endswith("lora_B.weight") or "layers.1." in k and "norm" not in k]
+    assert trained and all(not torch.equal(one[k], base.get(k, torch.zeros_like(one[k]))) for k in trained)

@@ -60,6 +60,28 @@ def test_quantize_makes_bitsandbytes_bytes(shape) -> None:
         assert abs(float(code[int(codes[i])]) * scale - x) <= abs(float(code[int(state.absmax[i])]) * scale - x)
 
 
+def torch_quantize(weight: torch.Tensor) -> torch.Tensor:
+    """The first level as torch ops over the whole tensor (what `quantize` was before its compiled kernel)."""
+    flat = weight.reshape(-1).float()
+    scaled, absmax = nf4._blockwise(flat, nf4.BLOCK)
+    q = nf4._nearest(scaled, torch.tensor(nf4.NF4_CODE))
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_full((1,), nf4.NF4_CODE.index(0.0))])
+    offset = absmax.mean()
+    scaled2, absmax2 = nf4._blockwise(absmax - offset, nf4.ABSMAX_BLOCK)
+    return nf4.layout((q[::2] << 4) | q[1::2], nf4._nearest(scaled2, nf4.dynamic_code()), absmax2, offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 127, 4097, 300 * 257, (1 << 16) + 33])  # (the last: threaded)
+def test_the_compiled_quantize_makes_the_torch_formulations_bytes(dtype, numel) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    w = (torch.randn(numel, generator=gen) * torch.rand(1, generator=gen) * 0.1).to(dtype)
+    w[:64] = 0  # an all-zero block (absmax 0)
+    w[-min(3, numel):] *= 1e4  # outliers: clamped scales, a block of tiny values beside them
+    assert torch.equal(nf4.quantize(w), torch_quantize(w))
+
+
 def test_nf4_linear_forward_and_input_gradient_are_the_dequantized_linears() -> None:
     gen = torch.Generator().manual_seed(3)
     base = torch.nn.Linear(96, 40, bias=True)

@@ -125,6 +125,13 @@ def _tied_model(path) -> str:
 
 
 @pytest.mark.exactness
+def test_freeze_tuning_keeps_the_trained_layers_states_on_nvme_bit_for_bit(tmp_path):
+    """Freeze tuning: the trained layers' states and fp32 masters in the files, the frozen layers in RAM once in
+    bf16 (no master of what never changes, in neither run's checkpoint): the in-RAM run's losses and files."""
+    _check_identical(tmp_path, 3, None, dtype="bf16", finetuning_type="freeze", freeze_trainable_layers=1)
+
+
+@pytest.mark.exactness
 @pytest.mark.parametrize("optimizer, dtype, masters, accum, mode, tied, depth", [
     ("adamw", "bf16", "fp32", 1, "overlap", False, 1),
     ("8bit", "bf16", "fp32", 3, "serial", False, 2),

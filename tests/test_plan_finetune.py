@@ -8,13 +8,15 @@ import re
 import pytest
 
 from lazytrain.cli import main
-from lazytrain.costmodel.cost import CostModel
+from lazytrain.costmodel.cost import DEQUANT_BYTES_PER_WEIGHT, CostModel
 from lazytrain.costmodel.hardware import HardwareSpec
 from lazytrain.costmodel.model import ModelSpec
 from lazytrain.costmodel.trainable import Trainable
 from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
+from lazytrain.plan.rules import make_rule_plan
 from lazytrain.plan.schedule import Shapes, build_program
+from lazytrain.plan.sim import simulate
 
 JOB_70B = ["plan", "model=llama-3.1-70b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4",
            "gpu_mem_cap=22GB", "cpu_mem=192GiB"]
@@ -101,3 +103,36 @@ def test_70b_qlora_fits_one_3090_with_64_gib_of_host_memory(capsys) -> None:
     assert main([*JOB_70B[:-1], "cpu_mem=64GiB", *LORA, "quantization_bit=8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "quantization_bit 8: only 4 (QLoRA's NF4 base) is implemented" in err
+
+
+def test_qlora_prices_each_dequantization_on_the_device(capsys) -> None:
+    """One bandwidth-bound pass per NF4 weight in the forward, and two in the backward (re-forward, backward):
+    DEQUANT_BYTES_PER_WEIGHT + the bf16 cast's 4 + 2 bytes per weight over the device's memory rate."""
+    lora, qlora = cost(Trainable("lora", rank=16)), cost(Trainable("lora", rank=16, quantized=True))
+    rate = qlora.hardware.mem_gbps * 1e9
+    dequant = [q * (DEQUANT_BYTES_PER_WEIGHT + 6) / rate for q in qlora.quantized_params]
+    assert min(dequant) > 0
+    assert qlora.forward_s == pytest.approx([f + d for f, d in zip(lora.forward_s, dequant, strict=True)])
+    assert qlora.backward_s == pytest.approx([b + 2 * d for b, d in zip(lora.backward_s, dequant, strict=True)])
+    # the same plan simulated on both: the step grows by the passes (3 per layer, none kept, one micro-batch)
+    plan = make_rule_plan("megatrain", lora.spec, interval=1, workload=lora.workload)
+    grown = simulate(plan, qlora).step_s - simulate(plan, lora).step_s
+    assert grown == pytest.approx(3 * sum(dequant), rel=0.05), (grown, 3 * sum(dequant))
+    job = ["plan", "model=qwen2.5-14b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4", *LORA]
+    assert main([*job, "quantization_bit=4"]) == 0
+    assert re.search(r"dequantization: [\d.]+ s a pass over the NF4 linears on the device \(31 B per weight",
+                     capsys.readouterr().out)
+
+
+def test_on_nvme_freeze_tuning_files_its_trained_layers_alone_and_lora_keeps_its_states_in_ram(capsys) -> None:
+    freeze = CostModel(ModelSpec.load("qwen2.5-14b"), HardwareSpec.load("rtx3090"), Workload(4, 1024, "bf16"),
+                       optimizer_offload="nvme", trainable=Trainable("freeze", layers=2))
+    groups, L = freeze.state_group_bytes(), freeze.num_layers  # (embedding, layers 0..L-1, head)
+    assert groups[:L - 1] == (0,) * (L - 1) and groups[-1] == 0  # the frozen embedding, layers and head: no file
+    per_param = freeze.state_bytes_per_param + 4  # Adam's moments and the fp32 master (bf16 compute)
+    assert groups[L - 1:L + 1] == tuple(-(-p * int(per_param) // 4096) * 4096 for p in freeze.spec.layer_params[-2:])
+    assert main(["plan", "model=qwen2.5-14b", "hardware=rtx3090", "cutoff_len=1024", "per_device_train_batch_size=4",
+                 *LORA, "optimizer_offload=nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "the adapters' optimizer states stay in RAM (they are small); optimizer_offload nvme -> host" in out
+    assert "staging" not in out.split("\n")[2]  # the host line: no staging slots

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from test_adapters import MIXED, peft_twin, reference, run
 from test_adapters import ours_from as adapted
 from tiny_models import assert_matches, make_batch, make_model
@@ -80,3 +81,41 @@ def test_the_nf4_bytes_survive_packing_into_a_bf16_group() -> None:
     lin = layer.self_attn.q_proj.base_layer
     assert torch.equal(nf4.dequantize(views["self_attn.q_proj.base_layer.packed"], (32, 32), torch.float32),
                        lin.dequantized())
+
+
+def test_the_base_is_read_from_its_file_one_linear_at_a_time_as_it_is_quantized(tmp_path, monkeypatch) -> None:
+    """build_model with quantization_bit 4 leaves every decoder linear's weight in the model's file until its turn
+    (the process never holds the whole base in bf16 beside its NF4 bytes), and the NF4 bytes are those of the
+    weights in the file."""
+    from test_finetune import _model_dir
+
+    from lazytrain.config import load_job_config
+    from lazytrain.runtime.weights import deferred, resolve_model
+    from lazytrain.train.build import build_model
+
+    model_dir = _model_dir(tmp_path / "model", "llama")
+    stored = {n: p.detach().clone() for n, p in
+              transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters()}
+    job = load_job_config(dict(model=str(model_dir), finetuning_type="lora", lora_rank=4, quantization_bit=4,
+                               dtype="fp32", dataset="zen"))
+    seen: list[int] = []  # at each quantization, the base weights still in the model's file
+    built: list[torch.nn.Module] = []
+    real, real_quantize_base = nf4.quantize, nf4.quantize_base
+
+    def quantize(weight: torch.Tensor) -> torch.Tensor:
+        seen.append(sum(deferred(p) for p in built[0].parameters()))
+        return real(weight)
+
+    def quantize_base(model, dtype):
+        built.append(model)
+        return real_quantize_base(model, dtype)
+
+    monkeypatch.setattr(nf4, "quantize", quantize)
+    monkeypatch.setattr("lazytrain.train.build.quantize_base", quantize_base)
+    model = build_model(job, resolve_model(str(model_dir)))
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nf4.Nf4Linear)]
+    assert len(linears) == 2 * 7 and seen == list(range(len(linears), 0, -1))  # one read per quantization
+    assert not any(deferred(p) for p in model.parameters())
+    for name, m in linears:
+        key = name.removesuffix(".base_layer") + ".weight"
+        assert torch.equal(m.packed.view(torch.uint8), real(stored[key]).view(torch.uint8)), name

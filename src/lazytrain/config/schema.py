@@ -322,7 +322,8 @@ class RuntimeConfig:
     nvme_dir: the 8-bit or fp32 moments and, with master_weights fp32 and bf16 compute, the fp32 masters but the
     embedding's; read into a few host staging slots ahead of each group's update and written back after it, on
     the NVMe link the activations' spills share; the planner picks the slots' number under the host memory).
-    With bf16 compute host RAM then holds about 4 bytes per parameter plus the staging."""
+    With bf16 compute host RAM then holds about 4 bytes per parameter plus the staging. Freeze tuning: its trained
+    layers' files alone; LoRA keeps its adapters' small states in RAM (`nvme` is noted and taken as `host`)."""
     nvme_dir: str | None = None
     """Directory for `nvme` boundary files and, with optimizer_offload nvme, the optimizer's state files (both
     nameless: nothing is left there after the run); None = a temporary directory removed at the end."""

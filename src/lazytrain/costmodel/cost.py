@@ -15,6 +15,9 @@ Time model (per layer, forward, FLOPs over the achieved matmul rate):
     elementwise (RMSNorms, residual adds, rotary, SiLU*up as `transformers` runs them eagerly):
               bytes moved / `mem_gbps` (see _elementwise_bytes); ignored when mem_gbps is inf.
     backward_s = re-forward with autograd (1x) + backward (2x) = 3 x forward_s.
+    QLoRA: each NF4 linear is dequantized in the forward, the re-forward and the backward (runtime/nf4.py): one
+              pass each, DEQUANT_BYTES_PER_WEIGHT + the compute dtype's bytes per weight / `mem_gbps`
+              (`dequant_s`, added to forward_s, twice to backward_s).
     loss head: forward + backward of final norm + LM head + cross-entropy, 3 x 2 * vocab * hidden * T FLOPs.
 `with_times(...)` replaces the FLOP estimate by measured seconds (runtime/calibrate.py: the CPU emulated device
 needs them, tiny layers are dominated by overheads, not FLOPs).
@@ -124,6 +127,13 @@ def step_constant_bytes(kinds: Iterable[str], batch: int, seq_len: int, dtype_by
 MASTER_WEIGHTS = ("fp32", "bf16")  # the dtype of the host weights the optimizer updates
 
 
+# Device bytes one dequantization moves per weight, as runtime/nf4.py's torch ops run it (one kernel each): the two
+# nibbles split (read 0.5 + write 0.5, twice), interleaved (1 + 1), widened to int32 (1 + 4), looked up in the
+# table (4 + 4, fp32), scaled by the block's absmax in place (4 + 4); then the cast to the compute dtype (4 read +
+# its bytes written; none in fp32). bitsandbytes' fused CUDA kernel would move 0.516 + the dtype's bytes.
+DEQUANT_BYTES_PER_WEIGHT = 2 + 2 + 5 + 8 + 8
+
+
 def _rate(gbps: float) -> float:
     return gbps * 1e9
 
@@ -172,13 +182,17 @@ class CostModel:
         self.forward_flops = [self._layer_forward_flops(j) for j in range(L)]
         rate = hardware.matmul_flops_per_s
         mem_rate = _rate(hardware.mem_gbps)
-        self.forward_s = [
-            f / rate + self._elementwise_bytes(j) / mem_rate + hardware.layer_overhead_s
-            for j, f in enumerate(self.forward_flops)
-        ]
+        compute_s = [f / rate + self._elementwise_bytes(j) / mem_rate + hardware.layer_overhead_s
+                     for j, f in enumerate(self.forward_flops)]
+        # QLoRA: one bandwidth-bound pass per NF4 weight and dequantization (0 without QLoRA, or mem_gbps inf)
+        self.dequant_bytes_per_weight = DEQUANT_BYTES_PER_WEIGHT + (0 if dtype_bytes == 4 else 4 + dtype_bytes)
+        self.dequant_s = [q * self.dequant_bytes_per_weight / mem_rate for q in self.quantized_params]
+        self.forward_s = [c + d for c, d in zip(compute_s, self.dequant_s, strict=True)]
         # autograd re-forward (1x) + the input gradient's GEMMs (1x) + the weight gradient's (1x, in proportion to
-        # the layer's weights that train: none for a frozen base, its adapters' share with LoRA)
-        self.backward_s = [(2.0 + self._trained_share(j)) * t for j, t in enumerate(self.forward_s)]
+        # the layer's weights that train: none for a frozen base, its adapters' share with LoRA); QLoRA dequantizes
+        # in the re-forward and again in the backward
+        self.backward_s = [(2.0 + self._trained_share(j)) * c + 2 * d
+                           for j, (c, d) in enumerate(zip(compute_s, self.dequant_s, strict=True))]
         head_matmul = spec.vocab_size * spec.hidden_size
         self.head_flops = 3 * 2 * head_matmul * tokens
         # cross-entropy over fp32 logits: write, softmax read/write, grad write, ~4 passes of 4 bytes
@@ -553,14 +567,16 @@ class CostModel:
         optimizer_offload nvme, at index target + 1 as `sim.update_seconds`: the untied embedding (0 when tied:
         a tied head's group owns it), layers 0..L-1, the head. A group's file holds its Adam moments and, where
         `masters_offloaded`, its fp32 masters -- but not the embedding matrix's, which the forward gathers rows
-        from every step and so stays in RAM --, rounded up to whole pages (reads and writes move whole pages)."""
+        from every step and so stays in RAM --, rounded up to whole pages (reads and writes move whole pages).
+        Trainable parameters alone (freeze tuning: a frozen layer's group has no file)."""
         spec = self.spec
         masters = 4 if self.masters_offloaded else 0
         tied = spec.tie_word_embeddings
-        embedding = 0 if tied else spec.embedding_params * self.state_bytes_per_param
-        layers = [p * (self.state_bytes_per_param + masters) for p in spec.layer_params]
-        head = (spec.head_params + (spec.embedding_params if tied else 0)) * self.state_bytes_per_param \
-            + spec.head_params * masters  # a tied head's matrix is the embedding's (its master in RAM)
+        embedding = 0 if tied else self.embedding_trainable_params * self.state_bytes_per_param
+        layers = [p * (self.state_bytes_per_param + masters) for p in self.layer_trainable_params]
+        tied_embedding = self.embedding_trainable_params if tied else 0
+        head = (self.head_trainable_params + tied_embedding) * self.state_bytes_per_param \
+            + self.head_trainable_params * masters  # a tied head's matrix is the embedding's (its master in RAM)
         return tuple(-(-int(math.ceil(b)) // STATE_PAGE_BYTES) * STATE_PAGE_BYTES
                      for b in (embedding, *layers, head))
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from lazytrain.config import JobConfig, add_job_arguments, job_config_from_args
 from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import global_batch, largest_feasible_batch, resolve_batch
-from lazytrain.job.inputs import model_spec, rank_inputs, resolve_hardware
+from lazytrain.job.inputs import adapter_states_in_ram, model_spec, rank_inputs, resolve_hardware
 from lazytrain.jsonio import check_writable
 from lazytrain.paths import ram_backed
 from lazytrain.plan.admission import check_nvme_space, host_line, host_need, nvme_need, nvme_write_bytes, wear_line
@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--trace", args.trace), ("--timeline", args.timeline)):
         if path:
             check_writable(path, flag)
+    job, note = adapter_states_in_ram(job)
+    if note:
+        print(note)
     with Deadline(job.plan.time_limit_s) as deadline:  # from here on, planning counts against the limit
         spec = model_spec(job.model.model)
         hardware = resolve_hardware(job.runtime)
@@ -261,6 +264,10 @@ def _print_trainable(cost: CostModel, host_bytes: int) -> None:
     print(f"  backward: {sum(cost.backward_s) / sum(cost.forward_s):.2f} x forward (full training 3.00: no weight "
           f"gradient of a frozen weight); gradients d2h {format_bytes(sent)} per step (full "
           f"{format_bytes(full_sent)}); host update {cost.total_optimizer_s:.3f} s")
+    if quantized:
+        print(f"  dequantization: {sum(cost.dequant_s):.3f} s a pass over the NF4 linears on the device "
+              f"({cost.dequant_bytes_per_weight} B per weight at {cost.hardware.mem_gbps:g} GB/s), 3 passes a "
+              "micro-batch (forward, re-forward, backward; 2 for a kept layer)")
 
 
 def _print_plan(job: JobConfig, cost: CostModel, admission: Admission, plan: Plan, topology: Topology

@@ -25,7 +25,7 @@ from lazytrain.data.loader import Loader
 from lazytrain.distributed import Ranks, init_ranks, launched_local_world_size, launched_world_size
 from lazytrain.errors import LazyTrainError
 from lazytrain.job.batch import resolve_batch
-from lazytrain.job.inputs import resolved_dtype
+from lazytrain.job.inputs import adapter_states_in_ram, resolved_dtype
 from lazytrain.paths import cache_dir
 from lazytrain.runtime.device import check_nvme_dir
 from lazytrain.train import rundir
@@ -64,6 +64,9 @@ def resolve_job(job: JobConfig) -> ResolvedJob:
     check_job(job)
     device = pick_device_kind(job.runtime.device)
     job = with_dtype(replace(job, runtime=replace(job.runtime, device=device)))
+    job, note = adapter_states_in_ram(job)
+    if note:
+        say(note)
     # Data parallelism (torchrun): None for one process. The job then names the launched layout (its world_size
     # 1 meant "as many as launched"): the planner plans one rank of it, and rank 0 decides the batch and the plan.
     ranks = init_ranks(backend=job.parallel.backend, timeout_s=job.parallel.collective_timeout_s,
@@ -108,10 +111,6 @@ def check_job(job: JobConfig) -> None:
                              f"run with torchrun --nnodes {job.parallel.nodes} ... or drop nodes")
     if job.runtime.dtype == "fp16":
         raise LazyTrainError("dtype fp16: `lazytrain train` computes in bf16 or fp32; set dtype bf16")
-    kind = job.finetune.finetuning_type
-    if kind != "full" and (launched > 1 or job.runtime.optimizer_offload == "nvme"):
-        raise LazyTrainError(f"finetuning_type {kind} runs in one process with the optimizer's state in RAM (its "
-                             "state is small); launch one rank and set optimizer_offload host")
 
 
 def with_dtype(job: JobConfig) -> JobConfig:

@@ -340,12 +340,12 @@ def _is_bf16(arr: types.Type) -> bool:
     return isinstance(arr, types.Array) and arr.dtype == types.uint16
 
 
-def _load_param(p, j):  # pragma: no cover - typed by the overload below
-    """fp32 value of weight j."""
+def load_fp32(p, j):  # pragma: no cover - typed by the overload below
+    """fp32 value of element j of an fp32 array, or of a bf16 one given as its uint16 bits (runtime/nf4.py too)."""
 
 
-@overload(_load_param, inline="always")
-def _load_param_impl(p, j):
+@overload(load_fp32, inline="always")
+def _load_fp32_impl(p, j):
     if _is_bf16(p):
         return lambda p, j: _widen_bf16(p[j])
     return lambda p, j: p[j]
@@ -433,7 +433,7 @@ def _update_blocks(
             hj = clip_v * gj
             vj = b2_v_old + hj * hj
             sj = np.sqrt(vj)  # >= +0: its bits order like its values
-            pj = _load_param(pb, j) * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
+            pj = load_fp32(pb, j) * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
             _store_param(pb, j, pj, hash_base)
             _store_copy(cb, j, pj)
             fm[j] = mj

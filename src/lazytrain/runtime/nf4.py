@@ -12,15 +12,24 @@ The quantized linear keeps its bytes in one frozen parameter, the bytes reinterp
 never values), and the forward reads it back as bytes. The backward dequantizes again rather than keeping the
 dequantized weight alive between the passes (bitsandbytes' MatMul4Bit does the same), so a layer on the device
 holds its packed bytes and one dequantized linear at a time. The arithmetic is bitsandbytes' reference
-(`backends/default/ops.py`), in torch, so it runs wherever the executor does; the tests check it against
-bitsandbytes' own `quantize_4bit` / `dequantize_4bit`.
+(`backends/default/ops.py`): the dequantization in torch, so it runs wherever the executor does; the quantization,
+once per weight at load, in a compiled host kernel for the blocks of 64 (the rest in torch). The tests check both
+against bitsandbytes' own `quantize_4bit` / `dequantize_4bit`.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
+import numpy as np
 import torch
+from numba import carray, cfunc, njit, types
+from numba.core.ccallback import CFunc
 from torch import nn
 
+from lazytrain.costmodel.trainable import nf4_bytes
+from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel
+from lazytrain.optim.quant import load_fp32
 from lazytrain.runtime.adapters import decoder_layers
 from lazytrain.runtime.weights import host_value
 
@@ -32,9 +41,10 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             0.7229568362236023, 1.0)  # bitsandbytes' NF4 table (normal quantiles), ascending
 
 
+@cache
 def dynamic_code() -> torch.Tensor:
     """bitsandbytes' signed 8-bit dynamic map (`create_dynamic_map()`): the double quantization's code, 256 values
-    ascending, each exponent decade split linearly."""
+    ascending, each exponent decade split linearly. Made once (read-only)."""
     data: list[float] = []
     for i in range(7):  # 7 exponent bits: decades 1e-6 .. 1, 2**i fraction steps in decade i
         bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
@@ -59,15 +69,99 @@ def _nearest(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, (code[:-1] + code[1:]) / 2).to(torch.uint8)
 
 
+# ---- the first level, compiled -----------------------------------------------------------------------
+# Quantizing a 70B base touches 70e9 weights once, at load: the blocks of 64 go through a compiled kernel on
+# torch's OpenMP threads (optim/parallel.py), one pass over the weight in the dtype it was loaded in (bf16 bits or
+# fp32), with torch's arithmetic step for step: absmax = max |x|, r = 1 / max(absmax, 1e-38) (fp32, correctly
+# rounded as torch's reciprocal), x * r, and the index of the nearest NF4 value = how many midpoints between the
+# table's neighbours lie below it (`torch.bucketize`'s count; clamping x * r to [-1, 1] first changes no count, the
+# midpoints all lie inside). The result is the bytes the torch formulation made (tests/test_nf4.py checks it).
+_MIDS = ((lambda c: (c[:-1] + c[1:]) / 2)(torch.tensor(NF4_CODE))).numpy()  # fp32 (a constant in the kernel)
+_ZERO_INDEX = NF4_CODE.index(0.0)  # an odd count's pad nibble: 0, as bitsandbytes
+PARALLEL_MIN_NUMEL = 1 << 16  # smaller weights are quantized on the calling thread
+_EXACT_FASTMATH = {"nnan", "ninf", "nsz"}  # what changes no result here: finite weights (checked at load)
+
+
+@njit(cache=True, fastmath=_EXACT_FASTMATH, error_model="numpy", inline="always")
+def _nf4_blocks(src, packed, absmax, n, b_first, b_last, scratch):  # pragma: no cover - compiled
+    """Blocks [b_first, b_last) of `src` (n elements): their absmaxes and packed 4-bit indices (first one high).
+    `scratch`: a block's indices (uint8), so that the index loop runs in vectors."""
+    for b in range(b_first, b_last):
+        start = b * BLOCK
+        end = min(n, start + BLOCK)
+        m = np.float32(0.0)
+        for i in range(start, end):
+            m = max(m, abs(load_fp32(src, i)))
+        absmax[b] = m
+        r = np.float32(1.0) / max(m, np.float32(1e-38))
+        for i in range(end - start):
+            x = load_fp32(src, start + i) * r
+            q = np.uint8(0)
+            for k in range(15):  # (no branch)
+                q += np.uint8(x > _MIDS[k])
+            scratch[i] = q
+        if (end - start) % 2:  # an odd count's pad nibble (the weight's last block)
+            scratch[end - start] = _ZERO_INDEX
+        half = start // 2
+        for j in range((end - start + 1) // 2):
+            packed[half + j] = (scratch[2 * j] << 4) | scratch[2 * j + 1]
+
+
+_NF4_ARGS = np.dtype([("next_item", np.int64), ("src", np.int64), ("packed", np.int64), ("absmax", np.int64),
+                      ("numel", np.int64), ("blocks", np.int64), ("chunk", np.int64)], align=True)
+
+
+@njit(cache=True, fastmath=_EXACT_FASTMATH, error_model="numpy", inline="always")
+def _take_blocks(data, a, src):  # pragma: no cover - compiled
+    """Work items (`chunk` blocks each) until none are left (optim/parallel.py)."""
+    packed = carray(address(a.packed), (a.numel + 1) // 2, np.uint8)
+    absmax = carray(address(a.absmax), a.blocks, np.float32)
+    scratch = np.empty(BLOCK, np.uint8)
+    while True:
+        first = fetch_add(data, a.chunk)
+        if first >= a.blocks:
+            return
+        _nf4_blocks(src, packed, absmax, a.numel, first, min(a.blocks, first + a.chunk), scratch)
+
+
+def _nf4_kernel_fp32(data):  # pragma: no cover - compiled (cfunc, see _kernel)
+    a = carray(data, 1, _NF4_ARGS)[0]
+    _take_blocks(data, a, carray(address(a.src), a.numel, np.float32))
+
+
+def _nf4_kernel_bf16(data):  # pragma: no cover - compiled (cfunc, see _kernel): bf16 weights as their bits
+    a = carray(data, 1, _NF4_ARGS)[0]
+    _take_blocks(data, a, carray(address(a.src), a.numel, np.uint16))
+
+
+@cache
+def _kernel(bf16: bool) -> CFunc:
+    return cfunc(types.void(types.voidptr), cache=True, fastmath=_EXACT_FASTMATH, error_model="numpy")(
+        _nf4_kernel_bf16 if bf16 else _nf4_kernel_fp32)
+
+
+def _first_level(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed 4-bit indices, fp32 absmax per block of 64) of a host weight."""
+    flat = weight.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.bfloat16):
+        flat = flat.float()
+    flat = flat.contiguous()
+    n, blocks = flat.numel(), -(-flat.numel() // BLOCK)
+    packed, absmax = torch.empty(-(-n // 2), dtype=torch.uint8), torch.empty(blocks, dtype=torch.float32)
+    bf16 = flat.dtype == torch.bfloat16
+    src = flat.view(torch.int16).numpy().view(np.uint16) if bf16 else flat.numpy()
+    threads = 1 if n < PARALLEL_MIN_NUMEL else num_threads()
+    args = np.array([(0, src.ctypes.data, packed.data_ptr(), absmax.data_ptr(), n, blocks,
+                      max(16, -(-blocks // (8 * threads))))], dtype=_NF4_ARGS)
+    run_parallel(_kernel(bf16), args, threads)
+    return packed, absmax
+
+
 def quantize(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as NF4 with double quantization, as the flat bytes `dequantize` reads: the packed indices (two
-    per byte, the first in the high nibble), the absmaxes' 8-bit codes, their fp32 scales, the fp32 offset."""
-    flat = weight.detach().reshape(-1).float()
-    scaled, absmax = _blockwise(flat, BLOCK)
-    q = _nearest(scaled, torch.tensor(NF4_CODE))
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_full((1,), NF4_CODE.index(0.0))])  # an odd count's pad nibble: 0, as bitsandbytes
-    packed = (q[::2] << 4) | q[1::2]
+    """`weight` (on the host) as NF4 with double quantization, as the flat bytes `dequantize` reads: the packed
+    indices (two per byte, the first in the high nibble), the absmaxes' 8-bit codes, their fp32 scales, the fp32
+    offset."""
+    packed, absmax = _first_level(weight)
     offset = absmax.mean()
     scaled2, absmax2 = _blockwise(absmax - offset, ABSMAX_BLOCK)
     return layout(packed, _nearest(scaled2, dynamic_code()), absmax2, offset)
@@ -130,7 +224,10 @@ class Nf4Linear(nn.Module):
     def __init__(self, base: nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.packed = nn.Parameter(quantize(host_value(base.weight)).view(dtype), requires_grad=False)
+        weight = base.weight  # (meta on a rank that maps the node's shared copy: its size alone)
+        data = (torch.empty(nf4_bytes(weight.numel()), dtype=torch.uint8, device="meta") if weight.is_meta
+                else quantize(host_value(weight)))
+        self.packed = nn.Parameter(data.view(dtype), requires_grad=False)
         self.bias = base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +238,19 @@ class Nf4Linear(nn.Module):
         return dequantize(self.packed, (self.out_features, self.in_features), dtype)
 
 
+def quantized_linears(model: nn.Module) -> set[str]:
+    """The names of the weights `quantize_base` will quantize (every linear's of the decoder layers): loaded, they
+    may stay in the model's file (`load_model`'s `defer`) until each is quantized, so the process never holds the
+    whole base in bf16 (a 70B base's 140 GB) beside its NF4 bytes."""
+    prefix = next(name for name, m in model.named_modules() if m is decoder_layers(model))
+    return {f"{prefix}.{j}.{name}.weight" for j, layer in enumerate(decoder_layers(model))
+            for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
 def quantize_base(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
     """Replace every frozen `nn.Linear` of the decoder layers (a LoRA linear's base included) with an `Nf4Linear`
-    whose bytes are held in `dtype`; returns how many linears, and how many weights they hold."""
+    whose bytes are held in `dtype`, one at a time (a weight still in the model's file is read for it); returns
+    how many linears, and how many weights they hold."""
     count = weights = 0
     for layer in decoder_layers(model):
         for name, module in list(layer.named_modules()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +21,18 @@ from lazytrain.runtime.adapters import LoraSettings, add_lora, cast_frozen, free
 from lazytrain.runtime.device import CudaDevice, EmulatedDevice
 from lazytrain.runtime.executor import Executor
 from lazytrain.runtime.hf import find_parts
-from lazytrain.runtime.nf4 import quantize_base
-from lazytrain.runtime.weights import ModelSource, built_spec, check_init, load_model, meta_model, resolve_model
+from lazytrain.runtime.nf4 import quantize_base, quantized_linears
+from lazytrain.runtime.weights import (
+    ModelSource,
+    built_spec,
+    check_init,
+    deferred,
+    host_value,
+    load_model,
+    meta_model,
+    resolve_model,
+    settle,
+)
 from lazytrain.train.metrics import say
 from lazytrain.units import format_bytes
 
@@ -63,7 +74,8 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
     masters' dtype (fp32, or bf16 with master_weights bf16: the streamed weights themselves), or a seeded random
     init (built-in shapes, a bare config.json, init random). Masters the run keeps in its NVMe state files
     (`deferred_masters`) are placeholders read from the model's files when the streamed copy and the state files
-    are made (runtime/weights.py): the process never holds a whole fp32 model beside its bf16 copy.
+    are made (runtime/weights.py): the process never holds a whole fp32 model beside its bf16 copy. QLoRA's base
+    linears likewise stay in the file until each is quantized (never the whole bf16 base beside its NF4 bytes).
 
     With ranks the node holds one copy (`distributed.share_model`): local rank 0 loads it and moves it into the
     node's shared memory; the other local ranks load nothing and map it."""
@@ -81,6 +93,8 @@ def build_model(job: JobConfig, source: ModelSource, ranks: Ranks | None = None)
         model = meta.to(masters)  # shapes only: the node's copy is mapped below
     else:
         defer = deferred_masters if masters_in_files(job) and ranks is None else None
+        if quantized_base(job):  # each base linear read from the file as it is quantized (choose_trainable)
+            defer = quantized_linears
         model = load_model(source, init=job.model.init, seed=job.runtime.seed, model=meta, dtype=masters,
                            defer=defer)
     choose_trainable(job, model, source)
@@ -113,11 +127,23 @@ def choose_trainable(job: JobConfig, model: PreTrainedModel, source: ModelSource
         freeze(model, f.freeze_trainable_layers, names(f.freeze_trainable_modules), names(f.freeze_extra_modules))
     if job.runtime.master_weights == "bf16":
         model.to(torch.bfloat16)  # the adapters too: bf16 masters are the streamed buffers
-    if f.finetuning_type == "lora" and f.quantization_bit == 4:  # QLoRA: the frozen linears as NF4 bytes
+    if quantized_base(job):  # QLoRA: the frozen linears as NF4 bytes
+        t0 = time.perf_counter()
         count, weights = quantize_base(model, compute_dtype(job))
         say(f"base     quantization_bit 4: the decoder layers' {count} frozen linears ({weights:,} weights) held and "
-            "streamed as NF4 (bitsandbytes' nf4, block 64, double quantization), dequantized on the device")
+            "streamed as NF4 (bitsandbytes' nf4, block 64, double quantization), dequantized on the device; "
+            f"quantized in {time.perf_counter() - t0:.1f} s")
+    for p in model.parameters():  # what stays in the model's file: masters bound for the state files alone
+        if deferred(p) and not (p.requires_grad and masters_in_files(job)):
+            p.data = host_value(p)  # (a frozen one has no master; a linear additional_target of QLoRA trains)
+            settle(p)
     cast_frozen(model, compute_dtype(job))
+
+
+def quantized_base(job: JobConfig) -> bool:
+    return job.finetune.finetuning_type == "lora" and job.finetune.quantization_bit == 4
+
+
 def masters_in_files(job: JobConfig) -> bool:
     """Whether the fp32 masters live in the NVMe state files (CostModel.masters_offloaded): a bf16 copy streams."""
     return (job.runtime.optimizer_offload == "nvme" and job.runtime.master_weights == "fp32"

@@ -347,9 +347,10 @@ class NvmeStates:
 
     def save_masters(self, path: Path, model: torch.nn.Module) -> None:
         """A checkpoint's master.safetensors: the offloaded masters copied out of the files inside the kernel and
-        the others (the embedding matrix's) from host memory. Raises OSError."""
+        the others that train (the embedding matrix's) from host memory; a frozen parameter never changes, it is the
+        model's own (as in RAM). Raises OSError."""
         offloaded = self.offloaded_masters
-        host = {n: p for n, p in model.named_parameters() if n not in offloaded}
+        host = {n: p for n, p in model.named_parameters() if n not in offloaded and p.requires_grad}
         self.files.save_combined(path, [(name, list(g.masters.values())) for name, g in self.groups.items()
                                         if g.masters], host=host)
 

@@ -176,12 +176,15 @@ def measured_cost(job: JobConfig, model: PreTrainedModel, kind: str,
 
     # with the states on NVMe they never sit in host memory together: the probe steps the largest layer alone (its
     # masters read from the model's file for it, when they wait there for the state files: runtime/weights.py)
-    spec = spec_of(model)
-    largest = max(range(spec.num_layers), key=lambda j: spec.layer_params[j])
     # (with ranks, likewise: the run shards the states over the node's ranks, and rank 0 calibrates for all of them)
+    # The layer with the most trainable parameters (LoRA: adapters; freeze tuning: a trained layer) and its share
+    # of all that train; none (freeze tuning of modules outside the layers alone): all of them, they are small.
+    trainable = estimate.layer_trainable_params
+    largest = max(range(len(trainable)), key=lambda j: trainable[j])
     sharded = job.parallel.world_size > 1
-    names = {f"layer{largest}"} if job.runtime.optimizer_offload == "nvme" or sharded else None
-    share = spec.layer_params[largest] / spec.num_params if names else 1.0
+    names = {f"layer{largest}"} if (job.runtime.optimizer_offload == "nvme" or sharded) and trainable[largest] else None
+    share = trainable[largest] / (sum(trainable) + estimate.head_trainable_params
+                                  + estimate.embedding_trainable_params) if names else 1.0
     stepped = list(find_parts(model).layers[largest].parameters()) if names else []
 
     def probe_optimizer(executor: Executor) -> ProbeOptimizer:
