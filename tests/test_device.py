@@ -141,52 +141,6 @@ def test_emulated_device_memory_is_kept_between_steps() -> None:
     assert keep_host_memory()
 
 
-# One thread's blocks freed (kept: the device's settings), then another thread's of the same sizes: argv[1] "one"
-# with one_malloc_arena first. Prints what the second thread's round added to the resident set.
-_TWO_THREADS = """
-import ctypes, resource, sys, threading
-from lazytrain.runtime.device import keep_host_memory, one_malloc_arena
-if sys.argv[1] == "one":
-    assert one_malloc_arena()
-assert keep_host_memory()
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-def resident():
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-def round():
-    blocks = [libc.malloc(4 << 20) for _ in range(24)]  # 96 MiB in 4 MiB blocks
-    for b in blocks:
-        ctypes.memset(b, 1, 4 << 20)
-    for b in reversed(blocks):
-        libc.free(b)
-done, ready = threading.Event(), threading.Event()
-# the first thread stays alive (its arena its own: an exited thread's arena goes to the next thread made)
-first = threading.Thread(target=lambda: (round(), ready.set(), done.wait()))
-first.start(); ready.wait()
-before = resident()
-second = threading.Thread(target=round)
-second.start(); second.join()
-print(resident() - before)
-done.set(); first.join()
-"""
-
-
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
-def test_one_malloc_arena_lets_a_thread_reuse_what_another_freed() -> None:
-    """Per-thread arenas: the second thread's 96 MiB come on top of the first's kept ones (the process holds the
-    sum of its threads' peaks); one arena: the second reuses the first's blocks (the process holds its peak)."""
-    def added(mode: str) -> int:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-        out = subprocess.run([sys.executable, "-c", _TWO_THREADS, mode], capture_output=True, text=True, check=True,
-                             env=env)
-        return int(out.stdout.split()[-1])
-
-    round_bytes = 24 * (4 << 20)
-    assert added("threads") > round_bytes // 2
-    assert added("one") < round_bytes // 20
-
-
 # A step's blocks freed on a device that keeps them, then the device closed (argv[1] "close") or not.
 _CLOSE = """
 import ctypes, resource, sys
