@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -44,7 +44,7 @@ from lazytrain.runtime.live_bytes import LiveBytes
 from lazytrain.runtime.store import clean_stale_spill_files, open_spill_file, spill_dir
 from lazytrain.units import format_bytes
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD_MAX_BYTES = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
 
 
@@ -428,28 +428,6 @@ class CudaDevice(_ArenaDevice):
         return torch.cuda.max_memory_allocated(self.torch_device)
 
 
-def _own_glibc_malloc() -> Any:
-    """glibc's `mallopt`, or None: another C library, or a process started with glibc's own malloc settings
-    (MALLOC_*_ or GLIBC_TUNABLES, e.g. benchmarks/host.py's), which are left as they are."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") or any(
-            k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
-        return None
-    return getattr(ctypes.CDLL(None), "mallopt", None)
-
-
-def one_malloc_arena() -> bool:
-    """Make every thread allocate from one glibc malloc arena (call it before the run starts its threads); returns
-    whether it does. By default each thread that allocates gets an arena of its own (up to 8 per core), and a block
-    freed in one is reused only by that arena's threads: the link workers' device copies, the optimizer lane's
-    update transients and the compute thread's tensors each kept their own high-water mark, so the process held
-    their sum instead of its own peak (the bf16-masters-in-RAM run: 1.07-1.14x of admission, docs/benchmarks.md).
-    The run's threads allocate a few large tensors per layer, not small objects: one lock costs nothing there."""
-    mallopt = _own_glibc_malloc()
-    return bool(mallopt is not None and mallopt(M_ARENA_MAX, 1))
-
-
 _kept_host_memory = False
 
 
@@ -461,11 +439,17 @@ def keep_host_memory() -> bool:
     (boundaries, layer intermediates, gradients) every step, so each step page-faulted them in again (~10-25 k
     minor faults per step of the default job; docs/benchmarks.md). Fixed thresholds stop
     both: heap blocks up to 32 MiB are reused, and the heap is never trimmed (the process keeps its high-water
-    mark, as a GPU's caching allocator does). Other C libraries and glibc's own settings: `_own_glibc_malloc`."""
+    mark, as a GPU's caching allocator does). Other C libraries (no `mallopt`), and a process started with glibc's
+    own malloc settings (MALLOC_*_ or GLIBC_TUNABLES, e.g. benchmarks/host.py's), are left as they are."""
     global _kept_host_memory
     if _kept_host_memory:
         return True
-    mallopt = _own_glibc_malloc()
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") or any(
+            k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     # -1: never trim (mallopt(3)); a fixed mmap threshold also turns off its dynamic adjustment

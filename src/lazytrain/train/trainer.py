@@ -37,7 +37,6 @@ from lazytrain.distributed import (
 from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.adapters import add_lora, load_adapter, read_adapter
-from lazytrain.runtime.device import one_malloc_arena
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
 from lazytrain.runtime.weights import ModelSource, held_elsewhere
@@ -123,7 +122,6 @@ class TrainResult:
 def train(job: JobConfig) -> TrainResult:
     """Build everything from `job`, train `max_steps` steps, save checkpoints, metrics and a summary; the output
     directory is this run's until it returns or raises (rundir.py)."""
-    one_malloc_arena()  # before the run's threads: one heap whose freed blocks any thread reuses (runtime/device.py)
     peak = PeakRss().start()  # the whole run's peak RSS, beside what admission counted (summary.json)
     try:
         return _train(job, peak)
