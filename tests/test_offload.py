@@ -209,11 +209,14 @@ def test_the_command_line_and_yaml_with_offload_give_the_in_ram_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, masters", [("8bit", "bf16"), ("adamw", "fp32")])
-def test_the_small_model_from_the_command_line_for_20_steps(tmp_path, optimizer, masters):
-    """The issue's own line: `lazytrain train model=small dataset=zen --optimizer-offload nvme`, 20 steps."""
-    _cli_identical(tmp_path, ["model=small", "dataset=zen", "dtype=bf16", f"optimizer={optimizer}",
-                              f"master_weights={masters}", "max_grad_norm=1.0", "eval_batches=0", "save_steps=0"], 20)
+def test_the_small_model_from_the_command_line_for_20_steps(tmp_path):
+    """The issue's own line: `lazytrain train model=small dataset=zen --optimizer-offload nvme`, 20 steps, with the
+    8-bit states and bf16 masters (the most state kinds). The states offloaded are the 12.8 M shape's whatever the
+    batch, so 2 x 64 tokens a step, not the default 8 x 256 (three 20-step runs of that took hours on 2 loaded cores,
+    8 tokens/s); adamw with fp32 masters is left to the 20-step matrix below and the command-line test above."""
+    _cli_identical(tmp_path, ["model=small", "dataset=zen", "dtype=bf16", "optimizer=8bit", "master_weights=bf16",
+                              "cutoff_len=64", "per_device_train_batch_size=2", "max_grad_norm=1.0", "eval_batches=0",
+                              "save_steps=0"], 20)
 
 
 @pytest.mark.slow
