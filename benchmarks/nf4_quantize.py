@@ -12,26 +12,19 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from lazytrain.runtime import nf4
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_nf4 import torch_quantize  # noqa: E402 - the torch formulation the kernel replaced, kept by its test
+
 LAYER_70B = [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192), (28672, 8192), (8192, 28672)]
 LAYERS_70B = 80
-
-
-def torch_quantize(weight: torch.Tensor) -> torch.Tensor:
-    """The first level as torch ops over the whole tensor (tests/test_nf4.py keeps the same reference)."""
-    flat = weight.reshape(-1).float()
-    scaled, absmax = nf4._blockwise(flat, nf4.BLOCK)
-    q = nf4._nearest(scaled, torch.tensor(nf4.NF4_CODE))
-    if q.numel() % 2:
-        q = torch.cat([q, q.new_full((1,), nf4.NF4_CODE.index(0.0))])
-    offset = absmax.mean()
-    scaled2, absmax2 = nf4._blockwise(absmax - offset, nf4.ABSMAX_BLOCK)
-    return nf4.layout((q[::2] << 4) | q[1::2], nf4._nearest(scaled2, nf4.dynamic_code()), absmax2, offset)
 
 
 def rate_gbps(fn, weights: list[torch.Tensor], repeats: int) -> tuple[float, float]:
