@@ -21,18 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
+
+from loading import MAKE  # the model directory writer benchmarks/loading.py runs too
 
 CONFIG = dict(model_type="llama", vocab_size=512, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
-MAKE = textwrap.dedent("""
-    import json, sys, torch, transformers
-    config = transformers.AutoConfig.for_model(**json.loads(sys.argv[1]))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(sys.argv[2], max_shard_size="50MB")
-""")
 MIB = 2**20
 
 
@@ -64,7 +58,7 @@ def main() -> None:
     print(f"cpu {platform.machine()}, {os.cpu_count()} cpus; load {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        subprocess.run([sys.executable, "-c", MAKE, json.dumps(CONFIG), str(model_dir)], check=True)
+        subprocess.run([sys.executable, "-c", MAKE, json.dumps(CONFIG), str(model_dir), "50MB"], check=True)
         rows = []
         for i in range(args.runs):
             r = run(model_dir, Path(tmp) / f"run{i}", args.steps, args.quantization_bit)
