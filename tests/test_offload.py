@@ -752,30 +752,50 @@ def _train_command(model: Path, nvme: Path, out: Path) -> list[str]:
             "save_steps=0", "--no-progress", f"output_dir={out}", "overwrite_output_dir=true"]
 
 
+def _peak_run(model: Path, nvme: Path, out: Path) -> dict[str, float]:
+    """Run `_train_command` of `model`; its figures in MiB: the peak above the start (`peak`), admitted and the
+    emulated device's peak, each phase's peak above the start, and the residue = peak - admitted - device."""
+    import subprocess
+
+    done = subprocess.run(_train_command(model, nvme, out), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    base, mib = summary["baseline_rss_bytes"], 1 << 20
+    figures = {"peak": (summary["peak_rss_bytes"] - base) / mib, "admitted": summary["host_admitted_bytes"] / mib,
+               "device": max(r.get("peak_device_bytes", 0) for r in rows) / mib,
+               **{phase: (v - base) / mib for phase, v in summary["peak_rss_by_phase_bytes"].items()}}
+    figures["residue"] = figures["peak"] - figures["admitted"] - figures["device"]
+    return {k: round(v, 1) for k, v in figures.items()}
+
+
 @pytest.mark.slow
 def test_loading_and_calibrating_stay_within_the_steps_peak(tmp_path):
     """A sampled-peak check beside the cgroup one below (which needs a cgroup this process may make):
     fp32 masters with the states on NVMe, from a model directory (bf16 safetensors). Loading holds the embedding's
     fp32 master alone (the other masters stay in the file until the state files take them: under half the fp32
     model, where the whole fp32 model and its bf16 copy were held before), and neither the load nor the
-    calibration (one layer's states, not every state) rises above the steps' peak; the whole run within 1.10x of
-    the admitted bytes plus the emulated device's peak plus the runtime's own 150 MiB (docs/benchmarks.md: its
-    buffers and allocator slack, 68-93 MiB measured whatever the model, and torch's threads)."""
-    import subprocess
-
+    calibration (one layer's states, not every state) rises above the steps' peak. The whole run stays within 1.10x
+    of the admitted bytes plus the emulated device's peak, plus the runtime's fixed cost on this machine: what the
+    same job of a 0.1 M model holds above admission (the libraries' code its kernels touch, the kernels loaded
+    from numba's cache, the machine's profile; 91 MiB on an Emerald Rapids), which no model size changes."""
     num_params = _model_dir(tmp_path / "model")
-    out = tmp_path / "run"
-    done = subprocess.run(_train_command(tmp_path / "model", tmp_path / "nvme", out), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads((out / "summary.json").read_text())
-    phases, base = summary["peak_rss_by_phase_bytes"], summary["baseline_rss_bytes"]
-    assert phases["model"] - base < 0.5 * 4 * num_params, (phases, num_params)
-    slack = 32 << 20  # allocator slack between phases: a few of the model's largest tensors (an MLP matrix: 3 MiB)
-    assert max(phases["model"], phases["plan"], phases["build"]) <= phases["steps"] + slack, phases
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    device = max(r.get("peak_device_bytes", 0) for r in rows)
-    bound = 1.10 * (summary["host_admitted_bytes"] + device) + (150 << 20)
-    assert summary["peak_rss_bytes"] - base <= bound, (summary["peak_rss_bytes"] - base, bound, phases)
+    run = _peak_run(tmp_path / "model", tmp_path / "nvme", tmp_path / "run")
+    assert run["model"] < 0.5 * 4 * num_params / (1 << 20), run
+    slack = 32  # MiB between phases and runs: allocator slack, mapped pages of the model file (an MLP matrix: 3 MiB)
+    assert max(run["model"], run["plan"], run["build"]) <= run["steps"] + slack, run
+    _tiny_model_dir(tmp_path / "tiny")
+    fixed = _peak_run(tmp_path / "tiny", tmp_path / "nvme", tmp_path / "tiny_run")
+    assert run["peak"] <= 1.10 * (run["admitted"] + run["device"]) + fixed["residue"] + slack, (run, fixed)
+
+
+def _tiny_model_dir(path: Path) -> None:
+    """`_model_dir`'s architecture at 0.1 M parameters: what the runtime holds beside it is its fixed cost."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
 def _memory_limited(limit_bytes: int) -> list[str] | None:

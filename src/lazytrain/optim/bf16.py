@@ -19,6 +19,7 @@ import torch
 from numba import carray, cfunc, njit, types
 from numba.core.ccallback import CFunc
 
+from lazytrain.optim import precompile
 from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel
 
 _MASK32 = 0xFFFFFFFF
@@ -79,6 +80,7 @@ def _round_kernel(data):  # pragma: no cover - compiled (cfunc, see _kernel)
 
 @cache
 def _kernel() -> CFunc:
+    precompile.wait()
     return cfunc(types.void(types.voidptr), cache=True, error_model="numpy")(_round_kernel)
 
 

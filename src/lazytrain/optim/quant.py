@@ -35,6 +35,7 @@ from numba import carray, cfunc, njit, types
 from numba.core.ccallback import CFunc
 from numba.extending import intrinsic, overload
 
+from lazytrain.optim import precompile
 from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel, target_cpu, wide_vectors
 
 # ---------------------------------------------------------------- maps
@@ -688,6 +689,7 @@ _VOID_PTR_SIG = types.void(types.voidptr)
 @cache
 def _kernels() -> tuple[CFunc, CFunc]:
     """(8-bit step, sum of squares) as C callbacks; compiled once, later loaded from numba's disk cache."""
+    precompile.wait()
     with wide_vectors():
         options = dict(cache=True, fastmath=_FASTMATH, error_model="numpy")
         return cfunc(_VOID_PTR_SIG, **options)(_adamw8bit_kernel), cfunc(_VOID_PTR_SIG, **options)(_sq_sum_kernel)

@@ -28,6 +28,7 @@ from numba.core.ccallback import CFunc
 from torch import nn
 
 from lazytrain.costmodel.trainable import nf4_bytes
+from lazytrain.optim import precompile
 from lazytrain.optim.parallel import address, fetch_add, num_threads, run_parallel
 from lazytrain.optim.quant import load_fp32
 from lazytrain.runtime.adapters import decoder_layers
@@ -136,6 +137,7 @@ def _nf4_kernel_bf16(data):  # pragma: no cover - compiled (cfunc, see _kernel):
 
 @cache
 def _kernel(bf16: bool) -> CFunc:
+    precompile.wait()
     return cfunc(types.void(types.voidptr), cache=True, fastmath=_EXACT_FASTMATH, error_model="numpy")(
         _nf4_kernel_bf16 if bf16 else _nf4_kernel_fp32)
 

@@ -35,6 +35,7 @@ from lazytrain.distributed import (
     attach_executor,
 )
 from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
+from lazytrain.optim import precompile
 from lazytrain.plan.plan import Plan
 from lazytrain.runtime.adapters import add_lora, load_adapter, read_adapter
 from lazytrain.runtime.executor import Executor, StepStats
@@ -135,6 +136,7 @@ def _train(job: JobConfig, peak: PeakRss) -> TrainResult:
     # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
     run = resolve_job(job)
     job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
+    precompile.start()  # the host kernels, compiled aside while the data and the model load (optim/precompile.py)
     state_data.seed_rngs(job.runtime.seed)
 
     with StopSignals() as signals:
