@@ -25,7 +25,8 @@ def start() -> None:
     if _started:
         return
     _started = True
-    _child = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.DEVNULL,
+    # -P: the working directory is not put on the child's path (a user's folder is data, its files are not imported)
+    _child = subprocess.Popen([sys.executable, "-P", "-m", __name__], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     atexit.register(_stop)
 
