@@ -28,7 +28,13 @@ from lazytrain.costmodel.workload import Workload
 from lazytrain.errors import LazyTrainError
 from lazytrain.plan.plan import Plan
 from lazytrain.plan.schedule import Shapes, StepProgram, build_program, update_order
-from lazytrain.runtime.device import Device, EmulatedDevice, check_nvme_dir, check_nvme_space
+from lazytrain.runtime.device import (
+    Device,
+    EmulatedDevice,
+    check_nvme_dir,
+    check_nvme_space,
+    return_freed_host_memory,
+)
 from lazytrain.runtime.hf import DecoderParts, Rotary, find_parts, head_named_params, is_packed
 from lazytrain.runtime.shapes import DTYPE_NAMES, StepShapes
 from lazytrain.runtime.step import GradReducer, GroupUpdate, StateTier, Step, StepStats
@@ -94,8 +100,14 @@ class Executor:
         if "nvme" in plan.tiers:
             check_nvme_dir(self.device.nvme_dir)  # before the first step, not in the middle of one
         host_empty = self.device.host_empty
-        self.layer_groups = [WeightGroup(f"layer.{j}", list(layer.named_parameters()), compute_dtype, host_empty)
-                             for j, layer in enumerate(self.parts.layers)]
+        self.layer_groups = []
+        for j, layer in enumerate(self.parts.layers):
+            self.layer_groups.append(WeightGroup(f"layer.{j}", list(layer.named_parameters()), compute_dtype,
+                                                 host_empty))
+            # a group packed by copy (a LoRA layer: its frozen base beside fp32 adapters) freed the tensors it was
+            # loaded in; returned now, layer by layer, or the never-trimmed heap of the emulated device
+            # (device.keep_host_memory) would keep a second copy of the model
+            return_freed_host_memory()
         self.head_group = WeightGroup("head", head_named_params(self.parts), compute_dtype, host_empty)
         self.slot_numel = max(g.numel for g in self.layer_groups)  # layer slots are sized for layers
         self.head_slot_numel = self.head_group.numel if self.head_group.numel > self.slot_numel else 0
