@@ -741,6 +741,15 @@ def _model_dir(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _tiny_model_dir(path: Path) -> None:
+    """`_model_dir`'s architecture at 0.1 M parameters: what the runtime holds beside it is its fixed cost."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
 def _train_command(model: Path, nvme: Path, out: Path) -> list[str]:
     """`lazytrain train` of `model` with fp32 masters and the states on NVMe, 2 steps (a subprocess: its own peak)."""
     import sys
@@ -753,8 +762,9 @@ def _train_command(model: Path, nvme: Path, out: Path) -> list[str]:
 
 
 def _peak_run(model: Path, nvme: Path, out: Path) -> dict[str, float]:
-    """Run `_train_command` of `model`; its figures in MiB: the peak above the start (`peak`), admitted and the
-    emulated device's peak, each phase's peak above the start, and the residue = peak - admitted - device."""
+    """Run `_train_command` of `model`; its figures in MiB: the RSS at the start (`baseline`), the peak above it
+    (`peak`), admitted and the emulated device's peak, each phase's peak above the start, and the residue = peak -
+    admitted - device."""
     import subprocess
 
     done = subprocess.run(_train_command(model, nvme, out), capture_output=True, text=True)
@@ -762,7 +772,8 @@ def _peak_run(model: Path, nvme: Path, out: Path) -> dict[str, float]:
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     base, mib = summary["baseline_rss_bytes"], 1 << 20
-    figures = {"peak": (summary["peak_rss_bytes"] - base) / mib, "admitted": summary["host_admitted_bytes"] / mib,
+    figures = {"baseline": base / mib, "peak": (summary["peak_rss_bytes"] - base) / mib,
+               "admitted": summary["host_admitted_bytes"] / mib,
                "device": max(r.get("peak_device_bytes", 0) for r in rows) / mib,
                **{phase: (v - base) / mib for phase, v in summary["peak_rss_by_phase_bytes"].items()}}
     figures["residue"] = figures["peak"] - figures["admitted"] - figures["device"]
@@ -787,15 +798,6 @@ def test_loading_and_calibrating_stay_within_the_steps_peak(tmp_path):
     _tiny_model_dir(tmp_path / "tiny")
     fixed = _peak_run(tmp_path / "tiny", tmp_path / "nvme", tmp_path / "tiny_run")
     assert run["peak"] <= 1.10 * (run["admitted"] + run["device"]) + fixed["residue"] + slack, (run, fixed)
-
-
-def _tiny_model_dir(path: Path) -> None:
-    """`_model_dir`'s architecture at 0.1 M parameters: what the runtime holds beside it is its fixed cost."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
 def _memory_limited(limit_bytes: int) -> list[str] | None:
@@ -823,27 +825,24 @@ def _memory_limited(limit_bytes: int) -> list[str] | None:
 @pytest.mark.slow
 def test_a_job_completes_under_a_memory_limit_just_above_its_admission(tmp_path):
     """The issue's test from the outside: the job of the test above, run once to learn its admitted bytes, the
-    emulated device's peak (this process's heap on the CPU: GPU memory elsewhere) and the interpreter's fixed cost,
-    then again in a cgroup whose memory.max is 1.15x of admitted + device plus the fixed cost: it completes. The
-    same limit at 0.6x is killed (the limit bites). Before loading in the run's layout, its fp32 model beside the
-    bf16 copy came to ~1.5x of admission at load time. Skipped where no cgroup can be made (this project's CI VMs:
-    no systemd, the memory controller not delegated)."""
+    emulated device's peak (this process's heap on the CPU: GPU memory elsewhere) and the fixed costs (the
+    interpreter's, and the runtime's as the test above measures it on a 0.1 M model), then again in a cgroup whose
+    memory.max is 1.15x of admitted + device plus the fixed costs: it completes. The same limit at 0.6x is killed
+    (the limit bites). Before loading in the run's layout, its fp32 model beside the bf16 copy came to ~1.5x of
+    admission at load time. Skipped where no cgroup can be made (this project's CI VMs: no systemd, the memory
+    controller not delegated)."""
     import subprocess
 
     if _memory_limited(1 << 30) is None:
         pytest.skip("no cgroup with a memory limit can be made here (systemd-run --scope failed: no systemd as "
                     "init or no delegated memory controller)")
     _model_dir(tmp_path / "model")
-    free = tmp_path / "free"
-    done = subprocess.run(_train_command(tmp_path / "model", tmp_path / "nvme", free), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    summary = json.loads((free / "summary.json").read_text())
-    rows = (free / "metrics.jsonl").read_text().splitlines()
-    device = max(json.loads(line).get("peak_device_bytes", 0) for line in rows)
-    admitted = summary["host_admitted_bytes"] + device
-    fixed = summary["baseline_rss_bytes"]
+    run = _peak_run(tmp_path / "model", tmp_path / "nvme", tmp_path / "free")
+    _tiny_model_dir(tmp_path / "tiny")
+    fixed = run["baseline"] + _peak_run(tmp_path / "tiny", tmp_path / "nvme", tmp_path / "tiny_run")["residue"]
+    admitted = run["admitted"] + run["device"]
     for factor, completes in ((1.15, True), (0.6, False)):
-        limit = int(factor * admitted + fixed)
+        limit = int((factor * admitted + fixed) * (1 << 20))
         limited = _memory_limited(limit)
         assert limited is not None
         done = subprocess.run([*limited, *_train_command(tmp_path / "model", tmp_path / "nvme", tmp_path / "cg")],
