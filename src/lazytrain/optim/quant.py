@@ -318,14 +318,15 @@ def _nearest_bf16(typingctx, x):  # pragma: no cover - compiled
 
 
 @intrinsic
-def _stochastic_bf16(typingctx, x, j, base):  # pragma: no cover - compiled
-    """x rounded to bf16 stochastically: bf16.py's `_round_bits` for element `start + j` under `key`, given
-    base = start * 0x9E3779B1 + key, in 32-bit lanes (the hash is arithmetic modulo 2^32 there too, so the bits are
-    the same). Why j and a base: the hash input is then a 32-bit induction of the loop (no 64-bit index vectors)."""
-    sig = types.uint16(types.float32, types.int64, types.int64)
+def _stochastic_bf16(typingctx, x, counter):  # pragma: no cover - compiled
+    """x rounded to bf16 stochastically: bf16.py's `_round_bits` for element i under `key`, given its hash input
+    counter = i * 0x9E3779B1 + key, in 32-bit lanes (the hash is arithmetic modulo 2^32 there too, so the bits are
+    the same). Why the counter: the loop steps it by one add (a vector induction), where i * 0x9E3779B1 would be a
+    vector multiply per element (two uops on Intel)."""
+    sig = types.uint16(types.float32, types.int64)
 
     def codegen(context, builder, signature, args):
-        h = builder.add(builder.mul(builder.trunc(args[1], _I32), _i32(0x9E3779B1)), builder.trunc(args[2], _I32))
+        h = builder.trunc(args[1], _I32)
         h = builder.xor(h, builder.lshr(h, _i32(16)))
         h = builder.mul(h, _i32(0x7FEB352D))
         h = builder.xor(h, builder.lshr(h, _i32(15)))
@@ -366,19 +367,18 @@ def _load_grad_impl(g, p, j):
     return lambda g, p, j: g[j]
 
 
-def _store_param(p, j, value, base):  # pragma: no cover - typed by the overload below
-    """Weight j := value (bf16 weights: stochastically rounded, the bits of element start + j under `key`, with
-    base = start * 0x9E3779B1 + key: `_stochastic_bf16`)."""
+def _store_param(p, j, value, counter):  # pragma: no cover - typed by the overload below
+    """Weight j := value (bf16 weights: stochastically rounded with the hash input `counter`: `_stochastic_bf16`)."""
 
 
 @overload(_store_param, inline="always")
-def _store_param_impl(p, j, value, base):
+def _store_param_impl(p, j, value, counter):
     if _is_bf16(p):
-        def store(p, j, value, base):
-            p[j] = _stochastic_bf16(value, j, base)
+        def store(p, j, value, counter):
+            p[j] = _stochastic_bf16(value, counter)
         return store
 
-    def store(p, j, value, base):
+    def store(p, j, value, counter):
         p[j] = value
     return store
 
@@ -416,7 +416,7 @@ def _update_blocks(
         # slices: indexing with the nonnegative loop variable lets LLVM vectorize
         pb, gb, qmb, qvb = p[start:end], g[start:end], qm[start:end], qv[start:end]
         cb = copy[start:end]  # empty where no copy is written
-        hash_base = start * _HASH_MUL + key  # the rounding hash's input of element start + j, less j's share
+        counter = start * _HASH_MUL + key  # the rounding hash's input of element start + j, stepped with j
         scale_m = absmax_m[b] * (_INV_M_SQ * beta1)  # decodes beta1 * m
         scale_v = absmax_v[b] * (_INV_V_4 * beta2)  # decodes beta2 * v
         # -- decode, AdamW update with the fp32 moments, the clip coefficient fused in
@@ -435,7 +435,8 @@ def _update_blocks(
             vj = b2_v_old + hj * hj
             sj = np.sqrt(vj)  # >= +0: its bits order like its values
             pj = load_fp32(pb, j) * decay - _divide(step_size * mj, sj * inv_bc2_sqrt + eps)
-            _store_param(pb, j, pj, hash_base)
+            _store_param(pb, j, pj, counter)
+            counter += _HASH_MUL
             _store_copy(cb, j, pj)
             fm[j] = mj
             fs[j] = sj
