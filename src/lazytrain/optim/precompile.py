@@ -25,9 +25,11 @@ def start() -> None:
     if _started:
         return
     _started = True
-    # -P: the working directory is not put on the child's path (a user's folder is data, its files are not imported)
-    _child = subprocess.Popen([sys.executable, "-P", "-m", __name__], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # -P: the working directory is not put on the child's path (a user's folder is data, not imported)
+        _child = subprocess.Popen([sys.executable, "-P", "-m", __name__], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:  # no interpreter to start (an embedded one), no processes left: the factories compile here
+        return
     atexit.register(_stop)
 
 
