@@ -11,7 +11,7 @@ LOAD_ALL = """
 from lazytrain.optim import bf16, precompile, quant
 from lazytrain.runtime import nf4
 from lazytrain.train.peak import rss_bytes
-precompile.start()
+precompile.start([quant, bf16, nf4])
 before = rss_bytes()
 quant._kernels(); bf16._kernel(); nf4._kernel(bf16=True); nf4._kernel(bf16=False)
 print(rss_bytes() - before)

@@ -84,6 +84,11 @@ def _kernel() -> CFunc:
     return cfunc(types.void(types.voidptr), cache=True, error_model="numpy")(_round_kernel)
 
 
+def compile_kernels() -> None:
+    """Into numba's disk cache (optim/precompile.py's child)."""
+    _kernel()
+
+
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int, offset: int = 0) -> None:
     """Write fp32 `src` into bf16 `dst` (same shape, contiguous host tensors) with stochastic rounding, on
     torch's OpenMP threads for large tensors (parallel.py); the result does not depend on the thread count.

@@ -11,22 +11,27 @@ the factory compiles the kernel in this process, as it would without the child.
 from __future__ import annotations
 
 import atexit
+import importlib
 import subprocess
 import sys
+from collections.abc import Sequence
+from types import ModuleType
 
 CHILD_TIMEOUT_S = 600  # a cold compile of every kernel: ~20 s of one core
 _child: subprocess.Popen | None = None
 _started = False
 
 
-def start() -> None:
-    """Start the child (once per process: after the first run, this process has its kernels)."""
+def start(modules: Sequence[ModuleType]) -> None:
+    """Start the child, which calls each of `modules`' `compile_kernels()` (once per process: after the first run,
+    this process has its kernels)."""
     global _child, _started
     if _started:
         return
     _started = True
+    names = [m.__name__ for m in modules]
     try:  # -P: the working directory is not put on the child's path (a user's folder is data, not imported)
-        _child = subprocess.Popen([sys.executable, "-P", "-m", __name__], stdin=subprocess.DEVNULL,
+        _child = subprocess.Popen([sys.executable, "-P", "-m", __name__, *names], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:  # no interpreter to start (an embedded one), no processes left: the factories compile here
         return
@@ -51,15 +56,6 @@ def _stop() -> None:
         _child.kill()
 
 
-def _compile_all() -> None:
-    from lazytrain.optim import bf16, quant
-    from lazytrain.runtime import nf4
-
-    quant._kernels()
-    bf16._kernel()
-    nf4._kernel(bf16=True)
-    nf4._kernel(bf16=False)
-
-
 if __name__ == "__main__":
-    _compile_all()
+    for name in sys.argv[1:]:
+        importlib.import_module(name).compile_kernels()

@@ -694,3 +694,8 @@ def _kernels() -> tuple[CFunc, CFunc]:
     with wide_vectors():
         options = dict(cache=True, fastmath=_FASTMATH, error_model="numpy")
         return cfunc(_VOID_PTR_SIG, **options)(_adamw8bit_kernel), cfunc(_VOID_PTR_SIG, **options)(_sq_sum_kernel)
+
+
+def compile_kernels() -> None:
+    """Into numba's disk cache (optim/precompile.py's child)."""
+    _kernels()

@@ -142,6 +142,12 @@ def _kernel(bf16: bool) -> CFunc:
         _nf4_kernel_bf16 if bf16 else _nf4_kernel_fp32)
 
 
+def compile_kernels() -> None:
+    """Into numba's disk cache (optim/precompile.py's child)."""
+    _kernel(bf16=True)
+    _kernel(bf16=False)
+
+
 def _first_level(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed 4-bit indices, fp32 absmax per block of 64) of a host weight."""
     flat = weight.detach().reshape(-1)

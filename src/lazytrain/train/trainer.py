@@ -35,8 +35,9 @@ from lazytrain.distributed import (
     attach_executor,
 )
 from lazytrain.job.resolve import describe, main_first, resolve_job, with_steps
-from lazytrain.optim import precompile
+from lazytrain.optim import bf16, precompile, quant
 from lazytrain.plan.plan import Plan
+from lazytrain.runtime import nf4
 from lazytrain.runtime.adapters import add_lora, load_adapter, read_adapter
 from lazytrain.runtime.executor import Executor, StepStats
 from lazytrain.runtime.files import StorageError
@@ -117,6 +118,9 @@ class TrainResult:
     best_checkpoint: Path | None = None  # load_best_model_at_end: the run's model (`model` is the last step's)
 
 
+KERNEL_MODULES = (quant, bf16, nf4)  # every module of compiled host kernels a run may call (optim/precompile.py)
+
+
 # =====================================================================================================
 # the run: build -> loop -> close
 # =====================================================================================================
@@ -136,7 +140,7 @@ def _train(job: JobConfig, peak: PeakRss) -> TrainResult:
     # ---- the job, resolved once (job/resolve.py): everything below reads `job` as the run's effective config ----
     run = resolve_job(job)
     job, ranks, out, resume_from, saved = run.job, run.ranks, run.output_dir, run.resume_from, run.saved
-    precompile.start()  # the host kernels, compiled aside while the data and the model load (optim/precompile.py)
+    precompile.start(KERNEL_MODULES)  # compiled aside while the data and the model load (optim/precompile.py)
     state_data.seed_rngs(job.runtime.seed)
 
     with StopSignals() as signals:
